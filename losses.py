@@ -1,0 +1,350 @@
+"""Losses: policy surrogates, importance correction, staleness, KL, entropy, aggregation, value, SFT.
+
+Shapes: B rows, T tokens. logp / old_logp / rollout_logp / ref_logp / adv / entropy / versions are
+(B, T); mask (B, T) bool is True on action tokens. logp is the trainer's current log-prob (gradient
+flows), old_logp the trainer's recompute before this step (proximal policy), rollout_logp the
+engine's sampling log-prob (behaviour policy), versions the policy version that sampled each token.
+Contract: compute_policy_loss(args, ...) -> (loss (), metrics dict[str, float]); it is the one
+function that reads the policy flags (compute_value_loss reads --loss.value_clip). Loss values
+use global denominators (Denoms), so summing the losses of an optimizer step's microbatches and
+ranks gives the full-batch loss and gradient. Metrics are means over this call's action tokens.
+Nothing leaks from masked positions: every input goes through torch.where before any exp, so -inf
+or NaN there gives exactly zero gradient; log-ratios are clamped to +-20 before exp.
+Not here: log-probs and entropy from logits (trainer.py), advantages (estimators.py), reductions
+across ranks (the trainer builds Denoms from its all-reduced counts).
+"""
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+SURROGATES = ("ppo", "gspo", "cispo")
+IS_LEVELS = ("off", "token", "seq", "geo")
+IS_MODES = ("mask", "clip", "trunc")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_REFS = ("rollout", "model")
+AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "prompt_mean_token_mean")
+LOG_CLAMP = 20.0  # |log-ratio| bound before exp: e^20 is finite in bf16/fp32, e^89 is not in fp32
+
+
+@dataclass
+class LossArgs:
+    surrogate: str = field(default="ppo", metadata={"help": "policy surrogate; each is the function of that name in losses.py", "choices": SURROGATES})
+    clip_low: float = field(default=0.2, metadata={"help": "ratio floor 1-clip_low (ppo, gspo); CISPO's IS-weight floor (its paper uses none: set 1)"})
+    clip_high: float = field(default=0.2, metadata={"help": "ratio ceiling 1+clip_high (ppo, gspo); CISPO's IS-weight ceiling (its paper uses a large one)"})
+    dual_clip: float | None = field(default=None, metadata={"help": "dual-clip c > 1: a negative-advantage token's loss is at most -c*A (ppo, gspo); None = off"})
+    is_level: str = field(default="off", metadata={"help": "importance weight old/rollout per token, per sequence (product), or geo (per-token weight gated by the sequence's geometric mean)", "choices": IS_LEVELS})
+    is_mode: str = field(default="trunc", metadata={"help": "what the is_band does to a weight: trunc min(w, HIGH) (TIS), mask zero outside (IcePop), clip clamp into it", "choices": IS_MODES})
+    is_band: tuple[float, float] = field(default=(0.5, 5.0), metadata={"help": "LOW HIGH of the importance weight, 0 < LOW < 1 < HIGH"})
+    max_token_lag: int | None = field(default=None, metadata={"help": "drop action tokens sampled more than this many policy versions ago; None keeps all"})
+    kl_coef: float = field(default=0.0, metadata={"help": "coefficient of the KL-to-reference penalty in the loss; loss/kl is logged either way"})
+    kl_estimator: str = field(default="k3", metadata={"help": "per-token KL estimator (k1 only as a metric, with kl_coef 0)", "choices": KL_ESTIMATORS})
+    kl_ref: str = field(default="rollout", metadata={"help": "KL reference: the rollout's sampling log-probs, or a frozen reference model's (the trainer passes ref_logp)", "choices": KL_REFS})
+    entropy_coef: float = field(default=0.0, metadata={"help": "entropy bonus: loss -= entropy_coef * aggregated entropy"})
+    agg: str = field(default="token_mean", metadata={"help": "how per-token policy losses become one number (global denominators)", "choices": AGGS})
+    value_clip: float | None = field(default=0.2, metadata={"help": "PPO value clip: a value may move this far from old_values before its error stops counting; None = plain squared error"})
+
+    def __post_init__(self):
+        for flag, value, choices in (("surrogate", self.surrogate, SURROGATES), ("is_level", self.is_level, IS_LEVELS), ("is_mode", self.is_mode, IS_MODES),
+                                     ("kl_estimator", self.kl_estimator, KL_ESTIMATORS), ("kl_ref", self.kl_ref, KL_REFS), ("agg", self.agg, AGGS)):
+            if value not in choices:
+                raise ValueError(f"--loss.{flag} {value!r}: unknown; choose one of {', '.join(choices)}")
+        if not 0.0 <= self.clip_low <= 1.0:
+            raise ValueError(f"--loss.clip_low {self.clip_low}: must be in [0, 1], the floor 1-clip_low is a ratio")
+        if not self.clip_high >= 0.0:
+            raise ValueError(f"--loss.clip_high {self.clip_high}: must be >= 0")
+        if self.dual_clip is not None and not self.dual_clip > 1.0:
+            raise ValueError(f"--loss.dual_clip {self.dual_clip}: must be > 1 (the bound -c*A must lie above the unclipped loss -A at ratio 1)")
+        low, high = self.is_band
+        if not 0.0 < low < 1.0 < high:
+            raise ValueError(f"--loss.is_band {low} {high}: need 0 < LOW < 1 < HIGH, so that on-policy weight 1 is inside the band")
+        if self.max_token_lag is not None and self.max_token_lag < 0:
+            raise ValueError(f"--loss.max_token_lag {self.max_token_lag}: must be >= 0 (0 keeps only tokens of the current version) or None")
+        if not self.kl_coef >= 0.0:
+            raise ValueError(f"--loss.kl_coef {self.kl_coef}: must be >= 0, it is a penalty")
+        if self.value_clip is not None and not self.value_clip > 0.0:
+            raise ValueError(f"--loss.value_clip {self.value_clip}: must be > 0, or None for no clipping")
+        if self.dual_clip is not None and self.surrogate == "cispo":
+            raise ValueError("--loss.dual_clip with --loss.surrogate cispo: CISPO's weight is already capped at 1+clip_high; unset --loss.dual_clip")
+        if self.is_level == "geo" and self.is_mode != "mask":
+            raise ValueError(f"--loss.is_level geo with --loss.is_mode {self.is_mode}: geo is a gate that keeps or zeroes whole sequences, there is nothing to truncate or clip; set --loss.is_mode mask, or --loss.is_level token for TIS")
+        if self.is_level == "seq" and self.is_mode == "clip":
+            raise ValueError("--loss.is_level seq with --loss.is_mode clip: a product over a sequence spans orders of magnitude, and raising tiny ones to LOW up-weights the sequences the trainer would not sample; set --loss.is_mode trunc (seq-TIS) or mask")
+        if self.kl_estimator == "k1" and self.kl_coef > 0.0:
+            raise ValueError("--loss.kl_estimator k1 with --loss.kl_coef > 0: k1 = logp - ref has gradient grad(logp), zero in expectation, so as a loss it penalises nothing; set --loss.kl_estimator k2 or k3")
+
+
+@dataclass
+class Denoms:
+    """Counts over the whole optimizer step (all microbatches, all ranks), from the action mask before
+    any token is dropped: dropped tokens (stale, IcePop-masked) count as zero-loss tokens."""
+    num_tokens: float  # action tokens
+    num_seqs: float  # rows with at least one action token
+    num_prompts: float  # prompt groups with at least one action token
+
+
+# --- helpers: shape checks and masked means
+
+
+def check_shapes(mask: torch.Tensor, **tensors) -> None:
+    """Raise ValueError naming the first tensor whose shape is not mask's (B, T); None means not given."""
+    if mask.dtype != torch.bool or mask.ndim != 2:
+        raise ValueError(f"mask: expected a bool (B, T) tensor, got {mask.dtype} {tuple(mask.shape)}")
+    for name, x in tensors.items():
+        if x is not None and x.shape != mask.shape:
+            raise ValueError(f"{name}: expected shape {tuple(mask.shape)} like mask, got {tuple(x.shape)}")
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean of x over mask's True entries as a detached float (summed in float64); 0.0 when mask is empty."""
+    return float(torch.where(mask, x.detach().double(), 0.0).sum() / mask.sum().clamp(min=1))
+
+
+# --- policy surrogates: (logp, old_logp, adv, mask) -> per-token loss (B, T), clipped (B, T) bool
+
+
+def clipped_surrogate(log_ratio, adv, mask, *, clip_low: float, clip_high: float, dual_clip: float | None):
+    """PPO's pessimistic clipped loss per token; `clipped` marks tokens whose gradient a clip zeroed."""
+    ratio = log_ratio.clamp(-LOG_CLAMP, LOG_CLAMP).exp()  # (B, T)
+    loss_unclipped = -ratio * adv  # (B, T)
+    loss_clipped = -ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv  # (B, T)
+    loss = torch.maximum(loss_unclipped, loss_clipped)  # (B, T)
+    clipped = loss_clipped > loss_unclipped  # (B, T)
+    if dual_clip is not None:
+        bounded = (adv < 0) & (loss > -dual_clip * adv)  # (B, T)
+        loss = torch.where(bounded, -dual_clip * adv, loss)
+        clipped = clipped | bounded
+    return torch.where(mask, loss, 0.0), clipped & mask
+
+
+def ppo(logp, old_logp, adv, mask, *, clip_low: float, clip_high: float, dual_clip: float | None):
+    """PPO, https://arxiv.org/abs/1707.06347: -min(r*A, clip(r, 1-eps_low, 1+eps_high)*A), r = exp(logp - old_logp).
+    With dual_clip c (https://arxiv.org/abs/1912.09729), for A < 0 the loss is also capped at -c*A."""
+    log_ratio = torch.where(mask, logp - old_logp, 0.0)  # (B, T)
+    return clipped_surrogate(log_ratio, torch.where(mask, adv, 0.0), mask, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
+
+
+def gspo(logp, old_logp, adv, mask, *, clip_low: float, clip_high: float, dual_clip: float | None):
+    """GSPO, https://arxiv.org/abs/2507.18071: PPO's clip on s = exp(mean_t(logp_t - old_logp_t)), one ratio per sequence.
+    Token form s_t = sg(s) * exp(logp_t - sg(logp_t)): value s, gradient s * grad(logp_t) on every token.
+    The advantage is the row's mean advantage over its action tokens (constant rows keep theirs)."""
+    logp = torch.where(mask, logp, 0.0)  # (B, T)
+    n = mask.sum(-1, keepdim=True).clamp(min=1)  # (B, 1)
+    log_seq = torch.where(mask, logp - old_logp, 0.0).sum(-1, keepdim=True) / n  # (B, 1)
+    log_ratio = log_seq.detach() + logp - logp.detach()  # (B, T)
+    adv_seq = torch.where(mask, adv, 0.0).sum(-1, keepdim=True) / n  # (B, 1)
+    return clipped_surrogate(log_ratio, adv_seq.expand_as(logp), mask, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
+
+
+def cispo(logp, old_logp, adv, mask, *, clip_low: float, clip_high: float):
+    """CISPO, https://arxiv.org/abs/2506.13585: -sg(clip(r, 1-eps_low, 1+eps_high)) * A * logp, r = exp(logp - old_logp).
+    The clipped weight is a constant, so every token keeps a gradient and it flows only through logp."""
+    logp = torch.where(mask, logp, 0.0)  # (B, T)
+    ratio = torch.where(mask, logp - old_logp, 0.0).detach().clamp(-LOG_CLAMP, LOG_CLAMP).exp()  # (B, T)
+    weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # (B, T)
+    return torch.where(mask, -weight * torch.where(mask, adv, 0.0) * logp, 0.0), (weight != ratio) & mask
+
+
+# --- importance correction: the trainer's proximal policy (old_logp) over the rollout's behaviour policy
+
+
+def importance_weights(old_logp, rollout_logp, mask, *, level: str, mode: str, band: tuple[float, float]):
+    """Detached weight (B, T) that multiplies the per-token loss, and the bool (B, T) of tokens the band changed.
+    level token: w_t = exp(old_t - rollout_t); seq: every token gets exp(sum_t log w_t); geo: w_t times a
+    gate 1[LOW <= exp(mean_t log w_t) <= HIGH] that zeroes a whole sequence (mode must be mask).
+    mode trunc, TIS (https://fengyao.notion.site/off-policy-rl): min(w, HIGH); mask, IcePop
+    (https://arxiv.org/abs/2510.18855): w * 1[LOW <= w <= HIGH]; clip: clamp(w, LOW, HIGH)."""
+    log_low, log_high = math.log(band[0]), math.log(band[1])
+    log_w = torch.where(mask, old_logp - rollout_logp, 0.0).detach().float()  # (B, T)
+    if level == "off":
+        return torch.ones_like(log_w), torch.zeros_like(mask)
+    if level == "token":
+        pass  # log_w is already per token
+    elif level == "seq":
+        log_w = log_w.sum(-1, keepdim=True).expand_as(log_w)  # (B, T)
+    elif level == "geo":
+        if mode != "mask":
+            raise ValueError(f"mode {mode!r}: level geo is a gate, only mode mask applies")
+        log_geo = log_w.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # (B, 1)
+        inside = (log_geo >= log_low) & (log_geo <= log_high)  # (B, 1)
+        return torch.where(inside, log_w.clamp(-LOG_CLAMP, LOG_CLAMP).exp(), 0.0), mask & ~inside
+    else:
+        raise ValueError(f"level {level!r}: unknown; choose one of {', '.join(IS_LEVELS)}")
+    w = log_w.clamp(-LOG_CLAMP, LOG_CLAMP).exp()  # (B, T)
+    above, below = log_w > log_high, log_w < log_low  # (B, T)
+    if mode == "trunc":
+        return w.clamp(band[0], band[1]), above & mask
+    elif mode == "mask":
+        return torch.where(above | below, 0.0, w), (above | below) & mask
+    elif mode == "clip":
+        return w.clamp(band[0], band[1]), (above | below) & mask
+    else:
+        raise ValueError(f"mode {mode!r}: unknown; choose one of {', '.join(IS_MODES)}")
+
+
+# --- policy versions: exact staleness masking and the on-policy guard
+
+
+def stale_mask(versions, mask, *, current_version: int, max_lag: int | None) -> torch.Tensor:
+    """mask without the action tokens whose version lags the trainer's by more than max_lag; None keeps all."""
+    if max_lag is None:
+        return mask
+    if max_lag < 0:
+        raise ValueError(f"max_lag {max_lag}: must be >= 0 or None")
+    return mask & (current_version - versions <= max_lag)  # (B, T)
+
+
+def check_versions(versions, mask, *, current_version: int, is_level: str) -> None:
+    """Refuse what cannot be right: an action token with no version or a future one, and, without an
+    importance correction, any action token not sampled by the weights the trainer holds now."""
+    action_versions = versions[mask]  # (N,)
+    if (action_versions < 0).any():
+        raise ValueError("versions: an action token has no policy version (-1); the rollout record is broken")
+    if (action_versions > current_version).any():
+        raise ValueError(f"versions: an action token is newer ({int(action_versions.max())}) than the trainer's current_version {current_version}")
+    if is_level == "off" and (action_versions != current_version).any():
+        found = sorted(set(action_versions.tolist()))
+        raise ValueError(f"versions: stale/mixed policy versions {found} on action tokens, the trainer holds {current_version}, and there is no importance correction; "
+                         "set --loss.is_level token|seq|geo, or --loss.max_token_lag 0 to drop every stale token")
+
+
+# --- KL to a reference, aggregation over the step
+
+
+def kl_penalty(logp, ref_logp, mask, *, estimator: str) -> torch.Tensor:
+    """Per-token KL(policy || ref) estimate (B, T), 0 off mask; http://joschu.net/blog/kl-approx.html with
+    d = ref - logp: k1 = -d, k2 = d^2 / 2, k3 = exp(d) - d - 1."""
+    d = torch.where(mask, ref_logp - logp, 0.0).clamp(-LOG_CLAMP, LOG_CLAMP)  # (B, T)
+    if estimator == "k1":
+        return -d
+    elif estimator == "k2":
+        return 0.5 * d**2
+    elif estimator == "k3":
+        return d.exp() - d - 1.0
+    else:
+        raise ValueError(f"estimator {estimator!r}: unknown; choose one of {', '.join(KL_ESTIMATORS)}")
+
+
+def aggregate(per_token, mask, *, agg: str, denoms: Denoms, group_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """This microbatch's share () of the step's loss; the shares of all microbatches sum to the full-batch value.
+    group_tokens (B,): action tokens of the row's prompt group over the whole step (prompt_mean_token_mean)."""
+    x = torch.where(mask, per_token, 0.0)  # (B, T)
+    if agg == "token_mean":
+        return x.sum() / max(denoms.num_tokens, 1.0)
+    elif agg == "seq_mean_token_mean":
+        return (x.sum(-1) / mask.sum(-1).clamp(min=1)).sum() / max(denoms.num_seqs, 1.0)
+    elif agg == "seq_mean_token_sum":
+        return x.sum() / max(denoms.num_seqs, 1.0)
+    elif agg == "prompt_mean_token_mean":
+        if group_tokens is None or group_tokens.shape != mask.shape[:1]:
+            raise ValueError(f"group_tokens: agg prompt_mean_token_mean needs a (B,) = ({mask.shape[0]},) tensor, got {None if group_tokens is None else tuple(group_tokens.shape)}")
+        return (x.sum(-1) / group_tokens.clamp(min=1)).sum() / max(denoms.num_prompts, 1.0)
+    else:
+        raise ValueError(f"agg {agg!r}: unknown; choose one of {', '.join(AGGS)}")
+
+
+# --- value, SFT and mismatch: the other losses and the forward-consistency measure
+
+
+def value_loss(values, old_values, returns, mask, *, clip: float | None, denoms: Denoms):
+    """PPO value loss, 1/2 max((v - R)^2, (old + clip(v - old, -c, c) - R)^2), summed over the step's
+    num_tokens (the critic always takes a token mean; --loss.agg shapes the policy loss only)."""
+    check_shapes(mask, values=values, old_values=old_values, returns=returns)
+    error = torch.where(mask, values - returns, 0.0)  # (B, T)
+    loss = error**2  # (B, T)
+    clipped = torch.zeros_like(mask)
+    if clip is not None:
+        moved = torch.where(mask, values - old_values, 0.0).clamp(-clip, clip)  # (B, T)
+        error_clipped = torch.where(mask, old_values - returns, 0.0) + moved  # (B, T)
+        clipped = (error_clipped**2 > loss) & mask
+        loss = torch.maximum(loss, error_clipped**2)
+    loss = 0.5 * loss  # (B, T)
+    metrics = {"loss/value": masked_mean(loss, mask), "loss/value_clip_frac": masked_mean(clipped, mask)}
+    return loss.sum() / max(denoms.num_tokens, 1.0), metrics
+
+
+def sft_loss(logp, mask, *, denoms: Denoms):
+    """Token NLL -logp over the step's num_tokens, for supervised fine-tuning on the action tokens."""
+    check_shapes(mask, logp=logp)
+    nll = torch.where(mask, -logp, 0.0)  # (B, T)
+    return nll.sum() / max(denoms.num_tokens, 1.0), {"loss/sft_nll": masked_mean(nll, mask)}
+
+
+def mismatch_metrics(rollout_logp, trainer_logp, mask) -> dict[str, float]:
+    """Engine vs trainer on the same tokens, Delta = trainer - rollout. vllm_kl = mean(-Delta) and
+    mismatch_k3 = mean(exp(Delta) - 1 - Delta) both estimate KL(rollout || trainer) from the rollout's samples."""
+    check_shapes(mask, rollout_logp=rollout_logp, trainer_logp=trainer_logp)
+    # float64 and expm1: a k3 of 1e-12 (Delta ~ 1e-6) vanishes in float32's exp(Delta) - 1.
+    delta = torch.where(mask, trainer_logp - rollout_logp, 0.0).detach().double().clamp(-LOG_CLAMP, LOG_CLAMP)  # (B, T)
+    return {
+        "loss/vllm_kl": masked_mean(-delta, mask),
+        "loss/mismatch_k3": masked_mean(torch.expm1(delta) - delta, mask),
+        "loss/mismatch_abs": masked_mean(delta.abs(), mask),
+        "loss/mismatch_max_abs": float(delta.abs().max()) if mask.any() else 0.0,
+        "loss/mismatch_frac": masked_mean(delta.abs() > 1e-6, mask),
+    }
+
+
+# --- the two entry points: read the flags, dispatch, pass values down
+
+
+def compute_policy_loss(args: LossArgs, logp, old_logp, rollout_logp, adv, mask, *, versions, current_version: int, denoms: Denoms,
+                        group_tokens=None, ref_logp=None, entropy=None) -> tuple[torch.Tensor, dict[str, float]]:
+    """The policy loss () of one microbatch and its metrics. group_tokens (B,) only for agg
+    prompt_mean_token_mean; ref_logp only for kl_ref model; entropy (B, T) when entropy_coef > 0 or to log it."""
+    # --- inputs, then which tokens train: drop those past the lag bound, refuse uncorrected stale data
+    check_shapes(mask, logp=logp, old_logp=old_logp, rollout_logp=rollout_logp, adv=adv, versions=versions, ref_logp=ref_logp, entropy=entropy)
+    kept = stale_mask(versions, mask, current_version=current_version, max_lag=args.max_token_lag)  # (B, T)
+    check_versions(versions, kept, current_version=current_version, is_level=args.is_level)
+
+    # --- surrogate per token
+    if args.surrogate == "ppo":
+        per_token, clipped = ppo(logp, old_logp, adv, kept, clip_low=args.clip_low, clip_high=args.clip_high, dual_clip=args.dual_clip)
+    elif args.surrogate == "gspo":
+        per_token, clipped = gspo(logp, old_logp, adv, kept, clip_low=args.clip_low, clip_high=args.clip_high, dual_clip=args.dual_clip)
+    elif args.surrogate == "cispo":
+        per_token, clipped = cispo(logp, old_logp, adv, kept, clip_low=args.clip_low, clip_high=args.clip_high)
+    else:
+        raise ValueError(f"--loss.surrogate {args.surrogate!r}: unknown; choose one of {', '.join(SURROGATES)}")
+
+    # --- importance correction (a detached factor; with cispo it multiplies CISPO's own weight), aggregation
+    weight, cut = importance_weights(old_logp, rollout_logp, kept, level=args.is_level, mode=args.is_mode, band=args.is_band)
+    per_token = weight * per_token  # (B, T)
+    loss = aggregate(per_token, mask, agg=args.agg, denoms=denoms, group_tokens=group_tokens)
+    metrics = {"loss/pg": masked_mean(per_token, kept), "loss/clip_frac": masked_mean(clipped, kept),
+               "loss/is_weight_mean": masked_mean(weight, kept), "loss/is_masked_frac": masked_mean(cut, kept),
+               "loss/stale_frac": masked_mean(mask & ~kept, mask)}
+
+    # --- KL to the reference: always measured when a reference exists, in the loss when kl_coef > 0
+    if args.kl_ref == "rollout":
+        if ref_logp is not None:
+            raise ValueError("ref_logp: given, but --loss.kl_ref rollout uses rollout_logp; pass None or set --loss.kl_ref model")
+        reference = rollout_logp
+    elif args.kl_ref == "model":
+        if ref_logp is None and args.kl_coef > 0.0:
+            raise ValueError("ref_logp: --loss.kl_ref model with --loss.kl_coef > 0 needs the reference model's log-probs (B, T)")
+        reference = ref_logp
+    else:
+        raise ValueError(f"--loss.kl_ref {args.kl_ref!r}: unknown; choose one of {', '.join(KL_REFS)}")
+    if reference is not None:
+        kl = kl_penalty(logp, reference, kept, estimator=args.kl_estimator)  # (B, T)
+        metrics["loss/kl"] = masked_mean(kl, kept)
+        if args.kl_coef > 0.0:
+            loss = loss + args.kl_coef * aggregate(kl, mask, agg=args.agg, denoms=denoms, group_tokens=group_tokens)
+
+    # --- entropy bonus
+    if entropy is None and args.entropy_coef != 0.0:
+        raise ValueError("entropy: --loss.entropy_coef != 0 needs the per-token entropy (B, T); pass it or set --loss.entropy_coef 0")
+    if entropy is not None:
+        metrics["loss/entropy"] = masked_mean(entropy, kept)
+        if args.entropy_coef != 0.0:
+            loss = loss - args.entropy_coef * aggregate(torch.where(kept, entropy, 0.0), mask, agg=args.agg, denoms=denoms, group_tokens=group_tokens)
+
+    # --- forward consistency, only on tokens the trainer's current weights sampled (lag is not mismatch)
+    metrics.update(mismatch_metrics(rollout_logp, old_logp, mask & (versions == current_version)))
+    return loss, metrics
+
+
+def compute_value_loss(args: LossArgs, values, old_values, returns, mask, *, denoms: Denoms) -> tuple[torch.Tensor, dict[str, float]]:
+    """The critic's loss () of one microbatch; the one reader of --loss.value_clip."""
+    return value_loss(values, old_values, returns, mask, clip=args.value_clip, denoms=denoms)

@@ -1,0 +1,41 @@
+"""Shared fixtures: tiny model directories built once per test session (no hub access)."""
+import pytest
+import torch
+
+from recipes.tiny_model import build_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """Dense Qwen3, byte-level BPE tokenizer: any text encodes (chat server, agents)."""
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny_bpe")), seed=0, tokenizer="bpe")
+
+
+@pytest.fixture(scope="session")
+def tiny_chars_model(tmp_path_factory) -> str:
+    """Dense Qwen3, character tokenizer of ~70 ids: the small vocabulary the CPU recipes train."""
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny_chars")), seed=0, tokenizer="chars")
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_model(tmp_path_factory) -> str:
+    """Qwen3-MoE (4 experts, top-2) for routing tests."""
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny_moe")), seed=0, tokenizer="chars", moe=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA: run `make test-gpu` on the GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray instance for the whole test session (start-up costs 4-10 s)."""
+    import ray
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()

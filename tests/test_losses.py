@@ -1,0 +1,463 @@
+"""losses.py: every expected number is derived by hand in the test (ln = natural log)."""
+import math
+
+import pytest
+import torch
+
+from losses import (Denoms, LossArgs, aggregate, check_versions, cispo, compute_policy_loss, compute_value_loss, gspo, importance_weights,
+                    kl_penalty, mismatch_metrics, ppo, sft_loss, stale_mask, value_loss)
+
+LN2 = math.log(2.0)
+
+
+def t(x, **kw):
+    return torch.tensor(x, dtype=torch.float64, **kw)
+
+
+def leaf(x):
+    return t(x, requires_grad=True)
+
+
+def close(x, expected):
+    return torch.allclose(x.detach().double(), t(expected))
+
+
+def one_row(n):
+    """Denominators for a step that is one row with n action tokens."""
+    return Denoms(num_tokens=float(n), num_seqs=1.0, num_prompts=1.0)
+
+
+def policy_loss(args, logp, old_logp, adv, mask, *, rollout_logp=None, versions=None, current_version=0, denoms=None, **kw):
+    """compute_policy_loss with on-policy defaults: rollout = old, every token of version current_version."""
+    rollout_logp = old_logp.detach() if rollout_logp is None else rollout_logp
+    versions = torch.full(mask.shape, current_version) if versions is None else versions
+    denoms = Denoms(float(mask.sum()), float(mask.any(-1).sum()), 1.0) if denoms is None else denoms
+    return compute_policy_loss(args, logp, old_logp, rollout_logp, adv, mask, versions=versions, current_version=current_version, denoms=denoms, **kw)
+
+
+# --- masks and robustness
+
+
+@pytest.mark.parametrize("flags", [
+    dict(surrogate="ppo", dual_clip=3.0, kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01),
+    dict(surrogate="gspo", is_level="seq", is_mode="trunc", kl_coef=0.1, kl_estimator="k2", agg="seq_mean_token_mean"),
+    dict(surrogate="cispo", is_level="geo", is_mode="mask", agg="seq_mean_token_sum", entropy_coef=0.01),
+    dict(surrogate="ppo", is_level="token", is_mode="clip", agg="prompt_mean_token_mean", kl_coef=0.1),
+], ids=["ppo", "gspo_seq", "cispo_geo", "ppo_token_clip"])
+def test_loss_ignores_masked_tokens(flags):
+    # Masked positions hold -inf, +huge and NaN. The loss and the gradients on action tokens must equal those
+    # of the same batch with zeros there, and the gradient at masked positions must be exactly 0.
+    args = LossArgs(**flags)
+    mask = torch.tensor([[True, True, False, False], [True, False, True, False]])
+    garbage = {"logp": [-math.inf, 1e30], "old": [-math.inf, -1e30], "rollout": [math.inf, -math.inf], "adv": [math.inf, math.nan], "ent": [math.nan, math.inf]}
+    clean = {"logp": [-0.7, -1.2, -0.3, -2.0], "old": [-0.9, -1.0, -0.2, -1.5], "rollout": [-1.0, -1.1, -0.4, -1.6], "adv": [1.0, 1.0, -0.5, -0.5], "ent": [1.0, 2.0, 0.5, 0.1]}
+
+    def build(name, fill):
+        x = torch.zeros(2, 4, dtype=torch.float64)
+        x[mask] = t(clean[name])
+        x[~mask] = t([fill[name][0]] * 2 + [fill[name][1]] * 2) if fill else 0.0
+        return x
+
+    results = []
+    for fill in (garbage, None):
+        logp = build("logp", fill).requires_grad_()
+        loss, metrics = policy_loss(args, logp, build("old", fill), build("adv", fill), mask, rollout_logp=build("rollout", fill), entropy=build("ent", fill),
+                                    denoms=Denoms(num_tokens=4.0, num_seqs=2.0, num_prompts=1.0), group_tokens=t([4.0, 4.0]))
+        loss.backward()
+        results.append((loss.detach(), logp.grad, metrics))
+    (loss, grad, metrics), (loss_clean, grad_clean, metrics_clean) = results
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert (grad[~mask] == 0).all()
+    assert loss == pytest.approx(loss_clean.item()) and torch.allclose(grad, grad_clean)
+    assert metrics == pytest.approx(metrics_clean)
+
+
+@pytest.mark.parametrize("surrogate", ["ppo", "gspo", "cispo"])
+def test_empty_mask_gives_zero_loss_zero_metrics_and_a_backward_pass(surrogate):
+    # No action tokens anywhere in the step: every denominator is 0, the loss must be 0 (not NaN) and still
+    # connected to logp, so a rank with an empty microbatch can join the collective backward.
+    args = LossArgs(surrogate=surrogate, is_level="token", kl_coef=0.1, entropy_coef=0.1)
+    mask = torch.zeros(2, 3, dtype=torch.bool)
+    logp = torch.full((2, 3), -math.inf, dtype=torch.float64, requires_grad=True)
+    loss, metrics = policy_loss(args, logp, torch.full((2, 3), -math.inf, dtype=torch.float64), torch.full((2, 3), math.nan, dtype=torch.float64), mask,
+                                entropy=torch.zeros(2, 3, dtype=torch.float64), denoms=Denoms(0.0, 0.0, 0.0))
+    loss.backward()
+    assert loss.item() == 0.0 and (logp.grad == 0).all()
+    assert metrics and all(v == 0.0 for v in metrics.values())
+    v = leaf([[1.0, 2.0, 3.0]])
+    assert value_loss(v, t([[0.0, 0.0, 0.0]]), t([[9.0, 9.0, 9.0]]), mask[:1], clip=0.2, denoms=Denoms(0.0, 0.0, 0.0))[0].item() == 0.0
+    assert sft_loss(t([[-math.inf] * 3]), mask[:1], denoms=Denoms(0.0, 0.0, 0.0))[0].item() == 0.0
+    assert all(v == 0.0 for v in mismatch_metrics(t([[0.0] * 3]), t([[-math.inf] * 3]), mask[:1]).values())
+
+
+@pytest.mark.parametrize("surrogate", ["ppo", "gspo", "cispo"])
+def test_extreme_ratio_stays_finite(surrogate):
+    # logp - old = 1000 on an action token would overflow exp; the log-ratio is clamped to 20 first, and the
+    # importance log-weight (old - rollout = -1000) likewise.
+    args = LossArgs(surrogate=surrogate, is_level="token", is_mode="clip")
+    logp = leaf([[0.0, -1.0]])
+    loss, _ = policy_loss(args, logp, t([[-1000.0, -1.0]]), t([[-1.0, 1.0]]), torch.tensor([[True, True]]), rollout_logp=t([[0.0, -1.0]]))
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+
+
+# --- surrogates
+
+
+def test_ppo_clip_by_hand():
+    # Token 0: r = 1.5, A = +1, eps 0.2 -> max(-1.5, -1.2) = -1.2, clipped, gradient 0.
+    # Token 1: r = 1.1 inside the band -> -1.1, gradient -r*A/N = -1.1/2 = -0.55. Loss (-1.2 - 1.1)/2 = -1.15.
+    logp = leaf([[math.log(1.5), math.log(1.1)]])
+    loss, metrics = policy_loss(LossArgs(surrogate="ppo"), logp, t([[0.0, 0.0]]), t([[1.0, 1.0]]), torch.tensor([[True, True]]))
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.15)
+    assert close(logp.grad, [[0.0, -0.55]])
+    assert metrics["loss/clip_frac"] == 0.5 and metrics["loss/pg"] == pytest.approx(-1.15)
+
+
+def test_dual_clip_bounds_negative_advantage_loss():
+    # r = 10, A = -1: PPO gives max(-10*-1, -1.2*-1) = 10; dual clip c = 3 caps it at -c*A = 3, gradient 0.
+    logp, old, adv, mask = leaf([[math.log(10.0)]]), t([[0.0]]), t([[-1.0]]), torch.tensor([[True]])
+    plain, _ = ppo(logp, old, adv, mask, clip_low=0.2, clip_high=0.2, dual_clip=None)
+    bounded, clipped = ppo(logp, old, adv, mask, clip_low=0.2, clip_high=0.2, dual_clip=3.0)
+    bounded.sum().backward()
+    assert plain.item() == pytest.approx(10.0) and bounded.item() == pytest.approx(3.0)
+    assert bool(clipped) and logp.grad.item() == 0.0
+
+
+def test_gspo_uses_one_sequence_ratio_and_reaches_every_token():
+    # Row 0: logp - old = [0.5, -0.5]; PPO would clip both tokens, but s = exp(mean) = e^0 = 1 is inside the band:
+    # loss -1 per token, gradient -s*A/N = -1/4 on both tokens (N = 4 action tokens in the step).
+    # Row 1: logp - old = [0.1, -0.3], s = e^-0.1 = 0.904837, A = [1, 3] -> sequence advantage 2: loss -2s per token,
+    # gradient -2s/4 on both tokens. Loss = (-1 - 1 - 2s - 2s) / 4.
+    s = math.exp(-0.1)
+    logp = leaf([[0.5, -0.5], [0.1, -0.3]])
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    loss, metrics = policy_loss(LossArgs(surrogate="gspo"), logp, t([[0.0, 0.0], [0.0, 0.0]]), t([[1.0, 1.0], [1.0, 3.0]]), mask)
+    loss.backward()
+    assert loss.item() == pytest.approx((-2.0 - 4.0 * s) / 4.0)
+    assert close(logp.grad, [[-0.25, -0.25], [-s / 2.0, -s / 2.0]])
+    assert metrics["loss/clip_frac"] == 0.0
+
+
+def test_gspo_clips_the_whole_sequence():
+    # logp - old = [0.5, 0.5]: s = e^0.5 = 1.65 > 1.2 with A = +1 -> every token -1.2, no gradient.
+    logp = leaf([[0.5, 0.5]])
+    per_token, clipped = gspo(logp, t([[0.0, 0.0]]), t([[1.0, 1.0]]), torch.tensor([[True, True]]), clip_low=0.2, clip_high=0.2, dual_clip=None)
+    per_token.sum().backward()
+    assert close(per_token, [[-1.2, -1.2]])
+    assert clipped.all() and (logp.grad == 0).all()
+
+
+def test_cispo_gradient_flows_only_through_logp():
+    # r = [2, 0.5]; clip to [1-0.2, 1+0.5] -> w = [1.5, 0.8] (both clipped, both keep a gradient). A = [1, -2], N = 2:
+    # loss = -(1.5*1*ln0.5 + 0.8*(-2)*ln0.25)/2 = -(-1.5ln2 + 3.2ln2)/2 = -0.85ln2; d/dlogp = -w*A/N = [-0.75, 0.8].
+    logp = leaf([[math.log(0.5), math.log(0.25)]])
+    old = leaf([[math.log(0.25), math.log(0.5)]])
+    loss, metrics = policy_loss(LossArgs(surrogate="cispo", clip_high=0.5), logp, old, t([[1.0, -2.0]]), torch.tensor([[True, True]]))
+    loss.backward()
+    assert loss.item() == pytest.approx(-0.85 * LN2)
+    assert close(logp.grad, [[-0.75, 0.8]])
+    assert old.grad is None or (old.grad == 0).all()
+    assert metrics["loss/clip_frac"] == 1.0
+    direct, _ = cispo(logp.detach(), old.detach(), t([[1.0, -2.0]]), torch.tensor([[True, True]]), clip_low=0.2, clip_high=0.5)
+    assert close(direct, [[1.5 * LN2, -3.2 * LN2]])
+
+
+# --- importance correction
+
+
+def weights(w_rows, level, mode, band, mask=None):
+    """importance_weights for per-token ratios old/rollout = w (rollout log-prob 0, old log-prob ln w)."""
+    old = torch.log(t(w_rows))
+    mask = torch.ones(old.shape, dtype=torch.bool) if mask is None else mask
+    return importance_weights(old, torch.zeros_like(old), mask, level=level, mode=mode, band=band)
+
+
+def test_tis_caps_high_weights_and_leaves_low_ones_alone():
+    # token + trunc, HIGH 2: min(w, 2) on [0.25, 1.5, 4] -> [0.25, 1.5, 2]; only the 4 was changed.
+    w, cut = weights([[0.25, 1.5, 4.0]], "token", "trunc", (0.5, 2.0))
+    assert close(w, [[0.25, 1.5, 2.0]]) and cut.tolist() == [[False, False, True]]
+
+
+def test_icepop_zeroes_weights_outside_the_band():
+    # token + mask, band [0.5, 2]: 0.25 and 4 are outside -> 0, 1.5 stays.
+    w, cut = weights([[0.25, 1.5, 4.0]], "token", "mask", (0.5, 2.0))
+    assert close(w, [[0.0, 1.5, 0.0]]) and cut.tolist() == [[True, False, True]]
+
+
+def test_clip_mode_clamps_weights_into_the_band():
+    w, cut = weights([[0.25, 1.5, 4.0]], "token", "clip", (0.5, 2.0))
+    assert close(w, [[0.5, 1.5, 2.0]]) and cut.tolist() == [[True, False, True]]
+
+
+def test_seq_weight_is_the_product_over_the_action_tokens():
+    # Row 0: 2 * 3 = 6 > HIGH 5 -> trunc gives 5 on every token, mask gives 0. Row 1: 2 * 0.5 * (padding 100 ignored) = 1.
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    rows = [[2.0, 3.0, 1.0], [2.0, 0.5, 100.0]]
+    w, cut = weights(rows, "seq", "trunc", (0.5, 5.0), mask)
+    assert w[mask].tolist() == pytest.approx([5.0, 5.0, 5.0, 1.0, 1.0]) and cut.tolist() == [[True] * 3, [False] * 3]
+    w, _ = weights(rows, "seq", "mask", (0.5, 5.0), mask)
+    assert w[mask].tolist() == pytest.approx([0.0, 0.0, 0.0, 1.0, 1.0])
+
+
+def test_geo_gate_zeroes_a_whole_sequence():
+    # Row 0: geometric mean sqrt(2*8) = 4 inside [0.5, 5] -> per-token weights kept, [2, 8].
+    # Row 1: sqrt(0.1*0.2) = 0.141 < 0.5 -> the whole row gets weight 0.
+    w, cut = weights([[2.0, 8.0], [0.1, 0.2]], "geo", "mask", (0.5, 5.0))
+    assert close(w, [[2.0, 8.0], [0.0, 0.0]]) and cut.tolist() == [[False, False], [True, True]]
+
+
+def test_importance_weight_multiplies_the_loss_as_a_constant():
+    # old = logp (r = 1), A = 1, old/rollout = 4 -> TIS with HIGH 2 gives w = 2: loss -2, d/dlogp = -w*r*A = -2.
+    # The token is one version stale, which the version guard allows only because is_level is not off.
+    logp = leaf([[-1.0]])
+    args = LossArgs(is_level="token", is_mode="trunc", is_band=(0.5, 2.0))
+    loss, metrics = policy_loss(args, logp, t([[-1.0]]), t([[1.0]]), torch.tensor([[True]]), rollout_logp=t([[-1.0 - math.log(4.0)]]),
+                                versions=torch.tensor([[4]]), current_version=5)
+    loss.backward()
+    assert loss.item() == pytest.approx(-2.0) and logp.grad.item() == pytest.approx(-2.0)
+    assert metrics["loss/is_weight_mean"] == pytest.approx(2.0) and metrics["loss/is_masked_frac"] == 1.0
+
+
+def test_off_level_weight_is_one():
+    w, cut = weights([[0.25, 4.0]], "off", "trunc", (0.5, 2.0))
+    assert w.tolist() == [[1.0, 1.0]] and not cut.any()
+
+
+# --- policy versions
+
+
+def test_stale_mask_drops_tokens_beyond_max_lag():
+    # current 5: lags are 0, 1, 2 on the action tokens; max_lag 1 keeps the first two, 0 only the first.
+    versions, mask = torch.tensor([[5, 4, 3, -1]]), torch.tensor([[True, True, True, False]])
+    assert stale_mask(versions, mask, current_version=5, max_lag=1).tolist() == [[True, True, False, False]]
+    assert stale_mask(versions, mask, current_version=5, max_lag=0).tolist() == [[True, False, False, False]]
+    assert stale_mask(versions, mask, current_version=5, max_lag=None).tolist() == mask.tolist()
+
+
+def test_check_versions_refuses_mixed_versions_without_importance_correction():
+    mask = torch.tensor([[True, True, False]])
+    with pytest.raises(ValueError, match="is_level"):
+        check_versions(torch.tensor([[5, 4, -1]]), mask, current_version=5, is_level="off")
+    with pytest.raises(ValueError, match="is_level"):  # uniformly stale is not on-policy either
+        check_versions(torch.tensor([[4, 4, -1]]), mask, current_version=5, is_level="off")
+    check_versions(torch.tensor([[5, 4, -1]]), mask, current_version=5, is_level="token")
+    check_versions(torch.tensor([[5, 5, -1]]), mask, current_version=5, is_level="off")
+    with pytest.raises(ValueError, match="versions"):
+        check_versions(torch.tensor([[5, -1, -1]]), mask, current_version=5, is_level="token")
+    with pytest.raises(ValueError, match="newer"):
+        check_versions(torch.tensor([[6, 5, -1]]), mask, current_version=5, is_level="token")
+
+
+def test_max_token_lag_zero_trains_only_current_tokens_without_correction():
+    # versions [5, 4], current 5, lag 0: the stale token is dropped, so is_level off is allowed. Token 0: r = 1, A = 1
+    # -> -1; the dropped token still counts in num_tokens = 2, so loss = -1/2, and its gradient is 0.
+    logp = leaf([[-1.0, -2.0]])
+    loss, metrics = policy_loss(LossArgs(max_token_lag=0), logp, t([[-1.0, -2.0]]), t([[1.0, 1.0]]), torch.tensor([[True, True]]),
+                                versions=torch.tensor([[5, 4]]), current_version=5)
+    loss.backward()
+    assert loss.item() == pytest.approx(-0.5) and close(logp.grad, [[-0.5, 0.0]])
+    assert metrics["loss/stale_frac"] == 0.5
+    with pytest.raises(ValueError, match="stale/mixed"):
+        policy_loss(LossArgs(max_token_lag=1), logp, t([[-1.0, -2.0]]), t([[1.0, 1.0]]), torch.tensor([[True, True]]),
+                    versions=torch.tensor([[5, 4]]), current_version=5)
+
+
+# --- KL and entropy
+
+
+def test_kl_estimators_by_hand():
+    # logp = ln0.5, ref = ln0.25, so logp - ref = ln2: k1 = ln2, k2 = ln2^2/2, k3 = e^-ln2 + ln2 - 1 = ln2 - 0.5.
+    logp, ref, mask = t([[math.log(0.5), 0.0]]), t([[math.log(0.25), -math.inf]]), torch.tensor([[True, False]])
+    assert close(kl_penalty(logp, ref, mask, estimator="k1"), [[LN2, 0.0]])
+    assert close(kl_penalty(logp, ref, mask, estimator="k2"), [[LN2**2 / 2, 0.0]])
+    assert close(kl_penalty(logp, ref, mask, estimator="k3"), [[LN2 - 0.5, 0.0]])
+
+
+def test_k1_is_refused_as_a_loss_and_kept_as_a_metric():
+    with pytest.raises(ValueError, match="--loss.kl_estimator k1"):
+        LossArgs(kl_estimator="k1", kl_coef=0.1)
+    # kl_coef 0: k1 against the rollout is logged, logp - rollout = ln2, and the loss is the PPO term alone (A = 0 -> 0).
+    loss, metrics = policy_loss(LossArgs(kl_estimator="k1"), leaf([[math.log(0.5)]]), t([[math.log(0.5)]]), t([[0.0]]), torch.tensor([[True]]),
+                                rollout_logp=t([[math.log(0.25)]]), versions=torch.tensor([[0]]), current_version=0)
+    assert metrics["loss/kl"] == pytest.approx(LN2) and loss.item() == 0.0
+
+
+def test_kl_to_rollout_enters_loss_with_its_coefficient():
+    # A = 0, so the loss is the KL term: 0.5 * k2 = 0.5 * ln2^2 / 2; d/dlogp = 0.5 * (logp - ref) = 0.5 ln2.
+    logp = leaf([[math.log(0.5)]])
+    loss, metrics = policy_loss(LossArgs(kl_coef=0.5, kl_estimator="k2", kl_ref="rollout"), logp, t([[math.log(0.5)]]), t([[0.0]]),
+                                torch.tensor([[True]]), rollout_logp=t([[math.log(0.25)]]))
+    loss.backward()
+    assert loss.item() == pytest.approx(0.25 * LN2**2) and logp.grad.item() == pytest.approx(0.5 * LN2)
+    assert metrics["loss/kl"] == pytest.approx(LN2**2 / 2)
+
+
+def test_kl_to_reference_model_uses_ref_logp_and_requires_it():
+    # rollout = logp (a rollout reference would give 0); ref model ln0.25: k3 = ln2 - 0.5, coef 1, A = 0.
+    args = LossArgs(kl_coef=1.0, kl_estimator="k3", kl_ref="model")
+    inputs = (leaf([[math.log(0.5)]]), t([[math.log(0.5)]]), t([[0.0]]), torch.tensor([[True]]))
+    loss, _ = policy_loss(args, *inputs, ref_logp=t([[math.log(0.25)]]))
+    assert loss.item() == pytest.approx(LN2 - 0.5)
+    with pytest.raises(ValueError, match="ref_logp"):
+        policy_loss(args, *inputs)
+    with pytest.raises(ValueError, match="ref_logp"):
+        policy_loss(LossArgs(), *inputs, ref_logp=t([[math.log(0.25)]]))
+
+
+def test_entropy_bonus_lowers_the_loss():
+    # A = 0, entropy 2, coef 0.1, one token: loss = -0.1 * 2 = -0.2.
+    inputs = (leaf([[-1.0]]), t([[-1.0]]), t([[0.0]]), torch.tensor([[True]]))
+    loss, metrics = policy_loss(LossArgs(entropy_coef=0.1), *inputs, entropy=t([[2.0]]))
+    assert loss.item() == pytest.approx(-0.2) and metrics["loss/entropy"] == 2.0
+    with pytest.raises(ValueError, match="entropy"):
+        policy_loss(LossArgs(entropy_coef=0.1), *inputs)
+
+
+# --- aggregation
+
+
+# Rows [1, 2], [3], [4, 5, 6]; rows 0-1 are prompt 0 (3 tokens), row 2 is prompt 1 (3 tokens).
+AGG_MASK = torch.tensor([[True, True, False], [True, False, False], [True, True, True]])
+AGG_VALUES = t([[1.0, 2.0, 99.0], [3.0, 99.0, 99.0], [4.0, 5.0, 6.0]])
+AGG_DENOMS = Denoms(num_tokens=6.0, num_seqs=3.0, num_prompts=2.0)
+AGG_GROUP_TOKENS = t([3.0, 3.0, 3.0])
+
+
+@pytest.mark.parametrize("agg, expected", [
+    ("token_mean", 21.0 / 6.0),  # (1+2+3+4+5+6) / 6
+    ("seq_mean_token_mean", (1.5 + 3.0 + 5.0) / 3.0),  # row means 3/2, 3/1, 15/3 over 3 rows
+    ("seq_mean_token_sum", (3.0 + 3.0 + 15.0) / 3.0),  # row sums over 3 rows
+    ("prompt_mean_token_mean", ((3.0 + 3.0) / 3.0 + 15.0 / 3.0) / 2.0),  # prompt token means 2 and 5 over 2 prompts
+])
+def test_aggregations_by_hand(agg, expected):
+    assert float(aggregate(AGG_VALUES, AGG_MASK, agg=agg, denoms=AGG_DENOMS, group_tokens=AGG_GROUP_TOKENS)) == pytest.approx(expected)
+
+
+def assert_two_microbatches_equal_one_batch(agg):
+    # The same step as one batch and as microbatches [row 0] + [rows 1, 2], each with the step's global denominators:
+    # the losses must sum, and the gradients concatenate, to the one-batch values. Ratios e^+-0.3 exercise the clip.
+    args = LossArgs(agg=agg, kl_coef=0.1, entropy_coef=0.01)
+    logp = t([[-0.5, -1.0, 0.0], [-0.2, 0.0, 0.0], [-1.0, -0.1, -0.7]])
+    old = logp - t([[0.3, -0.3, 0.0], [0.1, 0.0, 0.0], [0.0, 0.05, -0.2]])
+    adv, entropy = t([[1.0, 1.0, 0.0], [-1.0, 0.0, 0.0], [0.5, 0.5, 0.5]]), t([[1.0, 2.0, 0.0], [3.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    rollout = old - 0.01
+
+    def run(rows):
+        x = logp[rows].clone().requires_grad_()
+        loss, _ = policy_loss(args, x, old[rows], adv[rows], AGG_MASK[rows], rollout_logp=rollout[rows], entropy=entropy[rows],
+                              denoms=AGG_DENOMS, group_tokens=AGG_GROUP_TOKENS[rows])
+        loss.backward()
+        return loss.detach(), x.grad
+
+    full_loss, full_grad = run(slice(0, 3))
+    (loss_a, grad_a), (loss_b, grad_b) = run(slice(0, 1)), run(slice(1, 3))
+    assert (loss_a + loss_b).item() == pytest.approx(full_loss.item())
+    assert torch.allclose(torch.cat([grad_a, grad_b]), full_grad)
+
+
+def test_accumulated_token_mean_over_two_microbatches_equals_one_batch():
+    assert_two_microbatches_equal_one_batch("token_mean")
+
+
+def test_accumulated_seq_mean_token_mean_over_two_microbatches_equals_one_batch():
+    assert_two_microbatches_equal_one_batch("seq_mean_token_mean")
+
+
+def test_accumulated_seq_mean_token_sum_over_two_microbatches_equals_one_batch():
+    assert_two_microbatches_equal_one_batch("seq_mean_token_sum")
+
+
+def test_accumulated_prompt_mean_token_mean_over_two_microbatches_equals_one_batch():
+    assert_two_microbatches_equal_one_batch("prompt_mean_token_mean")
+
+
+# --- value, SFT, mismatch
+
+
+def test_value_loss_takes_the_larger_of_clipped_and_unclipped_error():
+    # Token 0: v 1.5, old 1, R 2: unclipped (1.5-2)^2 = 0.25, clipped v 1.2 -> 0.64; max 0.64, half 0.32, clipped, grad 0.
+    # Token 1: v 1.1 inside the clip: (1.1-2)^2 = 0.81, half 0.405, grad (v - R)/N = -0.9/2 = -0.45. Loss (0.32+0.405)/2.
+    values = leaf([[1.5, 1.1]])
+    loss, metrics = compute_value_loss(LossArgs(value_clip=0.2), values, t([[1.0, 1.0]]), t([[2.0, 2.0]]), torch.tensor([[True, True]]), denoms=one_row(2))
+    loss.backward()
+    assert loss.item() == pytest.approx(0.3625) and close(values.grad, [[0.0, -0.45]])
+    assert metrics["loss/value"] == pytest.approx(0.3625) and metrics["loss/value_clip_frac"] == 0.5
+    # No clip: (0.25 + 0.81) / 2 / 2 = 0.265.
+    plain, _ = value_loss(values, t([[1.0, 1.0]]), t([[2.0, 2.0]]), torch.tensor([[True, True]]), clip=None, denoms=one_row(2))
+    assert plain.item() == pytest.approx(0.265)
+
+
+def test_sft_loss_is_token_nll_over_global_tokens():
+    # -ln0.5 - ln0.25 = 3ln2 over the step's 4 tokens (this microbatch holds 2): loss 3ln2/4, local mean nll 1.5ln2.
+    logp = leaf([[math.log(0.5), math.log(0.25), -math.inf]])
+    loss, metrics = sft_loss(logp, torch.tensor([[True, True, False]]), denoms=Denoms(num_tokens=4.0, num_seqs=2.0, num_prompts=1.0))
+    loss.backward()
+    assert loss.item() == pytest.approx(0.75 * LN2) and metrics["loss/sft_nll"] == pytest.approx(1.5 * LN2)
+    assert logp.grad.tolist() == [[-0.25, -0.25, 0.0]]
+
+
+def test_mismatch_metrics_by_hand():
+    # Delta = trainer - rollout = [1e-7, 1e-5, -0.5] (4th token masked). vllm_kl = mean(-Delta); k3 = e^D - 1 - D;
+    # abs mean = (1e-7 + 1e-5 + 0.5)/3; max 0.5; frac counts |Delta| > 1e-6: 1e-5 and 0.5, not 1e-7 -> 2/3.
+    rollout = t([[-1.0, -2.0, -0.5, -0.3]])
+    deltas = [1e-7, 1e-5, -0.5]
+    trainer = rollout + t([deltas + [5.0]])
+    m = mismatch_metrics(rollout, trainer, torch.tensor([[True, True, True, False]]))
+    assert m["loss/vllm_kl"] == pytest.approx(-sum(deltas) / 3)
+    assert m["loss/mismatch_k3"] == pytest.approx(sum(math.exp(d) - 1 - d for d in deltas) / 3)
+    assert m["loss/mismatch_abs"] == pytest.approx((1e-7 + 1e-5 + 0.5) / 3)
+    assert m["loss/mismatch_max_abs"] == pytest.approx(0.5) and m["loss/mismatch_frac"] == pytest.approx(2 / 3)
+
+
+def test_policy_loss_measures_mismatch_only_on_current_version_tokens():
+    # rollout - old = [0.5, 1.0], but the second token is one version stale: its gap is policy lag, not mismatch.
+    _, metrics = policy_loss(LossArgs(is_level="token"), leaf([[-1.0, -1.0]]), t([[-1.0, -1.0]]), t([[1.0, 1.0]]), torch.tensor([[True, True]]),
+                             rollout_logp=t([[-0.5, 0.0]]), versions=torch.tensor([[3, 2]]), current_version=3)
+    assert metrics["loss/mismatch_abs"] == pytest.approx(0.5) and metrics["loss/vllm_kl"] == pytest.approx(0.5)
+
+
+# --- flags and shapes
+
+
+@pytest.mark.parametrize("flags, flag", [
+    (dict(surrogate="trpo"), "--loss.surrogate"),
+    (dict(agg="sum"), "--loss.agg"),
+    (dict(clip_low=1.5), "--loss.clip_low"),
+    (dict(clip_high=-0.1), "--loss.clip_high"),
+    (dict(dual_clip=0.9), "--loss.dual_clip"),
+    (dict(is_band=(1.5, 5.0)), "--loss.is_band"),
+    (dict(is_band=(0.5, 0.9)), "--loss.is_band"),
+    (dict(is_band=(0.0, 2.0)), "--loss.is_band"),
+    (dict(max_token_lag=-1), "--loss.max_token_lag"),
+    (dict(kl_coef=-0.1), "--loss.kl_coef"),
+    (dict(value_clip=0.0), "--loss.value_clip"),
+    (dict(surrogate="cispo", dual_clip=3.0), "--loss.dual_clip with --loss.surrogate cispo"),
+    (dict(is_level="geo", is_mode="trunc"), "--loss.is_level geo with --loss.is_mode trunc"),
+    (dict(is_level="seq", is_mode="clip"), "--loss.is_level seq with --loss.is_mode clip"),
+])
+def test_loss_args_errors_name_the_flag(flags, flag):
+    with pytest.raises(ValueError, match=flag):
+        LossArgs(**flags)
+
+
+def test_allowed_combinations_construct():
+    LossArgs()
+    LossArgs(surrogate="cispo", is_level="token", is_mode="trunc", clip_low=1.0, clip_high=5.0)
+    LossArgs(is_level="seq", is_mode="mask")
+    LossArgs(is_level="geo", is_mode="mask")
+
+
+def test_bad_shapes_raise_naming_the_argument():
+    mask, x = torch.ones(2, 3, dtype=torch.bool), torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="old_logp"):
+        policy_loss(LossArgs(), x, torch.zeros(2, 2), x, mask)
+    with pytest.raises(ValueError, match="mask"):
+        policy_loss(LossArgs(), x, x, x, mask.float())
+    with pytest.raises(ValueError, match="group_tokens"):
+        aggregate(x, mask, agg="prompt_mean_token_mean", denoms=Denoms(6.0, 2.0, 1.0), group_tokens=torch.ones(3))
+    with pytest.raises(ValueError, match="returns"):
+        value_loss(x, x, torch.zeros(3), mask, clip=0.2, denoms=Denoms(6.0, 2.0, 1.0))
+    with pytest.raises(ValueError, match="trainer_logp"):
+        mismatch_metrics(x, torch.zeros(1, 3), mask)
