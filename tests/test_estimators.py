@@ -181,6 +181,14 @@ def test_gae_returns_are_unwhitened_advantages_plus_values():
     assert not torch.allclose(whitened, adv)
 
 
+def test_gae_kl_reward_enters_delta():
+    # kl_coef 0.5, kl (1, 1), values 0, gamma = lam = 1, reward 1: token rewards (-0.5, 1 - 0.5 = 0.5),
+    # delta = r (values are 0), A = (-0.5 + 0.5, 0.5) = (0, 0.5).
+    adv, _, _ = run("gae", rows(1), ids(0), ids(0), ones_mask(1, 2), values=torch.zeros(1, 2, dtype=torch.float64),
+                    kl=rows(1, 1)[None], kl_coef=0.5, whiten=False)
+    close(adv, [[0.0, 0.5]])
+
+
 def test_gae_with_lambda_one_is_return_minus_value():
     # gamma = lam = 1: A_t = sum of later rewards - V_t = R - V_t on every action token.
     values = rows(0.25, 0.5, 0.75)[None]
@@ -193,13 +201,23 @@ def test_gae_with_lambda_one_is_return_minus_value():
 
 @pytest.mark.parametrize("name", ESTIMATORS)
 def test_non_action_tokens_get_zero_advantage(name):
-    mask = torch.tensor([[False, True, False, True], [True, True, False, False], [False, False, True, True], [False, False, False, False]])
+    mask = torch.tensor([[False, True, False, True], [True, True, False, False],
+                         [False, False, True, True], [False, False, False, False]])
     values = torch.full((4, 4), 0.3, dtype=torch.float64)
     kl = torch.full((4, 4), 0.2, dtype=torch.float64)
     adv, _, _ = run(name, rows(1, 0, 0.5, 1), ids(0, 0, 1, 1), ids(0, 1, 2, 3), mask, values=values, kl=kl)
     assert adv.shape == mask.shape
     assert adv[~mask].eq(0).all()
     assert adv[mask].ne(0).any()
+
+
+@pytest.mark.parametrize("name", ESTIMATORS)
+def test_batch_without_action_tokens_gives_zero_advantages_and_metrics(name):
+    mask = torch.zeros(2, 3, dtype=torch.bool)
+    adv, _, metrics = run(name, rows(1, 0), ids(0, 0), ids(0, 1), mask, values=torch.ones(2, 3, dtype=torch.float64))
+    assert adv.eq(0).all()
+    assert metrics["estimator/adv_max"] == metrics["estimator/adv_std"] == 0.0
+    assert metrics["estimator/zero_adv_groups"] == 1.0
 
 
 def test_metrics_report_share_of_groups_with_all_zero_advantages():
@@ -213,7 +231,7 @@ def test_metrics_report_share_of_groups_with_all_zero_advantages():
 def test_gae_metrics_include_returns_mean():
     # whiten off, gamma = lam = 1, one row with reward 2 and values 0.5, 1.5: returns = 2, 2 -> mean 2.
     values = rows(0.5, 1.5)[None]
-    _, returns, metrics = run("gae", rows(2), ids(0), ids(0), ones_mask(1, 2), values=values, whiten=False)
+    _, _, metrics = run("gae", rows(2), ids(0), ids(0), ones_mask(1, 2), values=values, whiten=False)
     assert metrics["estimator/returns_mean"] == pytest.approx(2.0)
     assert "estimator/returns_mean" not in run("grpo", rows(2), ids(0), ids(0), ones_mask(1, 2))[2]
 
@@ -235,8 +253,10 @@ GOOD = dict(rewards=rows(1, 0), group_ids=ids(0, 0), episode_ids=ids(0, 1), mask
     ("rewards", rows(1, 0)[:, None]),
     ("rewards", rows()),
     ("rewards", rows(1, float("nan"))),
+    ("rewards", ids(1, 0)),
     ("mask", ones_mask(3, 3)),
     ("mask", torch.ones(2, 3)),
+    ("mask", torch.ones(2, 0, dtype=torch.bool)),
     ("group_ids", ids(0, 0, 0)),
     ("episode_ids", ids(0)),
 ])
@@ -251,6 +271,12 @@ def test_gae_needs_values_of_the_mask_shape():
         compute_advantages(EstimatorArgs(name="gae"), **GOOD)
     with pytest.raises(ValueError, match="values"):
         compute_advantages(EstimatorArgs(name="gae"), **GOOD, values=torch.zeros(2, 4))
+
+
+def test_values_that_require_grad_are_rejected():
+    values = torch.zeros(2, 3, requires_grad=True)
+    with pytest.raises(ValueError, match="values"):
+        compute_advantages(EstimatorArgs(name="gae"), **GOOD, values=values)
 
 
 def test_episode_whose_rows_disagree_is_rejected():

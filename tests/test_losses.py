@@ -116,13 +116,14 @@ def test_ppo_clip_by_hand():
 
 
 def test_dual_clip_bounds_negative_advantage_loss():
-    # r = 10, A = -1: PPO gives max(-10*-1, -1.2*-1) = 10; dual clip c = 3 caps it at -c*A = 3, gradient 0.
-    logp, old, adv, mask = leaf([[math.log(10.0)]]), t([[0.0]]), t([[-1.0]]), torch.tensor([[True]])
+    # Token 0: r = 10, A = -1: PPO gives max(-10*-1, -1.2*-1) = 10; dual clip c = 3 caps it at -c*A = 3, gradient 0.
+    # Token 1: r = 2, A = -1: PPO gives 2 < 3, so the bound leaves it alone: loss 2, gradient -r*A = 2.
+    logp, old, adv, mask = leaf([[math.log(10.0), math.log(2.0)]]), t([[0.0, 0.0]]), t([[-1.0, -1.0]]), torch.tensor([[True, True]])
     plain, _ = ppo(logp, old, adv, mask, clip_low=0.2, clip_high=0.2, dual_clip=None)
     bounded, clipped = ppo(logp, old, adv, mask, clip_low=0.2, clip_high=0.2, dual_clip=3.0)
     bounded.sum().backward()
-    assert plain.item() == pytest.approx(10.0) and bounded.item() == pytest.approx(3.0)
-    assert bool(clipped) and logp.grad.item() == 0.0
+    assert close(plain, [[10.0, 2.0]]) and close(bounded, [[3.0, 2.0]])
+    assert clipped.tolist() == [[True, False]] and close(logp.grad, [[0.0, 2.0]])
 
 
 def test_gspo_uses_one_sequence_ratio_and_reaches_every_token():
@@ -252,13 +253,15 @@ def test_check_versions_refuses_mixed_versions_without_importance_correction():
 
 def test_max_token_lag_zero_trains_only_current_tokens_without_correction():
     # versions [5, 4], current 5, lag 0: the stale token is dropped, so is_level off is allowed. Token 0: r = 1, A = 1
-    # -> -1; the dropped token still counts in num_tokens = 2, so loss = -1/2, and its gradient is 0.
+    # -> -1, entropy bonus 0.1 * 1, KL to the rollout 0. The dropped token still counts in num_tokens = 2 but brings
+    # neither its loss, nor its entropy 5, nor its k2 = (-2 - -3)^2 / 2: loss = (-1 - 0.1) / 2 = -0.55, gradient 0 on it.
     logp = leaf([[-1.0, -2.0]])
-    loss, metrics = policy_loss(LossArgs(max_token_lag=0), logp, t([[-1.0, -2.0]]), t([[1.0, 1.0]]), torch.tensor([[True, True]]),
-                                versions=torch.tensor([[5, 4]]), current_version=5)
+    args = LossArgs(max_token_lag=0, entropy_coef=0.1, kl_coef=0.5, kl_estimator="k2")
+    loss, metrics = policy_loss(args, logp, t([[-1.0, -2.0]]), t([[1.0, 1.0]]), torch.tensor([[True, True]]), rollout_logp=t([[-1.0, -3.0]]),
+                                versions=torch.tensor([[5, 4]]), current_version=5, entropy=t([[1.0, 5.0]]))
     loss.backward()
-    assert loss.item() == pytest.approx(-0.5) and close(logp.grad, [[-0.5, 0.0]])
-    assert metrics["loss/stale_frac"] == 0.5
+    assert loss.item() == pytest.approx(-0.55) and close(logp.grad, [[-0.5, 0.0]])
+    assert metrics["loss/stale_frac"] == 0.5 and metrics["loss/entropy"] == 1.0 and metrics["loss/kl"] == 0.0
     with pytest.raises(ValueError, match="stale/mixed"):
         policy_loss(LossArgs(max_token_lag=1), logp, t([[-1.0, -2.0]]), t([[1.0, 1.0]]), torch.tensor([[True, True]]),
                     versions=torch.tensor([[5, 4]]), current_version=5)
