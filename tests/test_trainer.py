@@ -1,0 +1,330 @@
+"""trainer.py on CPU: real Ray actors, real FSDP2 (gloo) through NeMo AutoModel, the tiny chars model.
+
+References are independent of the trainer: a plain transformers forward of the same weights, the
+checkpoint's own safetensors file, and counts derived by hand. Trainer groups are module-scoped
+(each start costs ~15 s of imports); tests that need untouched weights say so and come first.
+"""
+import json
+import os
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from estimators import EstimatorArgs
+from generator import Segment
+from losses import LossArgs
+from trainer import (CkptArgs, FsdpArgs, TrainArgs, TrainerGroup, check_args, lr_at, plan_step, read_chat_jsonl,
+                     sft_batch)
+
+VOCAB = 72  # tiny_chars_model
+
+
+def make_segments(version: int = 0, *, groups: int = 3, per_group: int = 3, seed: int = 0, reward=None) -> list[Segment]:
+    """Prompt groups of random ids with random-length completions (ragged rows exercise padding)."""
+    rng = random.Random(seed)
+    segments = []
+    for g in range(groups):
+        prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randrange(3, 9))]
+        for k in range(per_group):
+            completion = [rng.randrange(3, VOCAB) for _ in range(rng.randrange(2, 10))]
+            mask = [False] * len(prompt) + [True] * len(completion)
+            segments.append(Segment(token_ids=prompt + completion, action_mask=mask,
+                                    logprobs=[-4.0 if m else 0.0 for m in mask], versions=[version if m else -1 for m in mask],
+                                    reward=rng.random() if reward is None else reward, episode_id=f"e{g}.{k}", group_id=f"g{g}"))
+    return segments
+
+
+def start_group(model_path, *, world_size=1, ckpt=None, loss=None, estimator=None, temperature=1.0, **train) -> TrainerGroup:
+    train = TrainArgs(**{"lr": 1e-3, "world_size": world_size, **train})
+    return TrainerGroup(model_path, train, FsdpArgs(), ckpt or CkptArgs(), loss or LossArgs(), estimator or EstimatorArgs(),
+                        temperature=temperature, gpus_per_rank=0)
+
+
+def exported(group: TrainerGroup) -> dict[str, torch.Tensor]:
+    return {name: tensor for bucket in group.export_weights(1) for name, tensor in bucket}
+
+
+def hf_logprobs(model, segments, temperature) -> list[torch.Tensor]:
+    """Reference: one plain transformers forward per row, log_softmax(logits / T) at the next token."""
+    out = []
+    with torch.no_grad():
+        for seg in segments:
+            ids = torch.tensor([seg.token_ids])
+            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].double() / temperature, -1)  # (T-1, V)
+            out.append(torch.cat([torch.zeros(1), logp.gather(-1, ids[0, 1:, None])[:, 0].float()]))
+    return out
+
+
+def hf_model_with(model_path, weights) -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert set(missing) <= {"lm_head.weight"} and not unexpected  # tied: lm_head is embed_tokens
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def ws1(ray_local, tiny_chars_model, tmp_path_factory):
+    group = start_group(tiny_chars_model, ckpt=CkptArgs(dir=str(tmp_path_factory.mktemp("ckpt")), save_hf=True))
+    yield group
+    group.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ws2(ray_local, tiny_chars_model):
+    group = start_group(tiny_chars_model, world_size=2)
+    yield group
+    group.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ws1_after_one_step(ws1):
+    """The world-size-1, one-microbatch reference step: (metrics, parameters after it)."""
+    assert ws1.version == 0, "this fixture needs the untouched weights"
+    metrics = ws1.train_step(make_segments())
+    return metrics, exported(ws1)
+
+
+# --- pure functions
+
+
+def test_microbatch_plan_bounds_padded_tokens_and_gives_every_rank_the_same_count():
+    lengths = [10, 3, 7, 7, 2, 9]
+    plan = plan_step(lengths, minibatches=2, dp_size=2, max_tokens=16)
+    # minibatch 0 = rows 0-2, minibatch 1 = rows 3-5 (contiguous); longest first to the least-loaded rank:
+    # mb0: 0 (10) -> rank 0, 2 (7) -> rank 1, 1 (3) -> rank 1 (load 7 < 10); rank 1 packs [2, 1]: 2 x 7 = 14 <= 16
+    assert plan[0] == [[[0]], [[2, 1]]]
+    # mb1: 5 (9) -> rank 0, 3 (7) -> rank 1, 4 (2) -> rank 1; [3, 4] = 2 x 7 = 14 <= 16
+    assert plan[1] == [[[5]], [[3, 4]]]
+    tight = plan_step(lengths, minibatches=1, dp_size=2, max_tokens=10)
+    assert [len(r) for r in tight[0]] == [len(tight[0][0])] * 2  # the short rank is padded with empty microbatches
+    for rank in tight[0]:
+        for micro in rank:
+            assert not micro or len(micro) * max(lengths[i] for i in micro) <= 10
+    assert sorted(i for rank in tight[0] for micro in rank for i in micro) == list(range(6))
+    with pytest.raises(ValueError, match="segment 0: 10 tokens > --train.max_tokens_per_microbatch 9"):
+        plan_step(lengths, minibatches=1, dp_size=1, max_tokens=9)
+
+
+def test_cosine_schedule_warms_up_then_decays_to_zero():
+    # warmup 2: steps 0, 1 -> 1/2, 2/2; then cos over steps 2..6: progress 0, 0.5, 1 -> 1, 0.5, 0
+    lr = [lr_at(s, lr=1.0, warmup_steps=2, schedule="cosine", total_steps=6) for s in (0, 1, 2, 4, 6, 9)]
+    assert lr == pytest.approx([0.5, 1.0, 1.0, 0.5, 0.0, 0.0], abs=1e-12)
+    assert lr_at(5, lr=0.1, warmup_steps=0, schedule="constant", total_steps=None) == 0.1
+
+
+def test_flag_combinations_are_refused_naming_the_flags():
+    with pytest.raises(ValueError, match="--train.schedule cosine with --train.total_steps"):
+        TrainArgs(schedule="cosine")
+    with pytest.raises(ValueError, match="--train.schedule 'linear'"):
+        TrainArgs(schedule="linear")
+    with pytest.raises(ValueError, match="--train.routing_replay"):
+        TrainArgs(routing_replay=True)
+    with pytest.raises(ValueError, match="--fsdp.cp_size"):
+        FsdpArgs(cp_size=2)
+    with pytest.raises(ValueError, match="--fsdp.tp_size > 1: .* q_norm/k_norm"):
+        FsdpArgs(tp_size=2)
+    with pytest.raises(ValueError, match="--ckpt.every / --ckpt.resume / --ckpt.save_hf without --ckpt.dir"):
+        CkptArgs(every=5)
+    with pytest.raises(ValueError, match="--estimator.name gae with --train.critic_lr None"):
+        check_args(TrainArgs(), FsdpArgs(), LossArgs(), EstimatorArgs(name="gae"), cuda=False)
+    with pytest.raises(ValueError, match="--estimator.name grpo with --train.critic_lr 0.1"):
+        check_args(TrainArgs(critic_lr=0.1), FsdpArgs(), LossArgs(), EstimatorArgs(), cuda=False)
+    with pytest.raises(ValueError, match="--fsdp.param_dtype bfloat16 on CPU"):
+        TrainerGroup("unused", TrainArgs(), FsdpArgs(param_dtype="bfloat16"), CkptArgs(), LossArgs(), EstimatorArgs(),
+                     temperature=1.0, gpus_per_rank=0)  # refused before any actor starts
+    with pytest.raises(ValueError, match="--fsdp.offload optimizer on CPU"):
+        check_args(TrainArgs(world_size=2), FsdpArgs(offload="optimizer"), LossArgs(), EstimatorArgs(), cuda=False)
+
+
+def test_sft_mask_covers_exactly_each_assistant_turn_and_its_end_token(tiny_chars_model, tmp_path):
+    path = tmp_path / "chat.jsonl"
+    messages = [{"role": "user", "content": "12"}, {"role": "assistant", "content": "34"},
+                 {"role": "user", "content": "5"}, {"role": "assistant", "content": "6"}]
+    path.write_text(json.dumps({"messages": messages}) + "\n")
+    tok = AutoTokenizer.from_pretrained(tiny_chars_model)
+    (seg,) = sft_batch(read_chat_jsonl(str(path)), tok)
+    # chars tokenizer: one token per character, role words and ChatML markers are single tokens:
+    #  0-6  <|im_start|> user \n 1 2 <|im_end|> \n       7-13  <|im_start|> assistant \n [3 4 <|im_end|>] \n
+    # 14-19 <|im_start|> user \n 5 <|im_end|> \n        20-25 <|im_start|> assistant \n [6 <|im_end|>] \n
+    tokens = tok.convert_ids_to_tokens(seg.token_ids)
+    assert [t for t, m in zip(tokens, seg.action_mask) if m] == ["3", "4", "<|im_end|>", "6", "<|im_end|>"]
+    assert [i for i, m in enumerate(seg.action_mask) if m] == [10, 11, 12, 23, 24]
+    seg.check()  # a valid Segment: versions 0 on action tokens, -1 elsewhere
+
+
+# --- the actor: forward consistency and refit export need the untouched weights
+
+
+def test_recomputed_logprobs_equal_hf_forward(ws2, tiny_chars_model):
+    assert ws2.version == 0, "needs the untouched weights"
+    segments = make_segments(groups=2, per_group=3, seed=1)
+    reference = AutoModelForCausalLM.from_pretrained(tiny_chars_model, dtype=torch.float32).eval()
+    ours = {}
+    for temperature in (1.0, 0.7):
+        ours[temperature] = ws2.logprobs(segments, temperature=temperature)
+        expected = hf_logprobs(reference, segments, temperature)
+        assert [len(x) for x in ours[temperature]] == [len(s.token_ids) for s in segments]
+        for row, (a, b) in enumerate(zip(ours[temperature], expected)):
+            assert torch.allclose(a, b, atol=1e-5, rtol=0), f"row {row} at T={temperature}: max diff {(a - b).abs().max()}"
+    assert (ours[1.0][0] - ours[0.7][0]).abs().max() > 0.1  # the temperature reaches the log-probs
+
+
+def test_refit_export_covers_every_parameter_once_with_its_dtype(ws1, tiny_chars_model):
+    assert ws1.version == 0, "needs the untouched weights"
+    on_disk = load_file(os.path.join(tiny_chars_model, "model.safetensors"))  # tied: no lm_head.weight in the file
+    buckets = list(ws1.export_weights(0.1))  # 0.1 MiB: several buckets, a larger tensor alone in its own
+    names = [name for bucket in buckets for name, _ in bucket]
+    assert len(buckets) > 1 and len(names) == len(set(names)) and set(names) == set(on_disk)
+    for bucket in buckets:
+        assert len(bucket) == 1 or sum(t.numel() * t.element_size() for _, t in bucket) <= 0.1 * 2**20
+        for name, tensor in bucket:
+            assert tensor.dtype == on_disk[name].dtype and torch.equal(tensor, on_disk[name]), name
+    assert all(t.dtype == torch.bfloat16 for b in ws1.export_weights(1, dtype=torch.bfloat16) for _, t in b)
+
+
+# --- the train step: sharding and microbatching do not change the math
+
+
+def test_world_size_2_step_equals_world_size_1_step(ws1_after_one_step, ws2, tiny_chars_model):
+    metrics1, params1 = ws1_after_one_step
+    metrics2 = ws2.train_step(make_segments())
+    params2 = exported(ws2)
+    initial = load_file(os.path.join(tiny_chars_model, "model.safetensors"))
+    assert max(float((params1[k] - initial[k]).abs().max()) for k in initial) > 1e-4  # the step moved the weights
+    for name in initial:
+        assert torch.allclose(params1[name], params2[name], atol=1e-5, rtol=0), name
+    assert metrics1["train/grad_norm"] == pytest.approx(metrics2["train/grad_norm"], rel=1e-5)
+    for key in ("train/loss", "train/lr", "train/step_s", "train/tokens_per_s", "loss/pg", "loss/vllm_kl",
+                "loss/mismatch_k3", "loss/entropy", "estimator/adv_std"):
+        assert key in metrics2
+    assert metrics1["train/version"] == metrics2["train/version"] == 1.0
+
+
+def test_accumulated_microbatches_equal_one_batch(ws1_after_one_step, ray_local, tiny_chars_model):
+    metrics_one, params_one = ws1_after_one_step
+    segments = make_segments()
+    lengths = [len(s.token_ids) for s in segments]
+    assert len(plan_step(lengths, minibatches=1, dp_size=1, max_tokens=20)[0][0]) >= 5  # really accumulates
+    group = start_group(tiny_chars_model, max_tokens_per_microbatch=20)
+    try:
+        metrics_acc = group.train_step(segments)
+        params_acc = exported(group)
+    finally:
+        group.shutdown()
+    # Adam's first step is lr * g / (|g| + eps): an element whose gradient nearly cancels turns fp32
+    # summation-order noise into a visible share of lr (measured: 1e-5 on one element of 16384), so the
+    # gradient norm is compared tightly and the parameters to 5% of one step.
+    assert metrics_acc["train/grad_norm"] == pytest.approx(metrics_one["train/grad_norm"], rel=1e-6)
+    for name, tensor in params_one.items():
+        assert torch.allclose(tensor, params_acc[name], atol=5e-5, rtol=0), name
+
+
+def test_gradient_checkpointing_changes_neither_the_step_nor_the_export_names(ws1_after_one_step, ray_local, tiny_chars_model):
+    metrics_one, params_one = ws1_after_one_step
+    group = TrainerGroup(tiny_chars_model, TrainArgs(lr=1e-3, world_size=2), FsdpArgs(gradient_checkpointing=True), CkptArgs(),
+                         LossArgs(), EstimatorArgs(), temperature=1.0, gpus_per_rank=0)
+    try:
+        metrics = group.train_step(make_segments())
+        params = exported(group)  # NeMo wraps each layer; the export must still use the HF names
+    finally:
+        group.shutdown()
+    assert set(params) == set(params_one)
+    assert metrics["train/grad_norm"] == pytest.approx(metrics_one["train/grad_norm"], rel=1e-5)
+    for name, tensor in params_one.items():
+        assert torch.allclose(tensor, params[name], atol=5e-5, rtol=0), name
+
+
+# --- checkpoints and exports
+
+
+def test_hf_export_reloads_with_identical_logits(ws1, ws1_after_one_step, tiny_chars_model, tmp_path):
+    path = ws1.save({"prompt_index": 3})
+    assert os.path.basename(path) == f"step_{ws1.step:06d}" and not os.path.exists(path + ".tmp")
+    reloaded = AutoModelForCausalLM.from_pretrained(os.path.join(path, "hf")).eval()
+    AutoTokenizer.from_pretrained(os.path.join(path, "hf"))  # the tokenizer travels with it
+    reference = hf_model_with(tiny_chars_model, exported(ws1))
+    ids = torch.tensor([make_segments(seed=2)[0].token_ids])
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=ids).logits, reference(input_ids=ids).logits)
+    segments = make_segments(seed=2)
+    for a, b in zip(ws1.logprobs(segments), hf_logprobs(reloaded, segments, 1.0)):
+        assert torch.allclose(a, b, atol=1e-5, rtol=0)
+    ws1.export_hf(str(tmp_path / "hf"))  # the same export outside a checkpoint (launch.py's SFT output)
+    standalone, in_checkpoint = load_file(tmp_path / "hf" / "model.safetensors"), load_file(os.path.join(path, "hf", "model.safetensors"))
+    assert standalone.keys() == in_checkpoint.keys() and all(torch.equal(standalone[k], in_checkpoint[k]) for k in standalone)
+
+
+def test_resume_is_bit_exact(ws1, ws1_after_one_step, ray_local, tiny_chars_model):
+    saved = ws1.save({"prompt_index": 12})
+    version = ws1.version
+    ws1.train_step(make_segments(version, seed=3))  # step n + 1, uninterrupted
+    uninterrupted = exported(ws1)
+    os.makedirs(os.path.join(ws1.ckpt.dir, "step_999999.tmp"))  # a half-written checkpoint is never picked up
+    resumed = TrainerGroup(tiny_chars_model, TrainArgs(lr=1e-3), FsdpArgs(), CkptArgs(dir=ws1.ckpt.dir, resume=True),
+                           LossArgs(), EstimatorArgs(), temperature=1.0, gpus_per_rank=0)  # new processes
+    try:
+        assert resumed.data_position == {"prompt_index": 12} and resumed.version == version
+        assert os.path.basename(saved) == f"step_{resumed.step:06d}"
+        resumed.train_step(make_segments(version, seed=3))
+        after = exported(resumed)
+    finally:
+        resumed.shutdown()
+    for name, tensor in uninterrupted.items():
+        assert torch.equal(tensor, after[name]), name
+
+
+# --- critic, SFT, bad input
+
+
+def test_critic_learns_constant_value(ray_local, tiny_chars_model):
+    # Every reward is 1 and gamma = lam = 1, so the GAE return at every action token is exactly 1:
+    # the critic's values there must approach 1. Policy lr 0 keeps policy == reference, so the k3 KL
+    # to the frozen reference model is exp(0) - 0 - 1 = 0 exactly.
+    group = start_group(tiny_chars_model, lr=0.0, critic_lr=3e-3, epochs=2, minibatches=2,
+                        loss=LossArgs(kl_ref="model"), estimator=EstimatorArgs(name="gae"))
+    try:
+        history = [group.train_step(make_segments(group.version, reward=1.0, seed=s)) for s in range(8)]
+    finally:
+        group.shutdown()
+    assert history[0]["train/value_mean"] < 0.5  # the value head starts at 0
+    assert history[-1]["train/value_mean"] == pytest.approx(1.0, abs=0.05)
+    assert history[-1]["loss/value"] < 0.01
+    assert all(m["loss/kl"] == 0.0 for m in history) and history[-1]["train/version"] == 8 * 4
+
+
+def test_sft_loss_only_on_assistant_tokens(ws1, tiny_chars_model):
+    tok = AutoTokenizer.from_pretrained(tiny_chars_model)
+    examples = [{"messages": [{"role": "user", "content": "12"}, {"role": "assistant", "content": "34"}]},
+                {"messages": [{"role": "user", "content": "7"}, {"role": "assistant", "content": "8"},
+                              {"role": "user", "content": "9"}, {"role": "assistant", "content": "0"}]}]
+    segments = sft_batch(examples, tok)
+    reference = hf_model_with(tiny_chars_model, exported(ws1))  # the weights the step starts from
+    nll = [-lp[torch.tensor(s.action_mask)] for s, lp in zip(segments, hf_logprobs(reference, segments, 1.0))]
+    metrics = ws1.sft_step(segments)
+    # the loss is the mean NLL over exactly the assistant tokens (3 + 2 + 2 of them), nothing else
+    assert sum(len(x) for x in nll) == 7
+    assert metrics["loss/sft_nll"] == pytest.approx(float(torch.cat(nll).mean()), abs=1e-5)
+    assert metrics["train/loss"] == pytest.approx(float(torch.cat(nll).mean()), abs=1e-5)
+
+
+def test_bad_batches_are_refused_naming_the_segment(ws1, ws1_after_one_step):
+    segments = make_segments(ws1.version)
+    segments[1].action_mask = segments[1].action_mask[:-1]
+    with pytest.raises(ValueError, match="segment 1: segment 'e0.1': action_mask has"):
+        ws1.train_step(segments)
+    with pytest.raises(ValueError, match="segments: empty batch"):
+        ws1.train_step([])
+    prompt_only = make_segments(ws1.version)[:1]
+    prompt_only[0].action_mask = [False] * len(prompt_only[0].token_ids)
+    prompt_only[0].logprobs, prompt_only[0].versions = [0.0] * len(prompt_only[0].token_ids), [-1] * len(prompt_only[0].token_ids)
+    with pytest.raises(ValueError, match="no action token"):
+        ws1.train_step(prompt_only)
+    # the version guard: tokens the trainer's weights did not sample need an importance correction
+    assert ws1.version >= 1
+    with pytest.raises(ValueError, match="stale/mixed policy versions"):
+        ws1.train_step(make_segments(ws1.version - 1))
+    with pytest.raises(ValueError, match="newer"):
+        ws1.train_step(make_segments(ws1.version + 1))

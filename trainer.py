@@ -1,0 +1,723 @@
+"""Trainer: the one FSDP2 policy actor. Load, shard, recompute log-probs, train, export for refit, checkpoint.
+
+Shapes: B rows (segments), T tokens (the longest row of the batch or microbatch), V vocabulary.
+Contract: TrainerGroup(model_path, train, fsdp, ckpt, loss, estimator, temperature=...) starts
+--train.world_size Ray actors, one rank each, in one process group (gloo on CPU, NCCL on GPU).
+train_step(segments) -> metrics runs one RL step; sft_step(segments) trains token NLL on the action
+tokens; logprobs(segments) -> [(T,)] recomputes log-probs of logits / temperature;
+export_weights(bucket_mb) yields lists of (HF name, full tensor); save/load/--ckpt.resume use
+torch.distributed.checkpoint. Every rank receives the whole batch and derives the same plan,
+advantages and loss denominators from it; besides the model's own collectives, ranks only
+all-reduce the no-grad pass's per-row results (a gather) and each step's loss (a metric).
+Not here: sampling (generator.py), advantage and loss math (estimators.py, losses.py), the loop and
+the refit transport (launch.py). Refused with a message: context and expert parallelism, routing
+replay (the trainer cannot yet force the engine's expert choices).
+"""
+import json
+import math
+import os
+import random
+import re
+import shutil
+import socket
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import ray
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+from estimators import EstimatorArgs, compute_advantages
+from generator import Segment
+from losses import Denoms, LossArgs, compute_policy_loss, compute_value_loss, sft_loss
+
+SCHEDULES = ("constant", "cosine")
+OFFLOADS = ("none", "optimizer")
+PARAM_DTYPES = ("float32", "bfloat16")
+WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt)$|.*\.safetensors\.index\.json$")  # not copied into an HF export
+
+
+@dataclass
+class TrainArgs:
+    lr: float = field(default=1e-5, metadata={"help": "AdamW peak learning rate of the policy"})
+    warmup_steps: int = field(default=0, metadata={"help": "optimizer steps of linear warmup from lr/warmup_steps to lr"})
+    schedule: str = field(default="constant", metadata={"help": "learning rate after warmup", "choices": SCHEDULES})
+    total_steps: int | None = field(default=None, metadata={"help": "optimizer steps at which cosine reaches 0 (needed by --train.schedule cosine)"})
+    betas: tuple[float, float] = field(default=(0.9, 0.999), metadata={"help": "AdamW beta1 beta2"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW decoupled weight decay"})
+    grad_clip: float | None = field(default=1.0, metadata={"help": "clip the global gradient norm to this; None = no clip (the norm is logged either way)"})
+    epochs: int = field(default=1, metadata={"help": "passes over each batch (PPO-style reuse)"})
+    minibatches: int = field(default=1, metadata={"help": "optimizer steps per pass: the batch is cut into this many slices"})
+    max_tokens_per_microbatch: int = field(default=4096, metadata={"help": "padded tokens (rows x longest row) per forward; bounds activation memory"})
+    world_size: int = field(default=1, metadata={"help": "trainer ranks (Ray actors), one process group"})
+    critic_lr: float | None = field(default=None, metadata={"help": "AdamW learning rate of the critic (a value head on a copy of the model); set iff --estimator.name gae"})
+    batch_prompts: int = field(default=8, metadata={"help": "prompt groups per train step (read by launch.py's loop; SFT: examples per step)"})
+    max_staleness: int = field(default=0, metadata={"help": "policy versions a batch may lag the trainer (read by launch.py's loop); 0 = strictly on-policy"})
+    partial_rollout: bool = field(default=False, metadata={"help": "keep in-flight requests across a refit, so one sequence can mix versions (read by launch.py)"})
+    routing_replay: bool = field(default=False, metadata={"help": "MoE: replay the engine's expert choices in the trainer's forward (not supported yet)"})
+    seed: int = field(default=0, metadata={"help": "torch / python / numpy seed of every rank"})
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"--train.schedule {self.schedule!r}: unknown; choose one of {', '.join(SCHEDULES)}")
+        if not self.lr >= 0.0 or (self.critic_lr is not None and not self.critic_lr > 0.0):
+            raise ValueError(f"--train.lr {self.lr} / --train.critic_lr {self.critic_lr}: lr must be >= 0 and critic_lr > 0 (or None)")
+        if self.schedule == "cosine" and (self.total_steps is None or self.total_steps <= self.warmup_steps):
+            raise ValueError(f"--train.schedule cosine with --train.total_steps {self.total_steps}: cosine decays to 0 at total_steps, which must exceed --train.warmup_steps {self.warmup_steps}; set it")
+        if self.schedule == "constant" and self.total_steps is not None:
+            raise ValueError("--train.total_steps with --train.schedule constant: only cosine reads it; unset it or set --train.schedule cosine")
+        if not all(0.0 <= b < 1.0 for b in self.betas) or self.weight_decay < 0.0:
+            raise ValueError(f"--train.betas {self.betas} / --train.weight_decay {self.weight_decay}: betas must be in [0, 1), weight_decay >= 0")
+        if self.grad_clip is not None and not self.grad_clip > 0.0:
+            raise ValueError(f"--train.grad_clip {self.grad_clip}: must be > 0, or None for no clipping")
+        if min(self.epochs, self.minibatches, self.max_tokens_per_microbatch, self.world_size, self.batch_prompts) < 1 or min(self.warmup_steps, self.max_staleness) < 0:
+            raise ValueError("--train.epochs, --train.minibatches, --train.max_tokens_per_microbatch, --train.world_size, --train.batch_prompts must be >= 1; --train.warmup_steps, --train.max_staleness >= 0")
+        if self.routing_replay:
+            raise ValueError("--train.routing_replay: the trainer cannot yet force the engine's expert choices in its forward; leave it off and watch loss/mismatch_* (and see --vllm.return_routed_experts)")
+
+
+@dataclass
+class FsdpArgs:
+    tp_size: int = field(default=1, metadata={"help": "tensor-parallel ranks (not supported yet: NeMo's TP plan for HF Qwen3 mis-reduces q_norm/k_norm gradients)"})
+    cp_size: int = field(default=1, metadata={"help": "context-parallel ranks (not supported yet: needs sequence-sharded inputs)"})
+    ep_size: int = field(default=1, metadata={"help": "expert-parallel ranks for MoE (not supported yet: needs NeMo's own MoE classes)"})
+    offload: str = field(default="none", metadata={"help": "optimizer: FSDP2 CPUOffloadPolicy keeps sharded params, grads and AdamW state in host memory (GPU only)", "choices": OFFLOADS})
+    param_dtype: str = field(default="float32", metadata={"help": "compute dtype of the forward/backward; master weights and AdamW state stay float32", "choices": PARAM_DTYPES})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute each decoder layer's activations in backward (NeMo's activation checkpointing)"})
+
+    def __post_init__(self):
+        if self.offload not in OFFLOADS or self.param_dtype not in PARAM_DTYPES:
+            raise ValueError(f"--fsdp.offload {self.offload!r} / --fsdp.param_dtype {self.param_dtype!r}: choose from {OFFLOADS} / {PARAM_DTYPES}")
+        if min(self.tp_size, self.cp_size, self.ep_size) < 1:
+            raise ValueError("--fsdp.tp_size, --fsdp.cp_size, --fsdp.ep_size must be >= 1")
+        if self.tp_size > 1:
+            raise ValueError("--fsdp.tp_size > 1: with NeMo AutoModel 0.7.0's TP plan, HF Qwen3's q_norm/k_norm weights get gradients from their own heads only (measured: they leave the world-size-1 step by a full lr); set 1")
+        if self.cp_size > 1:
+            raise ValueError("--fsdp.cp_size > 1: context parallelism needs sequence-sharded inputs, which trainer.py does not build yet; set 1")
+        if self.ep_size > 1:
+            raise ValueError("--fsdp.ep_size > 1: NeMo's expert parallelism needs its own MoE classes, whose parameter names differ from the HF names refit uses; set 1")
+
+
+@dataclass
+class CkptArgs:
+    dir: str | None = field(default=None, metadata={"help": "checkpoint root: step_NNNNNN/ directories are written here"})
+    every: int = field(default=0, metadata={"help": "save after every N train steps; 0 = only when the caller asks"})
+    keep: int = field(default=2, metadata={"help": "keep the newest K checkpoints, delete older ones"})
+    resume: bool = field(default=False, metadata={"help": "start from the newest complete checkpoint under --ckpt.dir"})
+    save_hf: bool = field(default=False, metadata={"help": "also write an HF safetensors directory (hf/) into every checkpoint"})
+
+    def __post_init__(self):
+        if self.every < 0 or self.keep < 1:
+            raise ValueError(f"--ckpt.every {self.every} / --ckpt.keep {self.keep}: need every >= 0 and keep >= 1")
+        if self.dir is None and (self.every > 0 or self.resume or self.save_hf):
+            raise ValueError("--ckpt.every / --ckpt.resume / --ckpt.save_hf without --ckpt.dir: there is nowhere to write or read; set --ckpt.dir")
+
+
+def check_args(train: TrainArgs, fsdp: FsdpArgs, loss: LossArgs, estimator: EstimatorArgs, *, cuda: bool) -> None:
+    """Rules that span files or depend on the machine; checked before any actor starts."""
+    if not cuda and fsdp.param_dtype != "float32":
+        raise ValueError("--fsdp.param_dtype bfloat16 on CPU: the CPU path trains in float32 (and vLLM-CPU samples in float32); set --fsdp.param_dtype float32")
+    if not cuda and fsdp.offload != "none":
+        raise ValueError("--fsdp.offload optimizer on CPU: the weights already live in host memory; set --fsdp.offload none")
+    if fsdp.offload != "none" and train.world_size == 1:
+        raise ValueError("--fsdp.offload optimizer with one data-parallel rank: NeMo's FSDP2 does not shard (nor offload) then; set --fsdp.offload none or raise --train.world_size")
+    if (estimator.name == "gae") != (train.critic_lr is not None):
+        raise ValueError(f"--estimator.name {estimator.name} with --train.critic_lr {train.critic_lr}: gae needs a critic and only gae uses one; set both or neither")
+    if estimator.kl_coef > 0.0 and loss.kl_ref != "model":
+        raise ValueError("--estimator.kl_coef > 0 with --loss.kl_ref rollout: the per-token KL reward is measured against a frozen reference model; set --loss.kl_ref model")
+
+
+# --- pure functions: batch layout, log-probs, schedule, gradient norm, SFT rows
+
+
+def collate(segments: list[Segment]) -> dict[str, torch.Tensor]:
+    """The whole batch as right-padded (B, T) tensors plus per-row (B,) ones; ValueError names the first bad segment."""
+    if not segments:
+        raise ValueError("segments: empty batch; train_step needs at least one segment with an action token")
+    for i, seg in enumerate(segments):
+        try:
+            seg.check()
+        except ValueError as e:
+            raise ValueError(f"segment {i}: {e}") from None
+        if not seg.token_ids or seg.action_mask[0]:
+            raise ValueError(f"segment {i} ({seg.episode_id!r}): empty, or its first token is an action (nothing precedes it to predict it from)")
+        if not math.isfinite(seg.reward):
+            raise ValueError(f"segment {i} ({seg.episode_id!r}): reward {seg.reward} is not finite")
+    if not any(any(seg.action_mask) for seg in segments):
+        raise ValueError("segments: no action token in the whole batch; there is nothing to train")
+    B, T = len(segments), max(len(seg.token_ids) for seg in segments)
+    ids, mask = torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, dtype=torch.bool)  # (B, T)
+    rollout_logp, versions = torch.zeros(B, T), torch.full((B, T), -1, dtype=torch.long)  # (B, T)
+    for i, seg in enumerate(segments):
+        n = len(seg.token_ids)
+        ids[i, :n], mask[i, :n] = torch.tensor(seg.token_ids), torch.tensor(seg.action_mask)
+        rollout_logp[i, :n], versions[i, :n] = torch.tensor(seg.logprobs), torch.tensor(seg.versions)
+    group_index = {g: k for k, g in enumerate(dict.fromkeys(seg.group_id for seg in segments))}
+    episode_index = {e: k for k, e in enumerate(dict.fromkeys(seg.episode_id for seg in segments))}
+    return {"ids": ids, "mask": mask, "rollout_logp": rollout_logp, "versions": versions,
+            "rewards": torch.tensor([float(seg.reward) for seg in segments]),  # (B,)
+            "group_ids": torch.tensor([group_index[seg.group_id] for seg in segments]),  # (B,)
+            "episode_ids": torch.tensor([episode_index[seg.episode_id] for seg in segments]),  # (B,)
+            "lengths": torch.tensor([len(seg.token_ids) for seg in segments])}  # (B,)
+
+
+def plan_step(lengths: list[int], *, minibatches: int, dp_size: int, max_tokens: int) -> list[list[list[list[int]]]]:
+    """Row indices as [minibatch][dp rank][microbatch]. Minibatches are contiguous slices of the batch; a
+    minibatch's rows go longest first to the least-loaded rank; a rank's rows fill microbatches of at most
+    max_tokens padded tokens (rows x longest row). Short ranks get empty microbatches, because every FSDP
+    rank must run every forward."""
+    if len(lengths) < minibatches:
+        raise ValueError(f"--train.minibatches {minibatches}: the batch has only {len(lengths)} segments")
+    for i, n in enumerate(lengths):
+        if n > max_tokens:
+            raise ValueError(f"segment {i}: {n} tokens > --train.max_tokens_per_microbatch {max_tokens}; raise the flag or cap the episode length")
+    plan = []
+    for chunk in torch.arange(len(lengths)).tensor_split(minibatches):
+        rows = sorted(chunk.tolist(), key=lambda i: -lengths[i])  # stable: ties keep batch order
+        per_rank, load = [[] for _ in range(dp_size)], [0] * dp_size
+        for i in rows:
+            r = load.index(min(load))
+            per_rank[r].append(i)
+            load[r] += lengths[i]
+        micro = [[] for _ in range(dp_size)]
+        for r, rank_rows in enumerate(per_rank):
+            for i in rank_rows:  # longest first, so a microbatch's first row sets its padded length
+                if micro[r] and (len(micro[r][-1]) + 1) * lengths[micro[r][-1][0]] <= max_tokens:
+                    micro[r][-1].append(i)
+                else:
+                    micro[r].append([i])
+        depth = max(len(m) for m in micro)
+        plan.append([m + [[] for _ in range(depth - len(m))] for m in micro])
+    return plan
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float, *, entropy: bool, entropy_grad: bool):
+    """log p(ids_t | ids_<t) under softmax(logits / temperature) (B, T), and when asked the entropy of that
+    distribution (B, T), both 0 at t = 0. Full-vocabulary tensors exist only for this microbatch (logsumexp + gather)."""
+    scaled = logits[:, :-1].float() / temperature  # (B, T-1, V): position t predicts token t+1
+    lse = torch.logsumexp(scaled, dim=-1)  # (B, T-1)
+    logp = scaled.gather(-1, ids[:, 1:, None]).squeeze(-1) - lse  # (B, T-1)
+    if not entropy:
+        return torch.nn.functional.pad(logp, (1, 0)), None
+    with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+        h = lse - (torch.softmax(scaled, dim=-1) * scaled).sum(-1)  # (B, T-1): H = logsumexp(z) - E_p[z]
+    return torch.nn.functional.pad(logp, (1, 0)), torch.nn.functional.pad(h, (1, 0))  # (B, T)
+
+
+def lr_at(step: int, *, lr: float, warmup_steps: int, schedule: str, total_steps: int | None) -> float:
+    """Learning rate of optimizer step `step` (0-based): linear warmup, then constant, or cosine to 0 at total_steps."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    if schedule == "constant":
+        return lr
+    elif schedule == "cosine":
+        progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
+        return lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        raise ValueError(f"--train.schedule {schedule!r}: unknown; choose one of {', '.join(SCHEDULES)}")
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None) -> float:
+    """Global L2 norm of the gradients over all ranks; scale them down to max_norm when above it. Gradients
+    are grouped by device mesh (a DTensor norm reduces over its own mesh only) and each group reduced once."""
+    groups = {}
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
+    norms = []
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)  # () partial over ranks for DTensors
+        norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float().cpu())
+    total = float(torch.stack(norms).norm()) if norms else 0.0
+    if max_norm is not None and total > max_norm:
+        for grads in groups.values():
+            torch._foreach_mul_(grads, max_norm / (total + 1e-6))
+    return total
+
+
+def merge_metrics(records: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
+    """Weighted mean of each key over (weight, metrics) records from every rank; keys naming a max or a min
+    take the max or min. A weight is a record's action tokens (1 for per-step records)."""
+    out, weights = {}, {}
+    for weight, metrics in records:
+        if weight <= 0:
+            continue
+        for key, value in metrics.items():
+            if key.endswith("_max") or "max_" in key:
+                out[key] = max(out.get(key, -math.inf), value)
+            elif key.endswith("_min"):
+                out[key] = min(out.get(key, math.inf), value)
+            else:
+                out[key] = out.get(key, 0.0) + weight * value
+                weights[key] = weights.get(key, 0.0) + weight
+    return {k: v / weights[k] if k in weights else v for k, v in out.items()}
+
+
+def read_chat_jsonl(path: str) -> list[dict]:
+    """Examples {"messages": [{"role", "content"}, ...]} from a JSONL file; ValueError names the bad line."""
+    examples = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                example = json.loads(line)
+                if not isinstance(example, dict) or not isinstance(example.get("messages"), list):
+                    raise ValueError(f"{path}:{n}: expected an object with a \"messages\" list")
+                examples.append(example)
+    return examples
+
+
+def sft_batch(examples: list[dict], tokenizer, *, end_token: str = "<|im_end|>") -> list[Segment]:
+    """Chat examples -> Segments whose action tokens are each assistant turn's tokens after the template's
+    `<|im_start|>assistant\\n` up to and including its closing end_token (the newline after it is glue).
+    Token-exact: each turn's boundaries come from rendering the message prefixes with the chat template,
+    and every prefix must be a token prefix of the full rendering, else ValueError. SFT rows carry version 0."""
+    end_id = tokenizer.convert_tokens_to_ids(end_token)
+    if end_id is None or end_id == tokenizer.unk_token_id:
+        raise ValueError(f"end_token {end_token!r}: not a single token of this tokenizer; pass the template's end-of-turn token")
+    segments = []
+    for i, example in enumerate(examples):
+        messages = example["messages"]
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+        mask = [False] * len(ids)
+        for turn, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            if turn == 0:
+                raise ValueError(f"example {i}: starts with an assistant turn; nothing precedes it to condition on")
+            start = len(before := tokenizer.apply_chat_template(messages[:turn], tokenize=True, add_generation_prompt=True, return_dict=False))
+            upto = tokenizer.apply_chat_template(messages[:turn + 1], tokenize=True, return_dict=False)
+            if ids[:start] != before or ids[:len(upto)] != upto or end_id not in upto[start:]:
+                raise ValueError(f"example {i}, message {turn}: the chat template does not render this prefix as a token prefix of the conversation (or the turn lacks {end_token}); SFT masks would be misplaced")
+            stop = len(upto) - upto[::-1].index(end_id)  # one past the turn's last end_token
+            mask[start:stop] = [True] * (stop - start)
+        segments.append(Segment(token_ids=ids, action_mask=mask, logprobs=[0.0] * len(ids),
+                                versions=[0 if m else -1 for m in mask], episode_id=f"sft-{i}", group_id=f"sft-{i}",
+                                finish_reason="stop"))
+    return segments
+
+
+# --- checkpoint directories: step_NNNNNN is complete, step_NNNNNN.tmp is being written
+
+
+def checkpoint_dirs(root: str) -> list[str]:
+    """Complete checkpoints under root, oldest first (a .tmp directory is never listed)."""
+    if not os.path.isdir(root):
+        return []
+    steps = sorted(int(m.group(1)) for name in os.listdir(root) if (m := re.fullmatch(r"step_(\d+)", name)))
+    return [os.path.join(root, f"step_{s:06d}") for s in steps]
+
+
+def export_name(name: str) -> str:
+    """The HF parameter name: activation checkpointing and torch.compile wrap modules and insert these segments."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+# --- one rank: its shard of the policy (and critic, reference), its optimizers; a Ray actor
+
+
+class TrainerRank:
+    """One trainer rank. The driver (TrainerGroup) calls every method on every rank at once."""
+
+    def __init__(self, rank: int, world_size: int, model_path: str, train: TrainArgs, fsdp: FsdpArgs,
+                 ckpt: CkptArgs, loss: LossArgs, estimator: EstimatorArgs, temperature: float):
+        self.rank, self.world_size, self.model_path, self.temperature = rank, world_size, model_path, temperature
+        self.train, self.fsdp, self.ckpt, self.loss, self.estimator = train, fsdp, ckpt, loss, estimator
+        self.cuda = torch.cuda.is_available()
+        self.device = torch.device("cuda", 0) if self.cuda else torch.device("cpu")  # Ray shows each rank its GPU as 0
+        if not self.cuda:
+            torch.set_num_threads(1)  # ranks share the cores; one thread each is fastest and deterministic
+        self.step, self.version = 0, 0  # train steps taken; optimizer steps taken (0 = the loaded weights)
+
+    def address(self) -> tuple[str, int]:
+        """This node's IP and a free port: rank 0 hosts the process group's rendezvous."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def setup(self, master_addr: str, master_port: int) -> None:
+        """Join the process group, load and shard the models, build the optimizers."""
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
+                          WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
+        if self.cuda:
+            torch.cuda.set_device(self.device)
+        dist.init_process_group("nccl" if self.cuda else "gloo", rank=self.rank, world_size=self.world_size)
+        torch.manual_seed(self.train.seed)
+        random.seed(self.train.seed)
+        np.random.seed(self.train.seed)
+        from nemo_automodel.components.distributed.config import DistributedSetup, FSDP2Config  # rank-only: ~10 s of imports
+        from nemo_automodel.components.distributed.mesh import ParallelismSizes
+        compute_dtype = torch.bfloat16 if self.fsdp.param_dtype == "bfloat16" else torch.float32
+        self.dist_setup = DistributedSetup.build(
+            FSDP2Config(mp_policy=MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32),
+                        offload_policy=CPUOffloadPolicy() if self.fsdp.offload == "optimizer" else None),
+            parallelism_sizes=ParallelismSizes(tp_size=self.fsdp.tp_size, cp_size=self.fsdp.cp_size, ep_size=self.fsdp.ep_size),
+            activation_checkpointing=self.fsdp.gradient_checkpointing, world_size=self.world_size)
+        dp_mesh = self.dist_setup.mesh_context.device_mesh["dp"]
+        self.dp_rank, self.dp_size, self.dp_group = dp_mesh.get_local_rank(), dp_mesh.size(), dp_mesh.get_group()
+        self.model = self.build(AutoModelForCausalLM)
+        # NeMo does not call fully_shard with one data-parallel rank, so its mixed-precision cast never happens: autocast instead.
+        self.autocast = compute_dtype != torch.float32 and not isinstance(self.model, FSDPModule)
+        adamw = lambda params: torch.optim.AdamW(params, lr=0.0, betas=self.train.betas, weight_decay=self.train.weight_decay)  # lr: set before each step
+        self.optimizer = adamw(self.model.parameters())
+        self.entropy_grad = self.loss.entropy_coef != 0.0  # entropy is logged always; it needs a graph only in the loss
+        self.ref = self.critic = self.critic_optimizer = None
+        if self.loss.kl_ref == "model":
+            self.ref = self.build(AutoModelForCausalLM).requires_grad_(False)  # the loaded weights, frozen
+        if self.train.critic_lr is not None:
+            self.critic = self.build(AutoModelForTokenClassification, num_labels=1)
+            self.critic_optimizer = adamw(self.critic.parameters())
+
+    def build(self, auto_class, **kwargs) -> torch.nn.Module:
+        """Load model_path in float32 (master weights) and shard it with NeMo AutoModel's FSDP2 parallelizer."""
+        if self.cuda:
+            import nemo_automodel
+            nemo_class = {AutoModelForCausalLM: nemo_automodel.NeMoAutoModelForCausalLM, AutoModelForTokenClassification: nemo_automodel.NeMoAutoModelForTokenClassification}[auto_class]
+            # force_hf: HF classes keep HF parameter names (refit, export); no Liger kernels: the same math as the engine
+            model = nemo_class.from_pretrained(self.model_path, dtype=torch.float32, force_hf=True, use_liger_kernel=False, **kwargs)
+        else:
+            model = auto_class.from_pretrained(self.model_path, dtype=torch.float32, **kwargs)  # NeMo's loader hard-codes CUDA
+        if auto_class is AutoModelForTokenClassification:
+            with torch.no_grad():  # the value head starts at V = 0, the same on every rank
+                model.score.weight.zero_()
+                model.score.bias.zero_()
+        from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
+        return parallelize_model(model.to(self.device), self.dist_setup.mesh_context)
+
+    # --- forwards: microbatches of rows, and the no-grad pass that every rank assembles into (B, T)
+
+    def plan(self, batch: dict, minibatches: int) -> list:
+        """plan_step for this batch on this trainer's dp ranks and microbatch bound."""
+        return plan_step(batch["lengths"].tolist(), minibatches=minibatches, dp_size=self.dp_size, max_tokens=self.train.max_tokens_per_microbatch)
+
+    def microbatch(self, batch: dict, rows: list[int]) -> dict[str, torch.Tensor]:
+        """The rows' tensors cropped to their longest row, on this rank's device; no rows give one masked pad token."""
+        if not rows:
+            return {k: torch.zeros_like(v[:1, :1] if v.ndim == 2 else v[:1]).to(self.device) for k, v in batch.items()}
+        width = int(batch["lengths"][rows].max())
+        return {k: (v[rows, :width] if v.ndim == 2 else v[rows]).to(self.device) for k, v in batch.items()}
+
+    def policy_logprobs(self, model, ids: torch.Tensor, temperature: float, *, entropy: bool = False):
+        """(B, T) log-probs of ids under model's logits / temperature, and (B, T) entropy when asked."""
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            logits = model(input_ids=ids, use_cache=False).logits  # (B, T, V)
+        return token_logprobs(logits, ids, temperature, entropy=entropy, entropy_grad=self.entropy_grad)
+
+    def critic_values(self, ids: torch.Tensor) -> torch.Tensor:
+        """(B, T) value of the state before each token: the head's output at the previous position."""
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            out = self.critic(input_ids=ids, use_cache=False).logits[..., 0]  # (B, T)
+        return torch.nn.functional.pad(out[:, :-1].float(), (1, 0))  # (B, T)
+
+    @torch.no_grad()
+    def forward_rows(self, fn, batch: dict, plan: list) -> torch.Tensor:
+        """fn(ids) -> (b, t) over this rank's rows of the plan, assembled into the whole batch's (B, T) on every rank."""
+        out = torch.zeros(batch["ids"].shape, device=self.device)  # (B, T)
+        for minibatch in plan:
+            for rows in minibatch[self.dp_rank]:
+                y = fn(self.microbatch(batch, rows)["ids"])  # (b, t)
+                if rows:
+                    out[rows, :y.shape[1]] = y.float()
+        dist.all_reduce(out, group=self.dp_group)  # rows are disjoint across dp ranks: the sum is a gather
+        return out.cpu()
+
+    # --- the train step: one flat sequence
+
+    def train_step(self, segments: list[Segment]) -> tuple[list[tuple[float, dict]], int]:
+        """One RL step on the whole batch: advantages, old log-probs, then epochs x minibatches optimizer steps.
+        Returns (weight, metrics) records for the driver to merge, and the policy version after the step."""
+        # --- rollout batch: the same padded tensors and the same plan on every rank
+        batch = collate(segments)
+        mask = batch["mask"]  # (B, T)
+        plan = self.plan(batch, self.train.minibatches)
+        start_version, records = self.version, []
+
+        # --- no-grad pass: old log-probs (the proximal policy), reference log-probs, critic values.
+        # Exactly on-policy with one optimizer step per batch, old = new.detach() and the pass is skipped.
+        on_policy = self.train.epochs == 1 and self.train.minibatches == 1 and bool((batch["versions"][mask] == self.version).all())
+        kl = None
+        if not on_policy or self.ref is not None:
+            batch["old_logp"] = self.forward_rows(lambda ids: self.policy_logprobs(self.model, ids, self.temperature)[0], batch, plan)
+        if self.ref is not None:
+            batch["ref_logp"] = self.forward_rows(lambda ids: self.policy_logprobs(self.ref, ids, self.temperature)[0], batch, plan)
+            kl = torch.where(mask, batch["old_logp"] - batch["ref_logp"], 0.0)  # (B, T) k1, for a KL reward in the estimator
+        if self.critic is not None:
+            batch["values"] = self.forward_rows(self.critic_values, batch, plan)
+
+        # --- advantages over the whole batch (estimators.py); gae turns the critic's values into returns
+        batch["adv"], returns, metrics = compute_advantages(self.estimator, batch["rewards"], batch["group_ids"], batch["episode_ids"], mask, values=batch.get("values"), kl=kl)
+        if returns is not None:
+            batch["returns"] = returns
+        records.append((1.0, metrics))
+
+        # --- epochs x minibatches: each minibatch is one optimizer step over every rank's microbatches
+        for _ in range(self.train.epochs):
+            for minibatch in plan:
+                # global denominators: every rank holds the whole batch, so these counts need no all-reduce
+                rows = [i for rank_rows in minibatch for micro in rank_rows for i in micro]
+                live = mask[rows].any(1)  # (b,) rows with an action token
+                denoms = Denoms(num_tokens=float(mask[rows].sum()), num_seqs=float(live.sum()),
+                                num_prompts=float(len(set(batch["group_ids"][rows][live].tolist()))))
+                group_tokens = torch.zeros(len(segments)).index_add_(0, batch["group_ids"][rows], mask[rows].sum(1).float())  # (P,)
+                step_loss = torch.zeros((), device=self.device)
+                for micro in minibatch[self.dp_rank]:
+                    x = self.microbatch(batch, micro)
+                    # new log-probs with gradient, then this microbatch's share of the policy loss (losses.py)
+                    logp, entropy = self.policy_logprobs(self.model, x["ids"], self.temperature, entropy=True)
+                    loss, loss_metrics = compute_policy_loss(
+                        self.loss, logp, x.get("old_logp", logp.detach()), x["rollout_logp"], x["adv"], x["mask"],
+                        versions=x["versions"], current_version=start_version, denoms=denoms,
+                        group_tokens=group_tokens.to(self.device)[x["group_ids"]], ref_logp=x.get("ref_logp"), entropy=entropy)
+                    # FSDP averages gradients over dp ranks; the shares already sum to the batch loss, so undo it
+                    (loss * self.dp_size).backward()
+                    step_loss += loss.detach()
+                    if self.critic is not None:  # the critic regresses the returns on the same tokens (losses.py)
+                        v = self.critic_values(x["ids"])  # (b, t)
+                        value_loss, value_metrics = compute_value_loss(self.loss, v, x["values"], x["returns"], x["mask"], denoms=denoms)
+                        (value_loss * self.dp_size).backward()
+                        loss_metrics.update(value_metrics)
+                        loss_metrics["train/value_mean"] = float((v.detach() * x["mask"]).sum() / x["mask"].sum().clamp(min=1))
+                    records.append((float(x["mask"].sum()) if micro else 0.0, loss_metrics))
+                # --- optimizer steps: the critic's, then the policy's (its version advances)
+                step_metrics = {}
+                if self.critic is not None:
+                    step_metrics["train/critic_grad_norm"], _ = self.optimizer_step(self.critic, self.critic_optimizer, self.train.critic_lr)
+                step_metrics.update(self.policy_step(step_loss))
+                records.append((1.0, step_metrics))
+        self.step += 1
+        return records, self.version
+
+    def optimizer_step(self, model, optimizer, base_lr: float) -> tuple[float, float]:
+        """Clip model's gradients, take one AdamW step at the scheduled lr; -> (gradient norm before clipping, lr)."""
+        grad_norm = clip_grad_norm(list(model.parameters()), self.train.grad_clip)
+        lr = lr_at(self.version, lr=base_lr, warmup_steps=self.train.warmup_steps, schedule=self.train.schedule, total_steps=self.train.total_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return grad_norm, lr
+
+    def policy_step(self, step_loss: torch.Tensor) -> dict[str, float]:
+        """End the policy's optimizer step: sum its loss over ranks, clip, AdamW, advance the policy version."""
+        dist.all_reduce(step_loss, group=self.dp_group)
+        grad_norm, lr = self.optimizer_step(self.model, self.optimizer, self.train.lr)
+        self.version += 1
+        return {"train/loss": float(step_loss), "train/grad_norm": grad_norm, "train/lr": lr}
+
+    def sft_step(self, segments: list[Segment]) -> tuple[list[tuple[float, dict]], int]:
+        """One optimizer step of token NLL on the action tokens, at temperature 1 (the model's own distribution)."""
+        batch = collate(segments)
+        mask, records = batch["mask"], []
+        plan = self.plan(batch, 1)
+        denoms = Denoms(num_tokens=float(mask.sum()), num_seqs=float(mask.any(1).sum()), num_prompts=float(mask.any(1).sum()))
+        step_loss = torch.zeros((), device=self.device)
+        for micro in plan[0][self.dp_rank]:
+            x = self.microbatch(batch, micro)
+            loss, metrics = sft_loss(self.policy_logprobs(self.model, x["ids"], 1.0)[0], x["mask"], denoms=denoms)
+            (loss * self.dp_size).backward()
+            step_loss += loss.detach()
+            records.append((float(x["mask"].sum()) if micro else 0.0, metrics))
+        records.append((1.0, self.policy_step(step_loss)))
+        self.step += 1
+        return records, self.version
+
+    def logprobs(self, segments: list[Segment], temperature: float | None) -> list[torch.Tensor] | None:
+        """Every segment's (T,) recomputed log-probs (0 at t = 0) on rank 0; None on the others."""
+        batch = collate(segments)
+        plan = self.plan(batch, 1)
+        logp = self.forward_rows(lambda ids: self.policy_logprobs(self.model, ids, self.temperature if temperature is None else temperature)[0], batch, plan)
+        return [logp[i, :n] for i, n in enumerate(batch["lengths"].tolist())] if self.rank == 0 else None
+
+    # --- refit export: full tensors under HF names, in buckets
+
+    def export_bucket(self, index: int, bucket_mb: float, dtype: torch.dtype | None) -> tuple[list | None, int]:
+        """Bucket `index` of [(HF name, full tensor)] on rank 0 (None elsewhere), and the number of buckets.
+        named_parameters() lists a tied lm_head.weight once, as model.embed_tokens.weight (the name vLLM loads)."""
+        buckets, size = [[]], 0
+        for name, param in self.model.named_parameters():
+            nbytes = param.numel() * (dtype or param.dtype).itemsize
+            if buckets[-1] and size + nbytes > bucket_mb * 2**20:
+                buckets.append([])
+                size = 0
+            buckets[-1].append((name, param))
+            size += nbytes
+        out = []
+        for name, param in buckets[index]:
+            full = param.detach().full_tensor() if isinstance(param, DTensor) else param.detach()  # every rank joins the gather
+            if self.rank == 0:
+                out.append((export_name(name), full.to("cpu", dtype or full.dtype, copy=True)))
+        return (out if self.rank == 0 else None), len(buckets)
+
+    def write_hf(self, path: str) -> None:
+        """An HF model directory: one safetensors file of the full weights, and model_path's other files."""
+        tensors, index, count = {}, 0, 1
+        while index < count:
+            bucket, count = self.export_bucket(index, 1024, None)
+            tensors.update(bucket or [])
+            index += 1
+        if self.rank == 0:
+            os.makedirs(path, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+            for name in os.listdir(self.model_path):
+                if os.path.isfile(os.path.join(self.model_path, name)) and not WEIGHT_FILES.fullmatch(name):
+                    shutil.copy(os.path.join(self.model_path, name), path)
+
+    # --- checkpoints: sharded model + optimizer (DCP), RNG per rank, counters and data position
+
+    def state(self) -> dict:
+        """The DCP state: sharded model and optimizer state dicts (critic's too)."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        if self.critic is not None:
+            state["critic"], state["critic_optim"] = get_state_dict(self.critic, self.critic_optimizer)
+        return state
+
+    def save(self, root: str, data_position: dict | None) -> str:
+        """Write step_NNNNNN.tmp, then rename it to step_NNNNNN (atomic), then delete all but the newest --ckpt.keep."""
+        final = os.path.join(root, f"step_{self.step:06d}")
+        tmp = final + ".tmp"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a crash's leftover
+            os.makedirs(tmp)
+        dist.barrier()
+        dcp.save(self.state(), checkpoint_id=os.path.join(tmp, "dcp"))
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+               "cuda": torch.cuda.get_rng_state_all() if self.cuda else None}
+        torch.save(rng, os.path.join(tmp, f"rng_rank{self.rank}.pt"))
+        if self.ckpt.save_hf:
+            self.write_hf(os.path.join(tmp, "hf"))
+        if self.rank == 0:
+            with open(os.path.join(tmp, "meta.json"), "w") as f:
+                json.dump({"step": self.step, "version": self.version, "world_size": self.world_size, "data_position": data_position}, f)
+        dist.barrier()
+        if self.rank == 0:
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)
+            for old in checkpoint_dirs(root)[:-self.ckpt.keep]:
+                shutil.rmtree(old)
+        dist.barrier()
+        return final
+
+    def load(self, path: str) -> dict:
+        """Restore model, optimizer, counters and RNG from a complete checkpoint; returns its meta (data position)."""
+        with open(os.path.join(path, "meta.json")) as f:
+            meta = json.load(f)
+        if meta["world_size"] != self.world_size:
+            raise ValueError(f"checkpoint {path}: written by {meta['world_size']} ranks, this trainer has --train.world_size {self.world_size} (the RNG state is per rank)")
+        state = self.state()
+        dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        if self.critic is not None:
+            set_state_dict(self.critic, self.critic_optimizer, model_state_dict=state["critic"], optim_state_dict=state["critic_optim"])
+        rng = torch.load(os.path.join(path, f"rng_rank{self.rank}.pt"), weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        if self.cuda:
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        self.step, self.version = meta["step"], meta["version"]
+        return meta
+
+    def shutdown(self) -> None:
+        dist.destroy_process_group()
+
+
+# --- the driver: starts the ranks, hands each the batch, merges their metrics
+
+
+class TrainerGroup:
+    """--train.world_size TrainerRank actors forming one process group, driven from this process."""
+
+    def __init__(self, model_path: str, train: TrainArgs, fsdp: FsdpArgs, ckpt: CkptArgs, loss: LossArgs,
+                 estimator: EstimatorArgs, *, temperature: float, gpus_per_rank: float | None = None):
+        gpus = (1.0 if torch.cuda.is_available() else 0.0) if gpus_per_rank is None else gpus_per_rank
+        check_args(train, fsdp, loss, estimator, cuda=gpus > 0)
+        if not temperature > 0.0:
+            raise ValueError(f"temperature {temperature}: must be > 0, the rollout's --rollout.temperature")
+        self.ckpt = ckpt
+        actor_class = ray.remote(num_cpus=0, num_gpus=gpus)(TrainerRank)
+        self.actors = [actor_class.remote(r, train.world_size, model_path, train, fsdp, ckpt, loss, estimator, temperature) for r in range(train.world_size)]
+        try:
+            addr, port = ray.get(self.actors[0].address.remote())
+            ray.get([a.setup.remote(addr, port) for a in self.actors])
+        except Exception:  # a rank that failed to start leaves the others waiting in the rendezvous
+            for a in self.actors:
+                ray.kill(a)
+            raise
+        self.step, self.version, self.data_position = 0, 0, None
+        if ckpt.resume:
+            found = checkpoint_dirs(ckpt.dir)
+            if not found:
+                raise ValueError(f"--ckpt.resume: no complete checkpoint under --ckpt.dir {ckpt.dir}; drop --ckpt.resume to start fresh")
+            self.data_position = self.load(found[-1])
+
+    def run_step(self, method: str, segments: list[Segment], data_position: dict | None) -> dict[str, float]:
+        """One step on every rank; merged metrics with throughput; a checkpoint when --ckpt.every says so."""
+        start = time.perf_counter()
+        batch = collate(segments)  # refuse bad input here, before any rank sees it
+        ref = ray.put(segments)  # one copy in the object store, read by every rank
+        results = ray.get([getattr(a, method).remote(ref) for a in self.actors])
+        metrics = merge_metrics([record for records, _ in results for record in records])
+        self.step, self.version = self.step + 1, results[0][1]
+        step_s = time.perf_counter() - start
+        metrics["train/version"] = float(self.version)
+        metrics["train/step_s"] = step_s
+        metrics["train/tokens_per_s"] = float(batch["lengths"].sum()) / step_s  # every token of the batch, prompt too
+        if self.ckpt.every and self.step % self.ckpt.every == 0:
+            self.save(data_position)
+        return metrics
+
+    def train_step(self, segments: list[Segment], *, data_position: dict | None = None) -> dict[str, float]:
+        """One RL step (see TrainerRank.train_step); data_position is stored with a checkpoint due after it."""
+        return self.run_step("train_step", segments, data_position)
+
+    def sft_step(self, segments: list[Segment], *, data_position: dict | None = None) -> dict[str, float]:
+        """One SFT optimizer step on the segments' action tokens (sft_batch builds them from chat examples)."""
+        return self.run_step("sft_step", segments, data_position)
+
+    def logprobs(self, segments: list[Segment], *, temperature: float | None = None) -> list[torch.Tensor]:
+        """Each segment's (T,) log-probs under the current weights at temperature (default: the rollout's)."""
+        collate(segments)
+        ref = ray.put(segments)
+        return ray.get([a.logprobs.remote(ref, temperature) for a in self.actors])[0]
+
+    def export_weights(self, bucket_mb: float = 256, *, dtype: torch.dtype | None = None):
+        """Yield lists of (HF name, full CPU tensor), at most bucket_mb each (a larger tensor alone), every
+        parameter exactly once, in its own dtype unless dtype is given."""
+        index, count = 0, 1
+        while index < count:
+            bucket, count = ray.get([a.export_bucket.remote(index, bucket_mb, dtype) for a in self.actors])[0]
+            yield bucket
+            index += 1
+
+    def export_hf(self, path: str) -> None:
+        """Write the current weights as an HF model directory (safetensors + model_path's config and tokenizer)."""
+        ray.get([a.write_hf.remote(path) for a in self.actors])
+
+    def save(self, data_position: dict | None = None) -> str:
+        """Checkpoint now under --ckpt.dir; returns the step_NNNNNN directory."""
+        if self.ckpt.dir is None:
+            raise ValueError("save: --ckpt.dir is not set")
+        if self.version == 0:  # and get_state_dict would initialise AdamW's state with a step of lr 0
+            raise ValueError("save: nothing trained yet; the model directory itself is that checkpoint")
+        return ray.get([a.save.remote(self.ckpt.dir, data_position) for a in self.actors])[0]
+
+    def load(self, path: str) -> dict | None:
+        """Restore every rank from a checkpoint directory; returns the data position saved with it."""
+        meta = ray.get([a.load.remote(path) for a in self.actors])[0]
+        self.step, self.version = meta["step"], meta["version"]
+        return meta["data_position"]
+
+    def shutdown(self) -> None:
+        """Leave the process group and end the rank processes (idempotent)."""
+        if self.actors:
+            ray.get([a.shutdown.remote() for a in self.actors])
+            for a in self.actors:
+                ray.kill(a)
+            self.actors = []
