@@ -342,8 +342,11 @@ def compute_policy_loss(args: LossArgs, logp: Tensor, old_logp: Tensor, rollout_
         if args.entropy_coef != 0.0:
             loss = loss - args.entropy_coef * aggregate(torch.where(kept, entropy, 0.0), mask, agg=args.agg, denoms=denoms, group_tokens=group_tokens)
 
-    # --- forward consistency, only on tokens the trainer's current weights sampled (lag is not mismatch)
-    metrics.update(mismatch_metrics(rollout_logp, old_logp, mask & (versions == current_version)))
+    # --- forward consistency, only on tokens the trainer's current weights sampled (lag is not mismatch);
+    # a batch with none (asynchronous steps) reports no mismatch keys rather than a false zero
+    same = mask & (versions == current_version)  # (B, T)
+    if same.any():
+        metrics.update(mismatch_metrics(rollout_logp, old_logp, same))
     return loss, metrics
 
 

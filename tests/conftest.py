@@ -39,3 +39,16 @@ def ray_local():
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_generator(tiny_model, ray_local):
+    """One vLLM engine (a Ray actor) over tiny_model for the session: start-up is 25-60 s on 2 cores.
+    Tests that refit it put the original weights back before they end."""
+    import asyncio
+
+    from generator import Generator, RolloutArgs, VllmArgs
+    gen = Generator(tiny_model, VllmArgs(max_model_len=512, kv_cache_gb=0.25, refit_bucket_mb=1),
+                    RolloutArgs(max_new_tokens=16))
+    yield gen
+    asyncio.run(gen.shutdown())

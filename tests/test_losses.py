@@ -421,6 +421,13 @@ def test_policy_loss_measures_mismatch_only_on_current_version_tokens():
     assert metrics["loss/mismatch_abs"] == pytest.approx(0.5) and metrics["loss/vllm_kl"] == pytest.approx(0.5)
 
 
+
+def test_policy_loss_reports_no_mismatch_when_no_token_has_the_current_version():
+    # Both tokens are one version stale: their gap to the trainer is policy lag, so no mismatch can be measured.
+    _, metrics = policy_loss(LossArgs(is_level="token"), leaf([[-1.0, -1.0]]), t([[-1.0, -1.0]]), t([[1.0, 1.0]]), torch.tensor([[True, True]]),
+                             rollout_logp=t([[-0.5, 0.0]]), versions=torch.tensor([[2, 2]]), current_version=3)
+    assert not any(k.startswith("loss/mismatch") or k == "loss/vllm_kl" for k in metrics)
+
 # --- flags and shapes
 
 

@@ -1,0 +1,544 @@
+"""Token-exact capture over vLLM: token ids in; sampled ids, log-probs, policy versions, finish reason out.
+
+`Segment` is the data contract of DESIGN.md (one training row of T tokens); `Completion` is one engine
+answer (T sampled tokens). `Generator` is a picklable router over `--vllm.num_engines` Ray actors, each
+driving one vLLM `AsyncLLM` in process (no HTTP); an episode's requests (`affinity`) share one engine.
+    c = await gen.generate(prompt_ids, affinity=episode_id)   # c.token_ids, c.logprobs, c.versions: (T,)
+    await gen.pause(); await gen.update_weights(named_tensors, version=7); await gen.resume()
+A refit keeps in-flight requests: their tokens before it carry the old version, after it the new one
+(from vLLM's weight-version spans, not from counting streamed tokens), and their KV cache is recomputed.
+Log-probs are vLLM's processed log-probs: the sampled token's under logits / temperature.
+Refit tensors carry checkpoint names and the engine's dtype (never cast); on CPU they travel in
+`--vllm.refit_bucket_mb` buckets, one `collective_rpc` each; on CUDA over NCCL (written, untested here).
+Not here: text, tokenizers, chat templates (chat_server.py, agent.py): this file moves token ids only.
+"""
+import asyncio
+import json
+import os
+import time
+import uuid
+import zlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import ray
+import torch
+
+
+@dataclass
+class VllmArgs:
+    dtype: str = field(default="auto", metadata={"help": "engine dtype; auto = the checkpoint's (vLLM's auto downcasts fp32)",
+                                                 "choices": ("auto", "float32", "bfloat16", "float16")})
+    max_model_len: int = field(default=2048, metadata={"help": "longest prompt + completion, in tokens"})
+    gpu_memory_utilization: float = field(default=0.5, metadata={"help": "GPU only: GPU memory share for weights + KV"})
+    kv_cache_gb: float = field(default=1.0, metadata={"help": "CPU only: KV cache GiB (else vLLM takes most RAM)"})
+    tensor_parallel_size: int = field(default=1, metadata={"help": "GPUs per engine (tensor parallel)"})
+    enable_expert_parallel: bool = field(default=False, metadata={"help": "MoE: whole experts per GPU, not slices"})
+    enable_prefix_caching: bool = field(default=False, metadata={"help": "reuse KV of shared prefixes (reset every refit)"})
+    enforce_eager: bool = field(default=True, metadata={"help": "no CUDA graphs/compile: fast start (GPU: False)"})
+    num_speculative_tokens: int = field(default=0, metadata={"help": "MTP speculative decoding: drafts/step (0 = off)"})
+    return_routed_experts: bool = field(default=False, metadata={"help": "MoE: record each token's experts (routing replay)"})
+    num_engines: int = field(default=1, metadata={"help": "independent vLLM engines, one Ray actor each"})
+    refit_bucket_mb: int = field(default=256, metadata={"help": "MiB of weights per refit message"})
+    seed: int = field(default=0, metadata={"help": "engine seed, for requests without their own seed"})
+    cpu_threads: int = field(default=1, metadata={"help": "CPU only: torch threads per engine (1: busy cores)"})
+
+    def __post_init__(self):
+        if self.max_model_len < 2:
+            raise ValueError("--vllm.max_model_len must be >= 2 (one prompt token and one sampled token)")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("--vllm.gpu_memory_utilization must be in (0, 1]")
+        if self.kv_cache_gb <= 0:
+            raise ValueError("--vllm.kv_cache_gb must be > 0")
+        if min(self.tensor_parallel_size, self.num_engines, self.refit_bucket_mb, self.cpu_threads) < 1:
+            raise ValueError("--vllm.tensor_parallel_size, --vllm.num_engines, --vllm.refit_bucket_mb, "
+                             "--vllm.cpu_threads must be >= 1")
+        if self.num_speculative_tokens < 0:
+            raise ValueError("--vllm.num_speculative_tokens must be >= 0 (0 turns MTP off)")
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            raise ValueError("--vllm.enable_expert_parallel with --vllm.tensor_parallel_size 1: one GPU holds "
+                             "every expert anyway; set --vllm.tensor_parallel_size > 1 or drop the flag")
+
+
+@dataclass
+class RolloutArgs:
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (> 0)"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass (1.0 = off)"})
+    top_k: int | None = field(default=None, metadata={"help": "sample among the k likeliest tokens (unset = off)"})
+    max_new_tokens: int = field(default=256, metadata={"help": "most tokens sampled per engine call"})
+    samples_per_prompt: int = field(default=8, metadata={"help": "episodes per prompt (the group size G)"})
+
+    def __post_init__(self):
+        if self.temperature <= 0:
+            raise ValueError("--rollout.temperature must be > 0 (greedy decoding has no sampling log-probs)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError("--rollout.top_p must be in (0, 1]")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError("--rollout.top_k must be >= 1, or unset to sample from the whole vocabulary")
+        if min(self.max_new_tokens, self.samples_per_prompt) < 1:
+            raise ValueError("--rollout.max_new_tokens and --rollout.samples_per_prompt must be >= 1")
+
+    def check_logprobs_usable(self, *, importance_correction: bool, kl_to_rollout: bool) -> None:
+        """Refuse truncated sampling where the loss uses the rollout log-probs (launch.py calls this)."""
+        if (self.top_p < 1.0 or self.top_k is not None) and (importance_correction or kl_to_rollout):
+            raise ValueError(
+                "--rollout.top_p < 1 or --rollout.top_k with an importance correction or a KL to the rollout "
+                "policy: vLLM's log-probs are then of the truncated distribution and cannot match the trainer's "
+                "recompute from full temperature-scaled logits; set --rollout.top_p 1.0 and leave top_k unset")
+
+
+# --- the data contract
+
+@dataclass
+class Segment:
+    token_ids: list[int]          # (T,) prompt + every turn, exactly as fed to / sampled from the engine
+    action_mask: list[bool]       # (T,) True only on sampled tokens
+    logprobs: list[float]         # (T,) sampling log-prob on action tokens, 0.0 elsewhere
+    versions: list[int]           # (T,) policy version per action token, -1 elsewhere
+    reward: float = 0.0
+    episode_id: str = ""
+    group_id: str = ""
+    finish_reason: str = ""
+    truncated: bool = False
+    routed_experts: list | None = None   # (T, layers, top_k) expert ids when captured, else None
+    info: dict = field(default_factory=dict)
+
+    def check(self) -> None:
+        """Raise ValueError unless lengths agree and every token is labelled as an action or not."""
+        where, T = f"segment {self.episode_id!r}", len(self.token_ids)
+        for name in ("action_mask", "logprobs", "versions", "routed_experts"):
+            value = getattr(self, name)
+            if value is not None and len(value) != T:
+                raise ValueError(f"{where}: {name} has {len(value)} rows, token_ids has {T}")
+        for t, (act, lp, v) in enumerate(zip(self.action_mask, self.logprobs, self.versions)):
+            if act and (v < 0 or not lp <= 0.0):
+                raise ValueError(f"{where}: action token {t} has version {v}, log-prob {lp} (needs >= 0, <= 0)")
+            if not act and (v != -1 or lp != 0.0):
+                raise ValueError(f"{where}: non-action token {t} has version {v}, log-prob {lp} (needs -1, 0.0)")
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]        # (T,) exactly the sampled ids
+    logprobs: list[float]       # (T,) sampling log-prob of each sampled id (after temperature)
+    versions: list[int]         # (T,) policy version that sampled each id
+    finish_reason: str          # "stop" | "length" | "abort"
+    routed_experts: object = None   # numpy (prompt + T - 1, layers, top_k) with --vllm.return_routed_experts
+
+
+# --- pure helpers: routing, versions, buckets, the wire format, refit checks
+
+def pick_engine(affinity: str, num_engines: int) -> int:
+    """Stable engine index for an affinity key: crc32, because Python's hash() differs per process."""
+    return zlib.crc32(affinity.encode()) % num_engines
+
+
+def versions_from_spans(spans: list[tuple[str, int, int]], num_tokens: int) -> list[int]:
+    """Expand vLLM's (version, start, end) spans over the output tokens into one version per token."""
+    versions = [int(v) for v, start, end in spans for _ in range(start, end)]
+    if len(versions) != num_tokens:
+        raise RuntimeError(f"weight-version spans {spans} cover {len(versions)} tokens, the output has {num_tokens}")
+    return versions
+
+
+def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list]:
+    """Group (name, tensor) pairs in order into lists of at most bucket_bytes (a bigger tensor goes alone)."""
+    bucket, size = [], 0
+    for name, tensor in named_tensors:
+        if bucket and size + tensor.nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += tensor.nbytes
+    if bucket:
+        yield bucket
+
+
+def to_wire(name: str, tensor: torch.Tensor) -> tuple:
+    """A tensor as plain types: vLLM's engine-client RPC would turn an untyped tensor into a list."""
+    data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), data
+
+
+def from_wire(name: str, dtype: str, shape: list[int], data: bytes) -> tuple[str, torch.Tensor]:
+    """Inverse of to_wire: the same bytes, dtype and shape."""
+    return name, torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype)).reshape(shape)
+
+
+def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape, from the safetensors headers: the names a refit must use."""
+    from safetensors import safe_open
+    files = sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"model path {model_path!r} has no *.safetensors files: pass a local model directory")
+    shapes = {}
+    for f in files:
+        with safe_open(os.path.join(model_path, f), framework="pt") as st:
+            shapes.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
+    return shapes
+
+
+def check_tensor(name: str, tensor: torch.Tensor, shapes: dict, dtype: str, seen: set) -> tuple[str, torch.Tensor]:
+    """Refuse a refit tensor the engine would misload: unknown or repeated name, other shape or dtype."""
+    if name not in shapes:
+        hint = " (the checkpoint ties it to the input embedding: leave it out)" if name == "lm_head.weight" else ""
+        raise ValueError(f"update_weights: unknown parameter {name!r}{hint}; names are the checkpoint's")
+    if name in seen:
+        raise ValueError(f"update_weights: parameter {name!r} given twice")
+    if type(tensor).__name__ == "DTensor":
+        raise ValueError(f"update_weights: {name!r} is a sharded DTensor; send tensor.full_tensor()")
+    if tuple(tensor.shape) != shapes[name]:
+        raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the engine's is {shapes[name]}")
+    if tensor.dtype != getattr(torch, dtype):
+        raise ValueError(f"update_weights: {name!r} is {tensor.dtype}, the engine runs {dtype}; cast in the "
+                         f"trainer's export or set --vllm.dtype (a refit never casts)")
+    seen.add(name)
+    return name, tensor.detach()
+
+
+# --- where flags reach vLLM
+
+def engine_dtype(model_path: str, dtype: str) -> str:
+    """--vllm.dtype, with auto meaning the checkpoint's own dtype (vLLM's auto would downcast fp32)."""
+    if dtype != "auto":
+        return dtype
+    config = json.load(open(os.path.join(model_path, "config.json")))
+    return config.get("dtype") or config.get("torch_dtype") or "float32"  # float32: transformers' default
+
+
+def build_engine_args(model_path: str, vllm: VllmArgs, *, cuda: bool):
+    """The one place where --vllm.* flags reach vLLM; refuses values this machine cannot honour."""
+    defaults = VllmArgs()
+    if not cuda and (vllm.tensor_parallel_size > 1 or vllm.enable_expert_parallel):
+        raise ValueError("--vllm.tensor_parallel_size > 1 / --vllm.enable_expert_parallel need GPUs; this engine "
+                         "runs on CPU: use --vllm.num_engines for more engines instead")
+    if not cuda and vllm.return_routed_experts:
+        raise ValueError("--vllm.return_routed_experts on a CPU engine: vLLM records experts only in its model "
+                         "runner V2, which needs Triton (GPU builds)")
+    if not cuda and vllm.gpu_memory_utilization != defaults.gpu_memory_utilization:
+        raise ValueError("--vllm.gpu_memory_utilization on a CPU engine: size its KV cache with --vllm.kv_cache_gb")
+    if cuda and (vllm.kv_cache_gb != defaults.kv_cache_gb or vllm.cpu_threads != defaults.cpu_threads):
+        raise ValueError("--vllm.kv_cache_gb / --vllm.cpu_threads on a GPU engine: they size CPU engines; size "
+                         "its KV cache with --vllm.gpu_memory_utilization")
+    if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        raise ValueError("VLLM_CPU_KVCACHE_SPACE is set and would override --vllm.kv_cache_gb: unset it")
+    if not cuda:  # the worker runs in the engine-core process (one spawn fewer: start-up ~2x faster) with
+        # --vllm.cpu_threads threads; that process reads both variables when it starts.
+        os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(vllm.cpu_threads)})
+    from vllm.engine.arg_utils import AsyncEngineArgs  # vLLM only where an engine runs: trainer.py imports this file
+    spec = {"method": "mtp", "num_speculative_tokens": vllm.num_speculative_tokens}
+    return AsyncEngineArgs(
+        model=model_path, max_model_len=vllm.max_model_len, seed=vllm.seed, enforce_eager=vllm.enforce_eager,
+        dtype=engine_dtype(model_path, vllm.dtype),
+        enable_prefix_caching=vllm.enable_prefix_caching, tensor_parallel_size=vllm.tensor_parallel_size,
+        enable_expert_parallel=vllm.enable_expert_parallel, gpu_memory_utilization=vllm.gpu_memory_utilization,
+        kv_cache_memory_bytes=None if cuda else int(vllm.kv_cache_gb * 2**30),
+        speculative_config=spec if vllm.num_speculative_tokens > 0 else None,
+        enable_return_routed_experts=vllm.return_routed_experts,
+        weight_transfer_config={"backend": "nccl"} if cuda else None,
+        logprobs_mode="processed_logprobs",   # the sampled token's log-prob after temperature
+        skip_tokenizer_init=True,             # ids in, ids out: the engine never needs text
+        worker_extension_cls="generator.WeightLoader", disable_log_stats=True)
+
+
+def build_sampling_params(rollout: RolloutArgs, *, max_new_tokens: int | None, stop_token_ids: list[int] | None,
+                          seed: int | None, ignore_eos: bool):
+    """The one place where --rollout.* flags reach vLLM."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+    return SamplingParams(
+        temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k or 0,  # vLLM: 0 = off
+        max_tokens=rollout.max_new_tokens if max_new_tokens is None else max_new_tokens,
+        stop_token_ids=stop_token_ids, seed=seed, ignore_eos=ignore_eos,
+        logprobs=0,                      # no alternatives: just the sampled token's own log-prob
+        detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+# --- inside the engine: the worker extension and the engine actor
+
+class WeightLoader:
+    """Mixed into each vLLM worker (`worker_extension_cls`); its methods run via `collective_rpc`."""
+
+    def refit_bucket(self, bucket: list, first: bool, last: bool) -> list[tuple[str, str]]:
+        """Load one bucket of to_wire() tensors; returns the (name, dtype) of each tensor applied."""
+        # vLLM's layerwise reload (what reload_weights runs), opened on the first bucket and closed on the
+        # last: a fused layer (qkv, gate_up) split across buckets is processed once it is complete.
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+        model, applied = self.model_runner.get_model(), []
+
+        def stream():
+            for name, tensor in (from_wire(*item) for item in bucket):
+                applied.append((name, str(tensor.dtype).removeprefix("torch.")))
+                yield name, tensor
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            if first:
+                initialize_layerwise_reload(model)
+            model.load_weights(stream())
+            if last:
+                finalize_layerwise_reload(model, self.vllm_config.model_config)
+                if self.device.type == "cpu":
+                    repack_cpu_weights(model, tied=self.vllm_config.model_config.hf_config.tie_word_embeddings)
+        return applied
+
+
+def repack_cpu_weights(model: torch.nn.Module, *, tied: bool) -> None:
+    """vLLM 0.32's CPU build skips two prepacks on reload; redo them after every refit."""
+    head = getattr(model, "lm_head", None)
+    if tied and hasattr(head, "quant_method"):  # a tied lm_head keeps a packed copy of the old embedding
+        head.quant_method.process_weights_after_loading(head)
+    for layer in model.modules():  # MoE experts: a reload copies unpacked weights into the packed storage
+        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+        if kernel is not None:
+            kernel.fused_experts.process_weights_after_loading(layer)
+
+
+@ray.remote(num_cpus=0)
+class Engine:
+    """One vLLM AsyncLLM in this actor's event loop, and its counters."""
+
+    def __init__(self, model_path: str, vllm: VllmArgs):
+        self.model_path, self.vllm, self.llm = model_path, vllm, None
+        self.requests, self.tokens, self.prompt_tokens, self.request_s = 0, 0, 0, 0.0
+
+    async def start(self, version: int) -> dict:
+        args = build_engine_args(self.model_path, self.vllm, cuda=torch.cuda.is_available())
+        from vllm.v1.engine.async_llm import AsyncLLM
+        try:
+            self.llm = AsyncLLM.from_engine_args(args)
+        except ValueError as e:  # vLLM's config errors (pydantic) do not pickle; their message does
+            raise ValueError(f"vLLM refused the engine configuration: {e}") from None
+        await self.llm.update_weight_version(str(version))
+        config = self.llm.model_config
+        return {"vocab_size": config.get_vocab_size(), "dtype": str(config.dtype).removeprefix("torch.")}
+
+    async def generate(self, prompt_ids: list[int], rollout: RolloutArgs, request_id: str, **kw) -> Completion:
+        start = time.perf_counter()
+        async for final in self.llm.generate({"prompt_token_ids": prompt_ids}, build_sampling_params(rollout, **kw),
+                                             request_id):
+            pass
+        out = final.outputs[0]
+        ids = list(out.token_ids)
+        spans = [(s.version, s.start, s.end) for s in out.weight_versions or []]  # spans: vLLM >= 0.32
+        self.requests += 1
+        self.tokens += len(ids)
+        self.prompt_tokens += len(prompt_ids)
+        self.request_s += time.perf_counter() - start
+        return Completion(token_ids=ids, logprobs=[lp[t].logprob for lp, t in zip(out.logprobs or [], ids)],
+                          versions=versions_from_spans(spans, len(ids)), finish_reason=out.finish_reason,
+                          routed_experts=out.routed_experts)
+
+    async def pause(self) -> None:
+        # keep: requests stay queued; clear_cache: on resume their KV is recomputed with the new weights.
+        await self.llm.pause_generation(mode="keep", clear_cache=True)
+
+    async def resume(self) -> None:
+        await self.llm.resume_generation()
+
+    async def load_bucket(self, bucket: list, first: bool, last: bool) -> list:
+        wire = [to_wire(name, tensor) for name, tensor in bucket]
+        return (await self.llm.collective_rpc("refit_bucket", args=(wire, first, last)))[0]
+
+    async def set_version(self, version: int) -> None:
+        await self.llm.update_weight_version(str(version))
+        if self.vllm.enable_prefix_caching:
+            await self.llm.reset_prefix_cache()
+
+    async def init_nccl(self, address: str, port: int, rank_offset: int, world_size: int, bucket_bytes: int):
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+        await self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=dict(
+            master_address=address, master_port=port, rank_offset=rank_offset, world_size=world_size,
+            packed=True, packed_buffer_size_bytes=bucket_bytes)))
+
+    async def receive_nccl(self, update_info: dict) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+        await self.llm.start_weight_update()  # start/finish_weight_update: vLLM >= 0.32
+        await self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+        await self.llm.finish_weight_update()
+
+    async def metrics(self) -> dict:
+        return {"generator/requests": self.requests, "generator/tokens": self.tokens,
+                "generator/prompt_tokens": self.prompt_tokens, "generator/request_s": self.request_s}
+
+    async def shutdown(self) -> None:
+        self.llm.shutdown()
+
+
+# --- the router
+
+def engine_error(i: int, e: Exception) -> Exception:
+    """What a failed engine call raises: the caller's own ValueError, else an error naming the engine."""
+    if isinstance(e, ray.exceptions.RayTaskError) and isinstance(e.cause, ValueError):
+        return e.cause
+    if isinstance(e, ray.exceptions.RayTaskError) and type(e.cause).__name__ != "EngineDeadError":
+        return RuntimeError(f"engine {i} failed: {e.cause!r}")
+    return RuntimeError(f"engine {i} died: {e}")
+
+
+class Generator:
+    """Picklable router over the engine actors; pause, update_weights and resume reach every engine.
+
+    Needs `ray.init()` first; blocks until every engine has started. `actor_options` go to each engine
+    actor's `.options()` (launch.py's placement); by default an engine takes its GPUs if the cluster has any.
+    `version` is what this router last loaded; a copy held elsewhere reads versions off its completions.
+    """
+
+    def __init__(self, model_path: str, vllm: VllmArgs, rollout: RolloutArgs, *, version: int = 0,
+                 actor_options: dict | None = None):
+        if not ray.is_initialized():
+            raise RuntimeError("Generator needs a running Ray: call ray.init() first")
+        self.vllm, self.rollout, self.version = vllm, rollout, version
+        self._shapes = checkpoint_shapes(model_path)
+        self._bucket_bytes = vllm.refit_bucket_mb * 2**20
+        gpus = vllm.tensor_parallel_size if ray.cluster_resources().get("GPU", 0) > 0 else 0
+        options = {"num_gpus": gpus, **(actor_options or {})}
+        self._engines = [Engine.options(**options).remote(model_path, vllm) for _ in range(vllm.num_engines)]
+        infos = []
+        for i, ref in enumerate([e.start.remote(version) for e in self._engines]):
+            try:
+                infos.append(ray.get(ref))  # blocks: start-up happens once, before any loop runs
+            except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
+                raise engine_error(i, e) from e
+        self._vocab_size, self._dtype = infos[0]["vocab_size"], infos[0]["dtype"]
+        self._paused, self._next, self._nccl, self._timings = False, 0, None, {}
+
+    def __getstate__(self):
+        return {**self.__dict__, "_nccl": None}  # an NCCL communicator belongs to the process that made it
+
+    def with_rollout(self, rollout: RolloutArgs) -> "Generator":
+        """A router over the same engines that samples with other --rollout.* values (evaluation, tests)."""
+        copy = Generator.__new__(Generator)
+        copy.__dict__.update(self.__getstate__(), rollout=rollout)
+        return copy
+
+    async def _await(self, i: int, ref):
+        try:
+            return await ref
+        except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
+            raise engine_error(i, e) from e
+
+    async def _all(self, method: str, *args) -> list:
+        refs = [getattr(e, method).remote(*args) for e in self._engines]
+        return [await self._await(i, ref) for i, ref in enumerate(refs)]
+
+    # --- sampling
+
+    async def generate(self, prompt_ids: list[int], *, max_new_tokens: int | None = None,
+                       stop_token_ids: list[int] | None = None, seed: int | None = None,
+                       request_id: str | None = None, affinity: str | None = None,
+                       ignore_eos: bool = False) -> Completion:
+        """Sample one completion; requests sharing an affinity key (an episode id) go to one engine."""
+        if not prompt_ids:
+            raise ValueError("generate: empty prompt (at least one token id is needed)")
+        bad = [t for t in prompt_ids if not 0 <= t < self._vocab_size]
+        if bad:
+            raise ValueError(f"generate: token ids {bad[:5]} are outside the vocabulary [0, {self._vocab_size})")
+        if len(prompt_ids) >= self.vllm.max_model_len:
+            raise ValueError(f"generate: a prompt of {len(prompt_ids)} tokens leaves no room under "
+                             f"--vllm.max_model_len {self.vllm.max_model_len}")
+        if affinity is None:
+            i, self._next = self._next % len(self._engines), self._next + 1
+        else:
+            i = pick_engine(affinity, len(self._engines))
+        ref = self._engines[i].generate.remote(
+            list(prompt_ids), self.rollout, request_id or uuid.uuid4().hex, max_new_tokens=max_new_tokens,
+            stop_token_ids=stop_token_ids, seed=seed, ignore_eos=ignore_eos)
+        return await self._await(i, ref)
+
+    # --- refit: pause, update_weights, resume
+
+    async def pause(self) -> None:
+        """Stop scheduling on every engine; in-flight requests are kept, not dropped."""
+        start = time.perf_counter()
+        await self._all("pause")
+        self._paused = True
+        self._timings["generator/pause_s"] = time.perf_counter() - start
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:
+        """Load every (checkpoint name, tensor) into every engine; tokens sampled next carry `version`.
+
+        Takes pairs, streamed (a generator works: a trainer's export), only while paused; every
+        checkpoint parameter exactly once. Returns {"applied": per refit message, the (name, dtype)
+        list that engine 0's worker loaded}.
+        """
+        if not self._paused:
+            raise ValueError("update_weights while the engines are running: call pause() first")
+        start, seen = time.perf_counter(), set()
+        checked = (check_tensor(n, t, self._shapes, self._dtype, seen) for n, t in named_tensors)
+        if self._nccl is not None:  # CUDA: one NCCL broadcast from this process (untested on CPU)
+            report = await self._broadcast_nccl(list(checked))
+        else:
+            report = await self._send_buckets(checked)
+        missing = sorted(set(self._shapes) - seen)
+        if missing:
+            raise ValueError(f"update_weights: parameters {missing[:5]} (of {len(missing)}) were not given; the "
+                             f"engines hold a partial update: send every parameter before resume()")
+        await self._all("set_version", version)
+        self.version = version
+        self._timings.update({"generator/refit_s": time.perf_counter() - start,
+                              "generator/refit_messages": len(report["applied"])})
+        return report
+
+    async def _send_buckets(self, checked: Iterator) -> dict:
+        """One collective_rpc per bucket on every engine; the last bucket closes the load."""
+        buckets, applied = iter_buckets(checked, self._bucket_bytes), []
+        bucket = next(buckets, None)
+        if bucket is None:
+            raise ValueError("update_weights: no tensors given")
+        while bucket is not None:
+            try:
+                following = next(buckets, None)
+            except ValueError:  # a bad tensor further on: close the load opened by earlier buckets, then raise
+                await self._all("load_bucket", ray.put(bucket), not applied, True)
+                raise
+            reports = await self._all("load_bucket", ray.put(bucket), not applied, following is None)
+            applied.append(reports[0])
+            bucket = following
+        return {"applied": applied}
+
+    async def init_nccl(self, master_address: str, master_port: int) -> None:
+        """CUDA only, untested on CPU: this process (rank 0) and every engine worker join one NCCL group.
+
+        Call it in the process that will call update_weights (the trainer's rank 0)."""
+        from vllm.distributed.weight_transfer.nccl_common import trainer_init  # the GPU refit path needs vLLM
+        tp = self.vllm.tensor_parallel_size
+        world = 1 + tp * len(self._engines)
+        joins = [e.init_nccl.remote(master_address, master_port, 1 + i * tp, world, self._bucket_bytes)
+                 for i, e in enumerate(self._engines)]
+        self._nccl = await asyncio.to_thread(
+            trainer_init, {"master_address": master_address, "master_port": master_port, "world_size": world})
+        for i, ref in enumerate(joins):
+            await self._await(i, ref)
+
+    async def _broadcast_nccl(self, checked: list) -> dict:
+        """CUDA only, untested on CPU: the engines receive while this process broadcasts packed buckets."""
+        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
+        info = {"names": [n for n, _ in checked], "shapes": [list(t.shape) for _, t in checked],
+                "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in checked]}
+        receiving = [e.receive_nccl.remote(info) for e in self._engines]
+        packed_nccl_broadcast_producer(iter(checked), self._nccl, src=0, post_iter_func=lambda item: item[1],
+                                       buffer_size_bytes=self._bucket_bytes)
+        for i, ref in enumerate(receiving):
+            await self._await(i, ref)
+        return {"applied": [list(zip(info["names"], info["dtype_names"]))]}  # one broadcast, packed by vLLM
+
+    async def resume(self) -> None:
+        """Let every engine schedule again; kept requests continue under the new weights."""
+        await self._all("resume")
+        self._paused = False
+
+    # --- metrics and lifetime
+
+    async def metrics(self) -> dict:
+        """Counters summed over engines (requests, tokens, seconds in requests), last pause / refit timings."""
+        total = {}
+        for counts in await self._all("metrics"):
+            for k, v in counts.items():
+                total[k] = total.get(k, 0) + v
+        return {**total, **self._timings, "generator/version": self.version}
+
+    async def shutdown(self) -> None:
+        """Stop every engine and its processes."""
+        await self._all("shutdown")
+        for e in self._engines:
+            ray.kill(e)

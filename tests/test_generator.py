@@ -1,0 +1,357 @@
+"""generator.py: token-exact capture over a real vLLM engine (one per session), real Ray, tiny model.
+
+References are independent of the engine: a transformers forward of the same weights (teacher forcing:
+logits / T, log_softmax, gather) for log-probs, hand-derived numbers for everything else.
+"""
+import asyncio
+import functools
+import os
+import shutil
+
+import pytest
+import ray
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import generator
+from generator import (Completion, Generator, RolloutArgs, Segment, VllmArgs, build_engine_args, check_tensor,
+                       engine_dtype, from_wire, iter_buckets, pick_engine, to_wire, versions_from_spans)
+
+run = asyncio.run
+PROMPT = [5, 17, 300, 42, 9, 77]
+
+
+@pytest.fixture(scope="module")
+def original(tiny_model) -> dict:
+    """The engine's start-up weights, by checkpoint name."""
+    return load_file(os.path.join(tiny_model, "model.safetensors"))
+
+
+def perturb(weights: dict) -> dict:
+    """Other weights of the same shapes: noise as large as the init (std 0.02) moves log-probs a lot."""
+    g = torch.Generator().manual_seed(0)
+    return {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in weights.items()}
+
+
+def copy_with(model_dir: str, weights: dict, out_dir) -> str:
+    """The model directory with other weights: transformers loads them itself (it fuses MoE experts)."""
+    shutil.copytree(model_dir, out_dir)
+    save_file(weights, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    return str(out_dir)
+
+
+@pytest.fixture(scope="module")
+def perturbed(original, tiny_model, tmp_path_factory) -> tuple[dict, str]:
+    """Perturbed weights, and a model directory holding them for the reference forward."""
+    weights = perturb(original)
+    return weights, copy_with(tiny_model, weights, tmp_path_factory.mktemp("perturbed") / "model")
+
+
+@functools.cache
+def hf_model(model_dir: str):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
+def reference(model_dir: str, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:
+    """Teacher-forced log-probs of completion after prompt, from transformers: log_softmax(logits / T)."""
+    with torch.no_grad():
+        logits = hf_model(model_dir)(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]  # (T, V)
+    return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def mean_abs(a, b) -> float:
+    return (torch.as_tensor(a) - torch.as_tensor(b)).abs().mean().item()
+
+
+async def refit(gen: Generator, weights: dict | list, version: int) -> dict:
+    """pause -> update_weights (a dict goes in name order) -> resume, resuming even when it is refused."""
+    await gen.pause()
+    try:
+        return await gen.update_weights(sorted(weights.items()) if isinstance(weights, dict) else weights, version)
+    finally:
+        await gen.resume()
+
+
+def serves(gen: Generator) -> bool:
+    return len(run(gen.generate([5, 6], max_new_tokens=2, ignore_eos=True)).token_ids) == 2
+
+
+# --- pure parts: flags, the data contract, routing, spans, buckets, wire format
+
+@pytest.mark.parametrize("cls, kwargs, match", [
+    (VllmArgs, {"enable_expert_parallel": True}, "tensor_parallel_size 1"),
+    (VllmArgs, {"kv_cache_gb": 0.0}, "kv_cache_gb"),
+    (VllmArgs, {"num_engines": 0}, "num_engines"),
+    (VllmArgs, {"cpu_threads": 0}, "cpu_threads"),
+    (VllmArgs, {"num_speculative_tokens": -1}, "num_speculative_tokens"),
+    (VllmArgs, {"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+    (RolloutArgs, {"temperature": 0.0}, "temperature"),
+    (RolloutArgs, {"top_p": 0.0}, "top_p"),
+    (RolloutArgs, {"top_k": 0}, "top_k"),
+])
+def test_flags_refuse_impossible_values_naming_the_flag(cls, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        cls(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, cuda, match", [
+    ({"tensor_parallel_size": 2}, False, "need GPUs"),
+    ({"return_routed_experts": True}, False, "needs Triton"),
+    ({"gpu_memory_utilization": 0.9}, False, "size its KV cache with --vllm.kv_cache_gb"),
+    ({"kv_cache_gb": 4.0}, True, "size its KV cache with --vllm.gpu_memory_utilization"),
+    ({"cpu_threads": 4}, True, "cpu_threads on a GPU engine"),
+])
+def test_engine_refuses_flags_its_machine_cannot_honour(tiny_model, kwargs, cuda, match):
+    with pytest.raises(ValueError, match=match):
+        build_engine_args(tiny_model, VllmArgs(**kwargs), cuda=cuda)
+
+
+@pytest.mark.parametrize("dtype, expected", [("auto", "float32"), ("float32", "float32"), ("bfloat16", "bfloat16"),
+                                             ("float16", "float16")])
+def test_engine_dtype_auto_is_the_checkpoints_own(tiny_model, dtype, expected):
+    assert engine_dtype(tiny_model, dtype) == expected  # the factory saves "dtype": "float32" in config.json
+
+
+def test_engine_refuses_a_kv_cache_env_var_that_would_override_the_flag(tiny_model, monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
+    with pytest.raises(ValueError, match="VLLM_CPU_KVCACHE_SPACE"):
+        build_engine_args(tiny_model, VllmArgs(), cuda=False)
+
+
+@pytest.mark.parametrize("rollout", [RolloutArgs(top_p=0.9), RolloutArgs(top_k=20)])
+def test_truncated_sampling_is_refused_with_importance_correction_or_kl(rollout):
+    with pytest.raises(ValueError, match="truncated distribution"):
+        rollout.check_logprobs_usable(importance_correction=True, kl_to_rollout=False)
+    with pytest.raises(ValueError, match="truncated distribution"):
+        rollout.check_logprobs_usable(importance_correction=False, kl_to_rollout=True)
+    rollout.check_logprobs_usable(importance_correction=False, kl_to_rollout=False)
+    RolloutArgs(temperature=0.7).check_logprobs_usable(importance_correction=True, kl_to_rollout=True)
+
+
+def test_segment_check_accepts_a_consistent_row_and_names_each_violation():
+    def row(**changes):  # prompt of 2 tokens, then 2 sampled ones under versions 3 and 4
+        fields = dict(token_ids=[1, 2, 3, 4], action_mask=[False, False, True, True],
+                      logprobs=[0.0, 0.0, -0.5, -1.5], versions=[-1, -1, 3, 4])
+        return Segment(**{**fields, **changes}, episode_id="e")
+    row().check()
+    for changes, match in [({"logprobs": [0.0, 0.0, -0.5]}, "logprobs has 3"),
+                           ({"versions": [-1, -1, -1, 4]}, "action token 2 has version -1"),
+                           ({"logprobs": [0.0, 0.0, 0.5, -1.5]}, "log-prob 0.5"),
+                           ({"versions": [0, -1, 3, 4]}, "non-action token 0"),
+                           ({"routed_experts": [[[0, 1]]]}, "routed_experts has 1 rows")]:
+        with pytest.raises(ValueError, match=match):
+            row(**changes).check()
+
+
+def test_pick_engine_is_crc32_so_every_process_agrees():
+    # CRC-32 of "123456789" is 0xCBF43926 = 3421780262 (the standard's check value): mod 4 = 0x26 & 3 = 2,
+    # mod 3 = 2 (digit sum 35). Python's hash() would give another value in every process.
+    assert pick_engine("123456789", 4) == 2 and pick_engine("123456789", 3) == 2
+    assert pick_engine("", 5) == 0  # CRC-32 of the empty string is 0
+    assert {pick_engine(f"episode-{i}", 2) for i in range(100)} == {0, 1}
+
+
+def test_versions_from_spans_expands_one_version_per_token():
+    assert versions_from_spans([("3", 0, 2), ("4", 2, 5)], 5) == [3, 3, 4, 4, 4]
+    assert versions_from_spans([], 0) == []
+    with pytest.raises(RuntimeError, match="cover 2 tokens"):
+        versions_from_spans([("3", 0, 2)], 3)
+
+
+def test_iter_buckets_packs_in_order_up_to_the_limit():
+    t = {n: torch.zeros(k) for n, k in [("a", 2), ("b", 2), ("c", 1), ("d", 8), ("e", 1)]}  # fp32: 8 8 4 32 4 B
+    # 16 B: a+b = 16 fits; c (4) + d (32) would not; d alone exceeds the limit but goes alone; e last.
+    buckets = list(iter_buckets(t.items(), 16))
+    assert [[n for n, _ in b] for b in buckets] == [["a", "b"], ["c"], ["d"], ["e"]]
+
+
+@pytest.mark.parametrize("tensor", [torch.randn(3, 5).to(torch.bfloat16), torch.randn(4, 2).half().t(),
+                                    torch.tensor(7, dtype=torch.int64), torch.randn(2, 3, 4)])
+def test_wire_format_keeps_dtype_shape_and_bits(tensor):
+    name, back = from_wire(*to_wire("w", tensor))
+    assert name == "w" and back.dtype == tensor.dtype and back.shape == tensor.shape
+    assert torch.equal(back.view(-1).view(torch.uint8), tensor.contiguous().view(-1).view(torch.uint8))
+
+
+def test_check_tensor_refuses_unknown_repeated_reshaped_and_recast_parameters():
+    shapes, seen, w = {"w": (2, 3)}, set(), torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="unknown parameter 'lm_head.weight' .*ties it"):
+        check_tensor("lm_head.weight", w, shapes, "float32", seen)
+    with pytest.raises(ValueError, match=r"shape \(3, 2\)"):
+        check_tensor("w", w.t(), shapes, "float32", seen)
+    with pytest.raises(ValueError, match="torch.bfloat16, the engine runs float32"):
+        check_tensor("w", w.bfloat16(), shapes, "float32", seen)
+    assert check_tensor("w", w, shapes, "float32", seen)[0] == "w"
+    with pytest.raises(ValueError, match="given twice"):
+        check_tensor("w", w, shapes, "float32", seen)
+
+
+# --- the engine: log-probs, versions, refit
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_match_teacher_forced_forward(tiny_generator, tiny_model, temperature):
+    gen = tiny_generator.with_rollout(RolloutArgs(temperature=temperature))
+    c = run(gen.generate(PROMPT, max_new_tokens=32, seed=11, ignore_eos=True))
+    assert len(c.token_ids) == len(c.logprobs) == 32 and c.finish_reason == "length"
+    assert c.versions == [tiny_generator.version] * 32
+    assert mean_abs(c.logprobs, reference(tiny_model, PROMPT, c.token_ids, temperature)) <= 1e-4
+    if temperature != 1.0:  # the check has teeth: unscaled logits give other log-probs
+        assert mean_abs(c.logprobs, reference(tiny_model, PROMPT, c.token_ids, 1.0)) > 1e-2
+
+
+def test_refit_mid_request_versions_are_exact(tiny_generator, tiny_model, original, perturbed):
+    gen, v, n = tiny_generator, tiny_generator.version, 300
+
+    async def scenario() -> Completion:
+        long = asyncio.create_task(gen.generate(PROMPT, max_new_tokens=n, seed=1, ignore_eos=True))
+        await gen.generate(PROMPT, max_new_tokens=8, seed=2, ignore_eos=True)  # `long` is ~8 tokens in now
+        try:
+            await refit(gen, perturbed[0], v + 1)
+            return await long
+        finally:
+            await refit(gen, original, v + 2)
+    c = run(scenario())
+    k = c.versions.count(v)
+    assert c.versions == [v] * k + [v + 1] * (n - k) and 0 < k < n
+    before = reference(tiny_model, PROMPT, c.token_ids, 1.0)
+    after = reference(perturbed[1], PROMPT, c.token_ids, 1.0)
+    assert mean_abs(c.logprobs[:k], before[:k]) <= 1e-4
+    assert mean_abs(c.logprobs[k:], after[k:]) <= 1e-4
+    assert mean_abs(before[k:], after[k:]) > 1e-2  # the two weight sets are told apart
+
+
+def test_update_weights_roundtrip(tiny_generator, tiny_model, original, perturbed):
+    gen, v = tiny_generator, tiny_generator.version
+    report = run(refit(gen, perturbed[0], v + 1))
+    try:
+        applied = [(name, dtype) for bucket in report["applied"] for name, dtype in bucket]
+        assert sorted(name for name, _ in applied) == sorted(original)  # each parameter exactly once
+        assert {dtype for _, dtype in applied} == {"float32"}  # the worker received the dtype that was sent
+        # 1 MiB buckets over the names in sorted order (fp32 bytes; vocab 1030, hidden 128, head_dim 64):
+        # embed 527360, L0 input_ln 512, down/gate/up 131072 each, post_ln 512, k_norm 256, k_proj 65536
+        # = 987392 (8 tensors; o_proj would pass 1048576); then L0 o/q_norm/q/v, L1 input_ln/down/gate/up/
+        # post_ln/k_norm/k/o/q_norm = 919296 (13; q_proj would pass); then L1 q_proj, v_proj, norm (3).
+        assert AutoConfig.from_pretrained(tiny_model).vocab_size == 1030
+        assert [len(bucket) for bucket in report["applied"]] == [8, 13, 3]
+        c = run(gen.generate(PROMPT, max_new_tokens=24, seed=3, ignore_eos=True))
+        assert c.versions == [v + 1] * 24
+        assert mean_abs(c.logprobs, reference(perturbed[1], PROMPT, c.token_ids, 1.0)) <= 1e-4
+    finally:
+        run(refit(gen, original, v + 2))
+    c = run(gen.generate(PROMPT, max_new_tokens=24, seed=3, ignore_eos=True))
+    assert mean_abs(c.logprobs, reference(tiny_model, PROMPT, c.token_ids, 1.0)) <= 1e-4
+
+
+def test_64_concurrent_requests_across_a_refit_keep_version_order(tiny_generator, original, perturbed):
+    gen, v = tiny_generator, tiny_generator.version
+
+    async def scenario() -> list[Completion]:
+        tasks = [asyncio.create_task(gen.generate([7 + i, 3, 11], max_new_tokens=8 + i, seed=i, ignore_eos=True))
+                 for i in range(64)]
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)  # the longest still need ~60 tokens
+        try:
+            await refit(gen, perturbed[0], v + 1)
+            return await asyncio.gather(*tasks)
+        finally:
+            await refit(gen, original, v + 2)
+    outs = run(scenario())
+    for i, c in enumerate(outs):
+        k = c.versions.count(v)
+        assert len(c.token_ids) == 8 + i and c.versions == [v] * k + [v + 1] * (8 + i - k), i
+    assert any(0 < c.versions.count(v) < len(c.versions) for c in outs)  # the refit landed mid-request
+
+
+# --- bad input: refused with a clear message, the engine keeps serving
+
+@pytest.mark.parametrize("prompt, match", [([], "empty prompt"), ([5, 1030], r"outside the vocabulary \[0, 1030\)"),
+                                           ([-1, 5], "outside the vocabulary"), ([5] * 512, "max_model_len 512")])
+def test_bad_prompt_is_refused_and_engine_keeps_serving(tiny_generator, prompt, match):
+    with pytest.raises(ValueError, match=match):
+        run(tiny_generator.generate(prompt))
+    assert serves(tiny_generator)
+
+
+def test_update_while_running_is_refused(tiny_generator, original):
+    v = tiny_generator.version
+    with pytest.raises(ValueError, match="call pause"):
+        run(tiny_generator.update_weights(original.items(), v + 1))
+    assert tiny_generator.version == v and serves(tiny_generator)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (("model.layers.9.mlp.up_proj.weight", torch.zeros(256, 128)), "unknown parameter 'model.layers.9"),
+    (("lm_head.weight", torch.zeros(1030, 128)), "ties it to the input embedding"),
+    (("model.norm.weight", torch.zeros(128, dtype=torch.float16)), "torch.float16, the engine runs float32"),
+])
+def test_bad_refit_tensor_is_refused_before_loading_and_engine_keeps_serving(tiny_generator, tiny_model, original,
+                                                                            bad, match):
+    v = tiny_generator.version
+    with pytest.raises(ValueError, match=match):
+        run(refit(tiny_generator, [bad, *sorted(original.items())], v + 1))
+    assert tiny_generator.version == v
+    c = run(tiny_generator.generate(PROMPT, max_new_tokens=16, seed=5, ignore_eos=True))
+    assert mean_abs(c.logprobs, reference(tiny_model, PROMPT, c.token_ids, 1.0)) <= 1e-4
+
+
+def test_refit_broken_off_mid_stream_is_loud_and_a_full_resend_recovers(tiny_generator, tiny_model, original):
+    gen, v = tiny_generator, tiny_generator.version
+    named = sorted(original.items())
+    with pytest.raises(ValueError, match="unknown parameter 'bogus'"):  # after two 1 MiB buckets went out
+        run(refit(gen, named + [("bogus", torch.zeros(1))], v + 1))
+    with pytest.raises(ValueError, match=r"\['model.norm.weight'\] \(of 1\) were not given"):
+        run(refit(gen, named[:-1], v + 1))
+    run(refit(gen, original, v + 1))
+    c = run(gen.generate(PROMPT, max_new_tokens=16, seed=6, ignore_eos=True))
+    assert c.versions == [v + 1] * 16
+    assert mean_abs(c.logprobs, reference(tiny_model, PROMPT, c.token_ids, 1.0)) <= 1e-4
+
+
+def test_dead_engine_raises_an_error_naming_it_instead_of_hanging(tiny_generator, tiny_model):
+    dead = generator.Engine.remote(tiny_model, VllmArgs())
+    ray.kill(dead)
+    router = tiny_generator.with_rollout(tiny_generator.rollout)
+    router._engines = [dead]  # a router whose only engine has died
+    with pytest.raises(RuntimeError, match="engine 0 died"):
+        run(asyncio.wait_for(router.generate([5, 6]), timeout=120))
+
+
+# --- the router as agent workers use it
+
+def test_router_pickled_into_another_ray_worker_samples(tiny_generator):
+    @ray.remote(num_cpus=0)
+    def sample(gen: Generator) -> list[int]:
+        return asyncio.run(gen.generate([5, 6, 7], max_new_tokens=3, ignore_eos=True, affinity="episode-1")).token_ids
+    assert len(ray.get(sample.remote(tiny_generator), timeout=120)) == 3
+
+
+def test_metrics_count_requests_and_tokens(tiny_generator):
+    before = run(tiny_generator.metrics())
+    for n in (3, 5):
+        run(tiny_generator.generate([5, 6, 7, 8], max_new_tokens=n, ignore_eos=True))
+    after = run(tiny_generator.metrics())
+    assert after["generator/requests"] - before["generator/requests"] == 2
+    assert after["generator/tokens"] - before["generator/tokens"] == 3 + 5
+    assert after["generator/prompt_tokens"] - before["generator/prompt_tokens"] == 4 + 4
+    assert after["generator/version"] == tiny_generator.version
+
+
+# --- mixture of experts: its own engine (vLLM's CPU reload skips the experts' repacking)
+
+@pytest.fixture(scope="module")
+def moe_generator(tiny_moe_model, ray_local):
+    gen = Generator(tiny_moe_model, VllmArgs(max_model_len=256, kv_cache_gb=0.25), RolloutArgs())
+    yield gen
+    run(gen.shutdown())
+
+
+def test_moe_refit_roundtrip_matches_teacher_forcing(moe_generator, tiny_moe_model, tmp_path):
+    original = load_file(os.path.join(tiny_moe_model, "model.safetensors"))
+    other = perturb(original)  # experts, router and attention all move
+    other_dir = copy_with(tiny_moe_model, other, tmp_path / "model")
+    prompt = [5, 17, 30, 42, 9]
+    for weights, model_dir, version in [(other, other_dir, 1), (original, tiny_moe_model, 2)]:
+        run(refit(moe_generator, weights, version))
+        c = run(moe_generator.generate(prompt, max_new_tokens=24, seed=7, ignore_eos=True))
+        assert c.versions == [version] * 24
+        assert mean_abs(c.logprobs, reference(model_dir, prompt, c.token_ids, 1.0)) <= 1e-4, version
