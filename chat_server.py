@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from generator import Completion, Segment
+from generator import Completion, Segment, sampled_digest
 
 log = logging.getLogger("chat_server")
 APPEND_ROLES = ("tool", "user", "system")
@@ -514,6 +514,7 @@ class Turn:
     end: int             # one past the last sampled token
     bridge: list         # tokens that close this turn before the next delta (mask 0)
     finish: str
+    sampled: list        # the ids as the generator returned them (kept apart for the token audit)
 
 
 @dataclass
@@ -601,7 +602,8 @@ def to_segment(ep: EpisodeState, t: Track) -> Segment:
     return Segment(token_ids=t.tokens, action_mask=t.mask, logprobs=t.logprobs, versions=t.versions, episode_id=ep.id,
                    finish_reason=last.finish, truncated=last.finish == "length", routed_experts=t.experts,
                    info={"segment": t.index, "forked_from": t.parent, "sealed_by": t.sealed_by or "close",
-                         "turns": [(u.start, u.end) for u in t.turns], "tainted": ep.tainted})
+                         "turns": [(u.start, u.end) for u in t.turns], "tainted": ep.tainted,
+                         "sampled_digest": sampled_digest([i for u in t.turns for i in u.sampled])})
 
 
 # --- protocol front ends: bodies, SSE writers, error shapes
@@ -985,7 +987,7 @@ class ChatServer:
         assistant = Msg("assistant", content, reasoning, calls)
         t.msgs += req.msgs[plan.base_msgs:] + [assistant]
         t.hashes += req.hashes[plan.base_msgs + 1:] + [hash((req.hashes[-1], assistant.key()))]
-        t.turns.append(Turn(len(t.tokens) - len(ids), len(t.tokens), self.template.bridge(ids), finish))
+        t.turns.append(Turn(len(t.tokens) - len(ids), len(t.tokens), self.template.bridge(ids), finish, list(ids)))
         if c.routed_experts is not None:   # (prompt + sampled - 1) rows: this call saw the whole segment
             rows = list(c.routed_experts[:len(t.tokens) - 1])
             t.experts = rows + rows[-1:]   # the last token routes nothing that is trained: repeat a row

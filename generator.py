@@ -13,6 +13,7 @@ Refit tensors carry checkpoint names and the engine's dtype (never cast); on CPU
 Not here: text, tokenizers, chat templates (chat_server.py, agent.py): this file moves token ids only.
 """
 import asyncio
+import hashlib
 import json
 import os
 import time
@@ -115,6 +116,12 @@ class Segment:
                 raise ValueError(f"{where}: action token {t} has version {v}, log-prob {lp} (needs >= 0, <= 0)")
             if not act and (v != -1 or lp != 0.0):
                 raise ValueError(f"{where}: non-action token {t} has version {v}, log-prob {lp} (needs -1, 0.0)")
+
+
+def sampled_digest(ids: list[int]) -> str:
+    """Fingerprint of a row's sampled ids, taken where the generator returned them; launch.py's token
+    audit compares it with the action ids of the row it is about to train."""
+    return hashlib.sha256(repr(list(ids)).encode()).hexdigest()[:16]
 
 
 @dataclass

