@@ -109,7 +109,7 @@ def add_flag(group, prefix: str, f: dataclasses.Field) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Verbatim: agentic RL that trains only on tokens it generated.")
     for prefix, cls in SECTIONS.items():
-        group = parser.add_argument_group(f"--{prefix}.*", cls.__doc__ if cls.__doc__ and "(" not in cls.__doc__[:len(cls.__name__) + 1] else None)
+        group = parser.add_argument_group(f"--{prefix}.*  ({cls.__name__})")
         for f in dataclasses.fields(cls):
             add_flag(group, prefix, f)
     return parser

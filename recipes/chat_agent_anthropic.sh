@@ -1,13 +1,6 @@
 #!/usr/bin/env bash
-# A multi-turn tool-using agent written against the stock `anthropic` SDK, trained through the chat server
-# on CPU (GRPO, K=0). The random tiny model will not learn multiplication in minutes: this recipe shows
-# the plumbing (token-exact segments from an unmodified SDK agent), not a learning curve.
+# The calculator agent written against the stock `anthropic` SDK (tool_use / tool_result blocks), trained
+# through the chat server's Anthropic front end on CPU. Same flags as chat_agent_openai.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-runs/chat_agent_anthropic}
-PY=.venv/bin/python
-[ -d "$OUT/model" ] || $PY recipes/tiny_model.py "$OUT/model" --tokenizer bpe --seed 0
-exec $PY launch.py --launch.model "$OUT/model" --launch.out_dir "$OUT" --launch.steps "${STEPS:-4}" \
-  --agent.path recipes/calc_anthropic_agent.py --data.path recipes/calc_anthropic_agent.py \
-  --train.batch_prompts 2 --rollout.samples_per_prompt 4 --rollout.max_new_tokens 48 \
-  --vllm.max_model_len 1024 --train.lr 1e-3 "$@"
+OUT=${OUT:-runs/chat_agent_anthropic} AGENT=recipes/calc_anthropic_agent.py exec bash recipes/chat_agent_openai.sh "$@"
