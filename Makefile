@@ -24,7 +24,8 @@ test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
 
 bench: $(STAMP)
-	@for f in tests/bench_*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
+	@failed=""; for f in tests/bench_*.py; do echo "== $$f"; $(PY) $$f || failed="$$failed $$f"; done; \
+	if [ -n "$$failed" ]; then echo "missed their targets:$$failed"; exit 1; fi
 
 test-gpu:
 	python3 -m pytest -q -p no:cacheprovider -m gpu

@@ -229,6 +229,10 @@ class AgentWorker:
                 segments += out
         return {"segments": segments, "dropped": dropped, "errors": errors[:3], "seconds": time.perf_counter() - start}
 
+    async def metrics(self) -> dict:
+        """The chat server's counters (chat/*) when this worker runs one; empty for Env agents."""
+        return self.server.metrics() if self.server is not None else {}
+
     async def stop(self) -> None:
         if self.server is not None:
             await self.server.stop()

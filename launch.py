@@ -396,7 +396,7 @@ async def run_rl(cfg: dict) -> dict:
                         "launch/engine_idle_s": queue.engine_idle_s,
                         "launch/tokens_per_s": metrics["rollout/action_tokens"] / step_s,
                         **{f"rollout/dropped_{k}": float(v) for k, v in queue.counts.items()},
-                        **(await generator.metrics())})
+                        **(await generator.metrics()), **(await workers[0].metrics.remote())})  # chat/*: worker 0's server
         log.log(step, metrics)
     log.plot(os.path.join(launch.out_dir, "reward.png"))
     ckpt = cfg["ckpt"]

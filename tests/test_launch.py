@@ -202,7 +202,7 @@ def run_recipe(name: str, out: str, **env: str) -> list[dict]:
 
 
 CHAT_KEYS = ("rollout/reward_mean", "rollout/segments", "audit/token_mismatch", "loss/vllm_kl", "train/version",
-             "rollout/dropped_agent_error")
+             "rollout/dropped_agent_error", "chat/open_episodes", "chat/overhead_ms_p50")
 
 
 def check_chat_recipe(out: str) -> None:
