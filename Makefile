@@ -4,7 +4,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 PIP     := $(PY) -m pip install --disable-pip-version-check -q
 
-.PHONY: run test bench test-gpu venv clean
+.PHONY: run test bench test-gpu bench-gpu venv clean
 
 venv: $(STAMP)
 
@@ -27,8 +27,14 @@ bench: $(STAMP)
 	@failed=""; for f in tests/bench_*.py; do echo "== $$f"; $(PY) $$f || failed="$$failed $$f"; done; \
 	if [ -n "$$failed" ]; then echo "missed their targets:$$failed"; exit 1; fi
 
+# GPU machine (no venv: its own torch): after recipes/gpu_install.sh put vLLM, Ray, NeMo into .gpu-site.
+GPU_ENV := PYTHONPATH=$(CURDIR)/.gpu-site:$(CURDIR) VLLM_USE_FLASHINFER_SAMPLER=0 NCCL_NVLS_ENABLE=0
+
 test-gpu:
-	python3 -m pytest -q -p no:cacheprovider -m gpu
+	$(GPU_ENV) python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/test_gpu.py
+
+bench-gpu:
+	$(GPU_ENV) python3 tests/bench_gpu.py $(SECTIONS)
 
 clean:
 	rm -rf .venv

@@ -7,15 +7,19 @@ driving one vLLM `AsyncLLM` in process (no HTTP); an episode's requests (`affini
     await gen.pause(); await gen.update_weights(named_tensors, version=7); await gen.resume()
 A refit keeps in-flight requests: their tokens before it carry the old version, after it the new one
 (from vLLM's weight-version spans, not from counting streamed tokens), and their KV cache is recomputed.
+vLLM 0.26 (the GPU build here) has no such spans: there a pause lets requests in flight finish first.
 Log-probs are vLLM's processed log-probs: the sampled token's under logits / temperature.
-Refit tensors carry checkpoint names and the engine's dtype (never cast); on CPU they travel in
-`--vllm.refit_bucket_mb` buckets, one `collective_rpc` each; on CUDA over NCCL (written, untested here).
+Refit tensors carry checkpoint names and the engine's dtype (never cast), packed into
+`--vllm.refit_bucket_mb` buckets, one `collective_rpc` each: bytes from a CPU trainer, a CUDA IPC handle
+to an engine on the trainer's GPU, an NCCL broadcast to engines on other GPUs.
 Not here: text, tokenizers, chat templates (chat_server.py, agent.py): this file moves token ids only.
 """
 import asyncio
 import hashlib
 import json
 import os
+import pickle
+import socket
 import time
 import uuid
 import zlib
@@ -161,15 +165,28 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
         yield bucket
 
 
-def to_wire(name: str, tensor: torch.Tensor) -> tuple:
-    """A tensor as plain types: vLLM's engine-client RPC would turn an untyped tensor into a list."""
-    data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-    return name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), data
+ALIGN = 256  # bytes: each tensor of a packed bucket starts here, so that dtype views of it are legal
 
 
-def from_wire(name: str, dtype: str, shape: list[int], data: bytes) -> tuple[str, torch.Tensor]:
-    """Inverse of to_wire: the same bytes, dtype and shape."""
-    return name, torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype)).reshape(shape)
+def pack(bucket: list[tuple[str, torch.Tensor]]) -> tuple[list, torch.Tensor]:
+    """A bucket as (layout, one flat uint8 tensor on the bucket's device): layout rows are (name, dtype,
+    shape, byte offset), and the bytes are the tensors' own: a refit never casts."""
+    layout, size = [], 0
+    for name, tensor in bucket:
+        layout.append((name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), size))
+        size += -(-tensor.nbytes // ALIGN) * ALIGN
+    flat = torch.empty(size, dtype=torch.uint8, device=bucket[0][1].device)
+    for (_, _, _, offset), (_, tensor) in zip(layout, bucket):
+        flat[offset:offset + tensor.nbytes].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+    return layout, flat
+
+
+def unpack(layout: list, flat: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """Inverse of pack: views of flat with each tensor's dtype and shape (no copy)."""
+    for name, dtype, shape, offset in layout:
+        dtype = getattr(torch, dtype)
+        size = dtype.itemsize * (torch.Size(shape).numel())
+        yield name, flat[offset:offset + size].view(dtype).reshape(shape)
 
 
 def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
@@ -242,7 +259,6 @@ def build_engine_args(model_path: str, vllm: VllmArgs, *, cuda: bool):
         kv_cache_memory_bytes=None if cuda else int(vllm.kv_cache_gb * 2**30),
         speculative_config=spec if vllm.num_speculative_tokens > 0 else None,
         enable_return_routed_experts=vllm.return_routed_experts,
-        weight_transfer_config={"backend": "nccl"} if cuda else None,
         logprobs_mode="processed_logprobs",   # the sampled token's log-prob after temperature
         skip_tokenizer_init=True,             # ids in, ids out: the engine never needs text
         worker_extension_cls="generator.WeightLoader", disable_log_stats=True)
@@ -266,27 +282,47 @@ def build_sampling_params(rollout: RolloutArgs, *, max_new_tokens: int | None, s
 class WeightLoader:
     """Mixed into each vLLM worker (`worker_extension_cls`); its methods run via `collective_rpc`."""
 
-    def refit_bucket(self, bucket: list, first: bool, last: bool) -> list[tuple[str, str]]:
-        """Load one bucket of to_wire() tensors; returns the (name, dtype) of each tensor applied."""
+    def device_uuid(self) -> str:
+        return str(torch.cuda.get_device_properties(self.device).uuid)
+
+    def join_nccl(self, host: str, port: int, rank_offset: int, world_size: int) -> None:
+        """Join the refit group whose rank 0 is the trainer process that sends the weights."""
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.utils import StatelessProcessGroup
+        group = StatelessProcessGroup.create(host=host, port=port, rank=rank_offset + self.rank, world_size=world_size)
+        self.refit_nccl = PyNcclCommunicator(group, device=self.device)
+
+    def refit_bucket(self, wire: tuple, first: bool, last: bool) -> list[tuple[str, str]]:
+        """Load one packed bucket; returns the (name, dtype) of each tensor applied.
+
+        wire is (transport, layout, payload): "bytes" carries the bucket itself (CPU trainer); "ipc" a
+        CUDA IPC handle of the trainer's flat tensor on this GPU; "nccl" its size, broadcast next."""
+        transport, layout, payload = wire
+        if transport == "bytes":
+            flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        elif transport == "ipc":
+            rebuild, args = pickle.loads(payload)
+            args = list(args)
+            args[6] = self.device.index  # torch's rebuild_cuda_tensor: the storage's device, numbered as seen here
+            flat = rebuild(*args)
+        else:
+            flat = torch.empty(payload, dtype=torch.uint8, device=self.device)
+            self.refit_nccl.broadcast(flat, src=0, stream=torch.cuda.current_stream())
         # vLLM's layerwise reload (what reload_weights runs), opened on the first bucket and closed on the
         # last: a fused layer (qkv, gate_up) split across buckets is processed once it is complete.
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-        model, applied = self.model_runner.get_model(), []
-
-        def stream():
-            for name, tensor in (from_wire(*item) for item in bucket):
-                applied.append((name, str(tensor.dtype).removeprefix("torch.")))
-                yield name, tensor
+        model = self.model_runner.get_model()
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
             if first:
                 initialize_layerwise_reload(model)
-            model.load_weights(stream())
+            model.load_weights(unpack(layout, flat))
             if last:
                 finalize_layerwise_reload(model, self.vllm_config.model_config)
                 if self.device.type == "cpu":
                     repack_cpu_weights(model, tied=self.vllm_config.model_config.hf_config.tie_word_embeddings)
-        return applied
+        del flat  # an IPC view must be gone before the trainer frees its tensor
+        return [(name, dtype) for name, dtype, _, _ in layout]
 
 
 def repack_cpu_weights(model: torch.nn.Module, *, tied: bool) -> None:
@@ -307,61 +343,77 @@ class Engine:
     def __init__(self, model_path: str, vllm: VllmArgs):
         self.model_path, self.vllm, self.llm = model_path, vllm, None
         self.requests, self.tokens, self.prompt_tokens, self.request_s = 0, 0, 0, 0.0
+        self.paused, self.in_flight, self.open = False, 0, asyncio.Event()
+        self.open.set()
 
     async def start(self, version: int) -> dict:
-        args = build_engine_args(self.model_path, self.vllm, cuda=torch.cuda.is_available())
+        cuda = torch.cuda.is_available()
+        args = build_engine_args(self.model_path, self.vllm, cuda=cuda)
         from vllm.v1.engine.async_llm import AsyncLLM
         try:
             self.llm = AsyncLLM.from_engine_args(args)
         except ValueError as e:  # vLLM's config errors (pydantic) do not pickle; their message does
             raise ValueError(f"vLLM refused the engine configuration: {e}") from None
-        await self.llm.update_weight_version(str(version))
+        # vLLM >= 0.32 labels each output token with the weight version that sampled it (spans); 0.26 does
+        # not, so there a pause first lets the requests in flight finish: each request has one version.
+        self.spans = hasattr(self.llm, "update_weight_version")
+        await self.set_version(version)
         config = self.llm.model_config
-        return {"vocab_size": config.get_vocab_size(), "dtype": str(config.dtype).removeprefix("torch.")}
+        return {"vocab_size": config.get_vocab_size(), "dtype": str(config.dtype).removeprefix("torch."),
+                "gpus": await self.llm.collective_rpc("device_uuid") if cuda else []}
 
     async def generate(self, prompt_ids: list[int], rollout: RolloutArgs, request_id: str, **kw) -> Completion:
-        start = time.perf_counter()
-        async for final in self.llm.generate({"prompt_token_ids": prompt_ids}, build_sampling_params(rollout, **kw),
-                                             request_id):
-            pass
+        await self.open.wait()  # closed only while a pause drains requests (vLLM < 0.32)
+        start, version = time.perf_counter(), self.version
+        self.in_flight += 1
+        try:
+            async for final in self.llm.generate({"prompt_token_ids": prompt_ids}, build_sampling_params(rollout, **kw),
+                                                 request_id):
+                pass
+        finally:
+            self.in_flight -= 1
         out = final.outputs[0]
         ids = list(out.token_ids)
-        spans = [(s.version, s.start, s.end) for s in out.weight_versions or []]  # spans: vLLM >= 0.32
+        if self.spans:
+            versions = versions_from_spans([(s.version, s.start, s.end) for s in out.weight_versions or []], len(ids))
+        else:
+            versions = [version] * len(ids)
         self.requests += 1
         self.tokens += len(ids)
         self.prompt_tokens += len(prompt_ids)
         self.request_s += time.perf_counter() - start
         return Completion(token_ids=ids, logprobs=[lp[t].logprob for lp, t in zip(out.logprobs or [], ids)],
-                          versions=versions_from_spans(spans, len(ids)), finish_reason=out.finish_reason,
-                          routed_experts=out.routed_experts)
+                          versions=versions, finish_reason=out.finish_reason, routed_experts=out.routed_experts)
 
     async def pause(self) -> None:
+        if not self.spans:
+            self.open.clear()
+            while self.in_flight:
+                await asyncio.sleep(0.002)
         # keep: requests stay queued; clear_cache: on resume their KV is recomputed with the new weights.
         await self.llm.pause_generation(mode="keep", clear_cache=True)
+        self.paused = True
 
     async def resume(self) -> None:
         await self.llm.resume_generation()
+        self.paused = False
+        self.open.set()
 
-    async def load_bucket(self, bucket: list, first: bool, last: bool) -> list:
-        wire = [to_wire(name, tensor) for name, tensor in bucket]
+    async def is_paused(self) -> bool:
+        return self.paused
+
+    async def join_nccl(self, host: str, port: int, rank_offset: int, world_size: int) -> None:
+        await self.llm.collective_rpc("join_nccl", args=(host, port, rank_offset, world_size))
+
+    async def load_bucket(self, wire: tuple, first: bool, last: bool) -> list:
         return (await self.llm.collective_rpc("refit_bucket", args=(wire, first, last)))[0]
 
     async def set_version(self, version: int) -> None:
-        await self.llm.update_weight_version(str(version))
+        self.version = version
+        if self.spans:
+            await self.llm.update_weight_version(str(version))
         if self.vllm.enable_prefix_caching:
             await self.llm.reset_prefix_cache()
-
-    async def init_nccl(self, address: str, port: int, rank_offset: int, world_size: int, bucket_bytes: int):
-        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
-        await self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=dict(
-            master_address=address, master_port=port, rank_offset=rank_offset, world_size=world_size,
-            packed=True, packed_buffer_size_bytes=bucket_bytes)))
-
-    async def receive_nccl(self, update_info: dict) -> None:
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-        await self.llm.start_weight_update()  # start/finish_weight_update: vLLM >= 0.32
-        await self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
-        await self.llm.finish_weight_update()
 
     async def metrics(self) -> dict:
         return {"generator/requests": self.requests, "generator/tokens": self.tokens,
@@ -394,7 +446,7 @@ class Generator:
                  actor_options: dict | None = None):
         if not ray.is_initialized():
             raise RuntimeError("Generator needs a running Ray: call ray.init() first")
-        self.vllm, self.rollout, self.version = vllm, rollout, version
+        self.vllm, self.rollout, self.version, self.id = vllm, rollout, version, uuid.uuid4().hex
         self._shapes = checkpoint_shapes(model_path)
         self._bucket_bytes = vllm.refit_bucket_mb * 2**20
         gpus = vllm.tensor_parallel_size if ray.cluster_resources().get("GPU", 0) > 0 else 0
@@ -406,8 +458,9 @@ class Generator:
                 infos.append(ray.get(ref))  # blocks: start-up happens once, before any loop runs
             except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
                 raise engine_error(i, e) from e
-        self._vocab_size, self._dtype = infos[0]["vocab_size"], infos[0]["dtype"]
-        self._paused, self._next, self._nccl, self._timings = False, 0, None, {}
+        self._vocab_size, self.dtype = infos[0]["vocab_size"], infos[0]["dtype"]
+        self._gpus = [uuid for info in infos for uuid in info["gpus"]]  # each engine worker's GPU
+        self._next, self._nccl, self._timings = 0, None, {}
 
     def __getstate__(self):
         return {**self.__dict__, "_nccl": None}  # an NCCL communicator belongs to the process that made it
@@ -458,37 +511,23 @@ class Generator:
         """Stop scheduling on every engine; in-flight requests are kept, not dropped."""
         start = time.perf_counter()
         await self._all("pause")
-        self._paused = True
         self._timings["generator/pause_s"] = time.perf_counter() - start
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:
         """Load every (checkpoint name, tensor) into every engine; tokens sampled next carry `version`.
 
         Takes pairs, streamed (a generator works: a trainer's export), only while paused; every
-        checkpoint parameter exactly once. Returns {"applied": per refit message, the (name, dtype)
-        list that engine 0's worker loaded}.
+        checkpoint parameter exactly once, in the engine's dtype. Tensors travel in packed buckets of
+        --vllm.refit_bucket_mb: CPU tensors as bytes; CUDA tensors over CUDA IPC to an engine on this
+        GPU, else broadcast over NCCL from this process (which joins the engines' group on first use).
+        Returns {"applied": per bucket, the (name, dtype) list engine 0 loaded; "refit_s": seconds;
+        "transport": "bytes" | "ipc" | "nccl"}.
         """
-        if not self._paused:
+        if not all(await self._all("is_paused")):
             raise ValueError("update_weights while the engines are running: call pause() first")
-        start, seen = time.perf_counter(), set()
-        checked = (check_tensor(n, t, self._shapes, self._dtype, seen) for n, t in named_tensors)
-        if self._nccl is not None:  # CUDA: one NCCL broadcast from this process (untested on CPU)
-            report = await self._broadcast_nccl(list(checked))
-        else:
-            report = await self._send_buckets(checked)
-        missing = sorted(set(self._shapes) - seen)
-        if missing:
-            raise ValueError(f"update_weights: parameters {missing[:5]} (of {len(missing)}) were not given; the "
-                             f"engines hold a partial update: send every parameter before resume()")
-        await self._all("set_version", version)
-        self.version = version
-        self._timings.update({"generator/refit_s": time.perf_counter() - start,
-                              "generator/refit_messages": len(report["applied"])})
-        return report
-
-    async def _send_buckets(self, checked: Iterator) -> dict:
-        """One collective_rpc per bucket on every engine; the last bucket closes the load."""
-        buckets, applied = iter_buckets(checked, self._bucket_bytes), []
+        start, seen, applied, transport = time.perf_counter(), set(), [], None
+        buckets = iter_buckets((check_tensor(n, t, self._shapes, self.dtype, seen) for n, t in named_tensors),
+                               self._bucket_bytes)
         bucket = next(buckets, None)
         if bucket is None:
             raise ValueError("update_weights: no tensors given")
@@ -496,43 +535,58 @@ class Generator:
             try:
                 following = next(buckets, None)
             except ValueError:  # a bad tensor further on: close the load opened by earlier buckets, then raise
-                await self._all("load_bucket", ray.put(bucket), not applied, True)
+                await self._load(bucket, not applied, True)
                 raise
-            reports = await self._all("load_bucket", ray.put(bucket), not applied, following is None)
-            applied.append(reports[0])
+            loaded, transport = await self._load(bucket, not applied, following is None)
+            applied.append(loaded)
             bucket = following
-        return {"applied": applied}
+        missing = sorted(set(self._shapes) - seen)
+        if missing:
+            raise ValueError(f"update_weights: parameters {missing[:5]} (of {len(missing)}) were not given; the "
+                             f"engines hold a partial update: send every parameter before resume()")
+        await self._all("set_version", version)
+        self.version = version
+        refit_s = time.perf_counter() - start
+        self._timings.update({"generator/refit_s": refit_s, "generator/refit_messages": len(applied)})
+        return {"applied": applied, "refit_s": refit_s, "transport": transport}
 
-    async def init_nccl(self, master_address: str, master_port: int) -> None:
-        """CUDA only, untested on CPU: this process (rank 0) and every engine worker join one NCCL group.
+    async def _load(self, bucket: list, first: bool, last: bool) -> tuple[list, str]:
+        """One bucket into every engine, over the transport its device calls for; (engine 0's report, transport)."""
+        layout, flat = pack(bucket)
+        if flat.device.type == "cpu":
+            transport, payload = "bytes", flat.numpy().tobytes()
+        elif self._gpus == [str(torch.cuda.get_device_properties(flat.device).uuid)] * len(self._gpus):
+            from torch.multiprocessing.reductions import reduce_tensor
+            torch.cuda.current_stream(flat.device).synchronize()  # the bytes are in place before another process reads
+            transport, payload = "ipc", pickle.dumps(reduce_tensor(flat))
+        else:
+            if self._nccl is None:
+                await self._join_nccl(flat.device)
+            transport, payload = "nccl", flat.numel()
+        wire = ray.put((transport, layout, payload))
+        refs = [e.load_bucket.remote(wire, first, last) for e in self._engines]
+        if transport == "nccl":  # the engines' workers wait in broadcast for these bytes
+            self._nccl.broadcast(flat, src=0, stream=torch.cuda.current_stream(flat.device))
+        return [await self._await(i, ref) for i, ref in enumerate(refs)][0], transport
 
-        Call it in the process that will call update_weights (the trainer's rank 0)."""
-        from vllm.distributed.weight_transfer.nccl_common import trainer_init  # the GPU refit path needs vLLM
+    async def _join_nccl(self, device: torch.device) -> None:
+        """This process (rank 0) and every engine worker form one NCCL group for refits."""
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.utils import StatelessProcessGroup
+        with socket.socket() as s:
+            s.bind(("", 0))
+            host, port = ray.util.get_node_ip_address(), s.getsockname()[1]
         tp = self.vllm.tensor_parallel_size
         world = 1 + tp * len(self._engines)
-        joins = [e.init_nccl.remote(master_address, master_port, 1 + i * tp, world, self._bucket_bytes)
-                 for i, e in enumerate(self._engines)]
-        self._nccl = await asyncio.to_thread(
-            trainer_init, {"master_address": master_address, "master_port": master_port, "world_size": world})
+        joins = [e.join_nccl.remote(host, port, 1 + i * tp, world) for i, e in enumerate(self._engines)]
+        group = await asyncio.to_thread(StatelessProcessGroup.create, host=host, port=port, rank=0, world_size=world)
+        self._nccl = await asyncio.to_thread(PyNcclCommunicator, group, device=device)
         for i, ref in enumerate(joins):
             await self._await(i, ref)
-
-    async def _broadcast_nccl(self, checked: list) -> dict:
-        """CUDA only, untested on CPU: the engines receive while this process broadcasts packed buckets."""
-        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
-        info = {"names": [n for n, _ in checked], "shapes": [list(t.shape) for _, t in checked],
-                "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in checked]}
-        receiving = [e.receive_nccl.remote(info) for e in self._engines]
-        packed_nccl_broadcast_producer(iter(checked), self._nccl, src=0, post_iter_func=lambda item: item[1],
-                                       buffer_size_bytes=self._bucket_bytes)
-        for i, ref in enumerate(receiving):
-            await self._await(i, ref)
-        return {"applied": [list(zip(info["names"], info["dtype_names"]))]}  # one broadcast, packed by vLLM
 
     async def resume(self) -> None:
         """Let every engine schedule again; kept requests continue under the new weights."""
         await self._all("resume")
-        self._paused = False
 
     # --- metrics and lifetime
 

@@ -45,6 +45,7 @@ class LaunchArgs:
     tensorboard: bool = field(default=False, metadata={"help": "also write TensorBoard events to out_dir/tb"})
     wandb_project: str | None = field(default=None, metadata={"help": "also log to this Weights & Biases project (needs wandb installed)"})
     seed: int = field(default=0, metadata={"help": "seed of data order and sampling"})
+    colocate: bool = field(default=False, metadata={"help": "GPU: the trainer and the engine share one GPU (half each; refit over CUDA IPC); else each takes its own (refit over NCCL)"})
 
     def __post_init__(self):
         if self.steps < 1:
@@ -315,14 +316,34 @@ def rollout_metrics(segments: list, version: int, lag_bins: int) -> dict:
     return out
 
 
-async def refit(generator: Generator, trainer: TrainerGroup, bucket_mb: int) -> float:
-    """Pause every engine (requests kept), load the trainer's weights, bump the version, resume."""
+async def refit(generator: Generator, trainer: TrainerGroup) -> float:
+    """Pause every engine (requests kept), load the trainer's weights (rank 0 sends them), resume."""
     start = time.perf_counter()
     await generator.pause()
-    await generator.update_weights((pair for bucket in trainer.export_weights(bucket_mb) for pair in bucket),
-                                   version=trainer.version)
+    await asyncio.to_thread(trainer.refit, generator)
     await generator.resume()
     return time.perf_counter() - start
+
+
+def gpu_shares(launch: LaunchArgs, train: TrainArgs, vllm: VllmArgs) -> tuple[dict | None, float | None]:
+    """Ray GPU requests of (each engine, each trainer rank): whole GPUs each, or half of one GPU each
+    with --launch.colocate; (None, None) on a cluster without GPUs."""
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if not gpus:
+        if launch.colocate:
+            raise ValueError("--launch.colocate: the Ray cluster has no GPUs to share; drop the flag")
+        return None, None
+    if launch.colocate:
+        if train.world_size > 1 or vllm.tensor_parallel_size > 1 or vllm.num_engines > 1:
+            raise ValueError("--launch.colocate shares one GPU between one trainer rank and one engine: set "
+                             "--train.world_size 1, --vllm.num_engines 1, --vllm.tensor_parallel_size 1, or drop it")
+        return {"num_gpus": 0.5}, 0.5
+    need = train.world_size + vllm.num_engines * vllm.tensor_parallel_size
+    if need > gpus:
+        raise ValueError(f"--train.world_size {train.world_size} + --vllm.num_engines x --vllm.tensor_parallel_size "
+                         f"{vllm.num_engines * vllm.tensor_parallel_size} = {need} GPUs, the cluster has {gpus:g}: "
+                         f"set --launch.colocate to share one GPU, or lower them")
+    return {"num_gpus": vllm.tensor_parallel_size}, 1.0
 
 
 async def probe_mismatch(generator: Generator, trainer: TrainerGroup, segments: list, count: int = 4) -> dict:
@@ -353,11 +374,12 @@ async def run_rl(cfg: dict) -> dict:
     launch, data, train, rollout = cfg["launch"], cfg["data"], cfg["train"], cfg["rollout"]
     rows = load_rows(data.path, "train")
     held_out = load_rows(data.path, "test") if cfg["eval"].every else []
-    generator = Generator(launch.model, cfg["vllm"], rollout)
+    engine_gpus, rank_gpus = gpu_shares(launch, train, cfg["vllm"])
+    generator = Generator(launch.model, cfg["vllm"], rollout, actor_options=engine_gpus)  # first: vLLM sizes its KV cache
     trainer = TrainerGroup(launch.model, train, cfg["fsdp"], cfg["ckpt"], cfg["loss"], cfg["estimator"],
-                           temperature=rollout.temperature)
+                           temperature=rollout.temperature, gpus_per_rank=rank_gpus)
     if trainer.version != generator.version:  # resumed: the engines start from the checkpoint's weights
-        await refit(generator, trainer, cfg["vllm"].refit_bucket_mb)
+        await refit(generator, trainer)
     worker_class = ray.remote(num_cpus=0)(AgentWorker)
     workers = [worker_class.remote(cfg["agent"], cfg["chat"], generator, launch.model) for _ in range(cfg["agent"].workers)]
     await asyncio.gather(*(w.start.remote() for w in workers))
@@ -384,7 +406,7 @@ async def run_rl(cfg: dict) -> dict:
         # --- refit: without partial rollouts, in-flight groups finish on the old weights first
         if not train.partial_rollout:
             await queue.drain()
-        refit_s = await refit(generator, trainer, cfg["vllm"].refit_bucket_mb)
+        refit_s = await refit(generator, trainer)
         if "loss/vllm_kl" not in metrics:  # mismatch is measured every step, K > 0 included
             metrics.update(await probe_mismatch(generator, trainer, segments))
         # --- eval, log

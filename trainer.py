@@ -5,14 +5,16 @@ Contract: TrainerGroup(model_path, train, fsdp, ckpt, loss, estimator, temperatu
 --train.world_size Ray actors, one rank each, in one process group (gloo on CPU, NCCL on GPU).
 train_step(segments) -> metrics runs one RL step; sft_step(segments) trains token NLL on the action
 tokens; logprobs(segments) -> [(T,)] recomputes log-probs of logits / temperature;
-export_weights(bucket_mb) yields lists of (HF name, full tensor); save/load/--ckpt.resume use
+export_weights(bucket_mb) yields lists of (HF name, full tensor); refit(generator) loads the current
+weights into a paused Generator straight from rank 0 (on GPU they never leave it); save/load/--ckpt.resume use
 torch.distributed.checkpoint. Every rank receives the whole batch and derives the same plan,
 advantages and loss denominators from it; besides the model's own collectives, ranks only
 all-reduce the no-grad pass's per-row results (a gather) and each step's loss (a metric).
-Not here: sampling (generator.py), advantage and loss math (estimators.py, losses.py), the loop and
-the refit transport (launch.py). Refused with a message: context and expert parallelism, routing
+Not here: sampling and the refit transport (generator.py), advantage and loss math (estimators.py,
+losses.py), the loop (launch.py). Refused with a message: context and expert parallelism, routing
 replay (the trainer cannot yet force the engine's expert choices).
 """
+import asyncio
 import json
 import math
 import os
@@ -334,6 +336,7 @@ class TrainerRank:
         if not self.cuda:
             torch.set_num_threads(1)  # ranks share the cores; one thread each is fastest and deterministic
         self.step, self.version = 0, 0  # train steps taken; optimizer steps taken (0 = the loaded weights)
+        self.router = None  # the Generator this rank refits (rank 0)
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a free port: rank 0 hosts the process group's rendezvous."""
@@ -508,7 +511,8 @@ class TrainerRank:
         dist.all_reduce(step_loss, group=self.dp_group)
         grad_norm, lr = self.optimizer_step(self.model, self.optimizer, self.train.lr)
         self.version += 1
-        return {"train/loss": float(step_loss), "train/grad_norm": grad_norm, "train/lr": lr}
+        peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.cuda else 0.0  # since the rank started
+        return {"train/loss": float(step_loss), "train/grad_norm": grad_norm, "train/lr": lr, "train/peak_gib": peak}
 
     def sft_step(self, segments: list[Segment]) -> tuple[list[tuple[float, dict]], int]:
         """One optimizer step of token NLL on the action tokens, at temperature 1 (the model's own distribution)."""
@@ -553,6 +557,25 @@ class TrainerRank:
             if self.rank == 0:
                 out.append((export_name(name), full.to("cpu", dtype or full.dtype, copy=True)))
         return (out if self.rank == 0 else None), len(buckets)
+
+    def refit(self, generator) -> dict | None:
+        """Every rank gathers each full parameter in turn; rank 0 streams them, cast to the engine's dtype
+        and on its own device, into generator.update_weights (which must be paused). Rank 0 keeps its
+        first router copy: that copy holds the NCCL group a refit to other GPUs opens once."""
+        if self.router is None or self.router.id != generator.id:
+            self.router = generator
+        dtype = getattr(torch, generator.dtype)
+        pairs = ((export_name(name), (p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()).to(dtype))
+                 for name, p in self.model.named_parameters())
+        if self.rank != 0:
+            for _ in pairs:  # join every gather rank 0 makes
+                pass
+            return None
+        try:
+            return asyncio.run(self.router.update_weights(pairs, self.version))
+        finally:
+            for _ in pairs:  # a refused refit leaves no rank waiting in a gather
+                pass
 
     def write_hf(self, path: str) -> None:
         """An HF model directory: one safetensors file of the full weights, and model_path's other files."""
@@ -695,6 +718,13 @@ class TrainerGroup:
             bucket, count = ray.get([a.export_bucket.remote(index, bucket_mb, dtype) for a in self.actors])[0]
             yield bucket
             index += 1
+
+    def refit(self, generator) -> dict:
+        """Load the current weights into every engine of a paused generator as version self.version;
+        returns rank 0's update_weights report. The caller resumes the engines."""
+        report = ray.get([a.refit.remote(generator) for a in self.actors])[0]
+        generator.version = self.version
+        return report
 
     def export_hf(self, path: str) -> None:
         """Write the current weights as an HF model directory (safetensors + model_path's config and tokenizer)."""

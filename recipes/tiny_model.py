@@ -23,6 +23,9 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Con
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TAGS = ["<tool_call>", "</tool_call>", "<think>", "</think>", "<tool_response>", "</tool_response>"]
 ROLES = ["system", "user", "assistant", "tool"]
+# Qwen3-0.6B's shape (596M parameters with the tied embedding): the GPU benchmarks' model, random weights.
+QWEN3_0_6B = dict(hidden=1024, layers=28, heads=16, kv_heads=8, intermediate=3072, head_dim=128, rows=151936,
+                  max_positions=40960)
 DEFAULT_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz+-*/=.,:;!?()[]{}\"'_ \n"
 
 # Qwen/Hermes ChatML: tools listed in the system block, tool calls as <tool_call>{json}</tool_call>,
@@ -105,15 +108,17 @@ def build_tokenizer(kind: str, *, alphabet: str, vocab_size: int, corpus: list[s
 def build_tiny_model(out_dir: str, *, seed: int = 0, tokenizer: str = "bpe", alphabet: str = DEFAULT_ALPHABET,
                      vocab_size: int = 1024, corpus_path: str | None = None, hidden: int = 128, layers: int = 2,
                      heads: int = 4, kv_heads: int = 2, intermediate: int = 256, max_positions: int = 4096,
-                     moe: bool = False, experts: int = 4, experts_per_token: int = 2) -> str:
-    """Write a random model directory to out_dir, identical for identical arguments; returns out_dir."""
+                     moe: bool = False, experts: int = 4, experts_per_token: int = 2, head_dim: int = 64,
+                     rows: int | None = None, dtype: str = "float32") -> str:
+    """Write a random model directory to out_dir, identical for identical arguments; returns out_dir.
+    rows: embedding rows when more than the tokenizer's ids (a real model's vocabulary size)."""
     corpus = open(corpus_path).read().splitlines() if corpus_path else default_corpus()
     tok = build_tokenizer(tokenizer, alphabet=alphabet, vocab_size=vocab_size, corpus=corpus)
-    ids = dict(vocab_size=len(tok), eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+    ids = dict(vocab_size=max(len(tok), rows or 0), eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
                pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"), bos_token_id=None)
     shape = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                 num_key_value_heads=kv_heads, head_dim=64, max_position_embeddings=max_positions,
-                 tie_word_embeddings=True, rope_theta=10000.0, torch_dtype="float32")
+                 num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=max_positions,
+                 tie_word_embeddings=True, rope_theta=10000.0, torch_dtype=dtype)
     if moe:
         config = Qwen3MoeConfig(**ids, **shape, num_experts=experts, num_experts_per_tok=experts_per_token,
                                 moe_intermediate_size=intermediate // 2, intermediate_size=intermediate,
@@ -121,7 +126,7 @@ def build_tiny_model(out_dir: str, *, seed: int = 0, tokenizer: str = "bpe", alp
     else:
         config = Qwen3Config(**ids, **shape, intermediate_size=intermediate)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(getattr(torch, dtype))
     os.makedirs(out_dir, exist_ok=True)
     model.generation_config.eos_token_id = [ids["eos_token_id"], ids["pad_token_id"]]
     model.save_pretrained(out_dir)
@@ -144,9 +149,15 @@ if __name__ == "__main__":
     p.add_argument("--intermediate", type=int, default=256)
     p.add_argument("--moe", action="store_true", help="Qwen3-MoE instead of dense Qwen3")
     p.add_argument("--experts", type=int, default=4)
+    p.add_argument("--head_dim", type=int, default=64)
+    p.add_argument("--rows", type=int, default=None, help="embedding rows beyond the tokenizer's (e.g. 151936)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--qwen3_0_6b", action="store_true", help="Qwen3-0.6B's dimensions (596M parameters)")
     a = p.parse_args()
+    shape = dict(hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads, intermediate=a.intermediate,
+                 head_dim=a.head_dim, rows=a.rows)
+    shape.update(QWEN3_0_6B if a.qwen3_0_6b else {})
     path = build_tiny_model(a.out_dir, seed=a.seed, tokenizer=a.tokenizer, alphabet=a.alphabet,
-                            vocab_size=a.vocab_size, corpus_path=a.corpus, hidden=a.hidden, layers=a.layers,
-                            heads=a.heads, kv_heads=a.kv_heads, intermediate=a.intermediate, moe=a.moe,
-                            experts=a.experts)
+                            vocab_size=a.vocab_size, corpus_path=a.corpus, moe=a.moe, experts=a.experts,
+                            dtype=a.dtype, **shape)
     print(f"tiny model written to {path}")

@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import generator
 from generator import (Completion, Generator, RolloutArgs, Segment, VllmArgs, build_engine_args, check_tensor,
-                       engine_dtype, from_wire, iter_buckets, pick_engine, to_wire, versions_from_spans)
+                       engine_dtype, iter_buckets, pack, pick_engine, unpack, versions_from_spans)
 
 run = asyncio.run
 PROMPT = [5, 17, 300, 42, 9, 77]
@@ -166,12 +166,15 @@ def test_iter_buckets_packs_in_order_up_to_the_limit():
     assert [[n for n, _ in b] for b in buckets] == [["a", "b"], ["c"], ["d"], ["e"]]
 
 
-@pytest.mark.parametrize("tensor", [torch.randn(3, 5).to(torch.bfloat16), torch.randn(4, 2).half().t(),
-                                    torch.tensor(7, dtype=torch.int64), torch.randn(2, 3, 4)])
-def test_wire_format_keeps_dtype_shape_and_bits(tensor):
-    name, back = from_wire(*to_wire("w", tensor))
-    assert name == "w" and back.dtype == tensor.dtype and back.shape == tensor.shape
-    assert torch.equal(back.view(-1).view(torch.uint8), tensor.contiguous().view(-1).view(torch.uint8))
+def test_pack_keeps_dtype_shape_and_bits_of_every_tensor_at_aligned_offsets():
+    bucket = [("a", torch.randn(3, 5).to(torch.bfloat16)), ("b", torch.randn(4, 2).half().t()),
+              ("c", torch.tensor(7, dtype=torch.int64)), ("d", torch.randn(2, 3, 4))]
+    layout, flat = pack(bucket)
+    # bf16 3x5 = 30 B -> next at 256; fp16 2x4 = 16 B -> 512; int64 scalar 8 B -> 768; fp32 24 x 4 = 96 B -> 1024
+    assert [row[3] for row in layout] == [0, 256, 512, 768] and flat.dtype == torch.uint8 and flat.numel() == 1024
+    for (name, tensor), (back_name, back) in zip(bucket, unpack(layout, flat)):
+        assert back_name == name and back.dtype == tensor.dtype and back.shape == tensor.shape
+        assert torch.equal(back.reshape(-1).view(torch.uint8), tensor.contiguous().reshape(-1).view(torch.uint8))
 
 
 def test_check_tensor_refuses_unknown_repeated_reshaped_and_recast_parameters():

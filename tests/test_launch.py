@@ -122,6 +122,14 @@ def test_bad_flag_values_are_refused_naming_the_flag(capsys):
         assert named in capsys.readouterr().err
 
 
+def test_gpu_placement_flags_are_checked_against_the_cluster(ray_local):
+    cfg = launch.parse_args(["--launch.model", "m", "--launch.colocate"])
+    with pytest.raises(ValueError, match="--launch.colocate: the Ray cluster has no GPUs"):
+        launch.gpu_shares(cfg["launch"], cfg["train"], cfg["vllm"])
+    cfg = launch.parse_args(["--launch.model", "m"])
+    assert launch.gpu_shares(cfg["launch"], cfg["train"], cfg["vllm"]) == (None, None)  # CPU: Ray places nothing
+
+
 # --- the loop
 
 

@@ -1,0 +1,236 @@
+"""GPU benchmarks (the H200 machine; elsewhere this prints why it did not run and exits 0).
+
+Model: random weights in Qwen3-0.6B's shape (596M parameters, bf16 on disk, 151,936 embedding rows),
+built locally. Each section measures ours and its baseline side by side in one run:
+  trainer    TrainerGroup (NeMo AutoModel + FSDP2, bf16 autocast over fp32 masters, activation
+             checkpointing, AdamW) vs plain transformers training of the same model and the same
+             numerics, one 16,384-token sequence per step, alternating rounds. Target >= 1.0x.
+  generator  Generator vs a raw vLLM AsyncLLM built from the same engine arguments, both alive on one
+             GPU, 256 prompts x 256 sampled tokens, alternating rounds. Target >= 0.95x. Then refit:
+             pause + update_weights + resume of the 0.6B weights from a trainer on the same GPU (CUDA
+             IPC) and, with two GPUs, from one on the other GPU (NCCL). Target <= 0.15 s.
+  loop1      the loop, engine and trainer sharing one GPU, K=0 (synchronous): tokens/s vs the bound
+             1/(1/gen + 1/train), gen = the generator section's vLLM tokens/s, train = the loop's own
+             training tokens/s. Target >= 0.9x.
+  loop2      the loop on two GPUs (one each), K=1: tokens/s vs vLLM alone (the generator section's raw
+             engine). Target >= 0.85x.
+Peak memory: trainer (torch max allocated) and engine (GPU memory taken by its start) are reported.
+
+    python tests/bench_gpu.py [trainer] [generator] [loop1] [loop2]     # default: all; results also
+                                                                        # appended to $BENCH_OUT
+"""
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+OUT = os.environ.get("BENCH_OUT", os.path.join(ROOT, "runs", "bench_gpu.jsonl"))
+COPY = os.path.join(ROOT, "recipes", "copy_agent.py")
+
+
+def report(section: str, **values) -> dict:
+    values = {"section": section, **{k: round(v, 4) if isinstance(v, float) else v for k, v in values.items()}}
+    print(json.dumps(values), flush=True)
+    os.makedirs(os.path.dirname(OUT), exist_ok=True)
+    with open(OUT, "a") as f:
+        f.write(json.dumps(values) + "\n")
+    return values
+
+
+def earlier(section: str, key: str):
+    """A value an earlier section of this machine's runs reported (None if it has not run)."""
+    if not os.path.exists(OUT):
+        return None
+    found = [json.loads(line) for line in open(OUT) if f'"{section}"' in line]
+    return found[-1].get(key) if found else None
+
+
+def model_dir() -> str:
+    from recipes.tiny_model import QWEN3_0_6B, build_tiny_model
+    path = os.path.join(ROOT, "runs", "qwen3_0_6b_random")
+    if not os.path.exists(os.path.join(path, "model.safetensors")):
+        build_tiny_model(path, tokenizer="chars", alphabet="0123456789copy \n", dtype="bfloat16", **QWEN3_0_6B)
+    return path
+
+
+# --- trainer: ours vs plain transformers, one 16,384-token sequence per step
+
+def bench_trainer(model: str, seq: int = 16384, rounds: int = 3, steps: int = 3) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from estimators import EstimatorArgs
+    from generator import Segment
+    from losses import LossArgs
+    from trainer import CkptArgs, FsdpArgs, TrainArgs, TrainerGroup
+    ids = torch.randint(0, 151936, (1, seq), generator=torch.Generator().manual_seed(0))
+    # the baseline: what a plain transformers script does with the same numerics as our trainer
+    plain = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="sdpa").cuda()
+    plain.gradient_checkpointing_enable()
+    plain.config.use_cache = False
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-5)
+    x = ids.cuda()
+
+    def plain_step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = plain(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+
+    ours = TrainerGroup(model, TrainArgs(lr=1e-5, max_tokens_per_microbatch=seq),
+                        FsdpArgs(param_dtype="bfloat16", gradient_checkpointing=True), CkptArgs(), LossArgs(),
+                        EstimatorArgs(), temperature=1.0, gpus_per_rank=0.5)  # 0.5: shares the GPU with plain
+    row = ids[0].tolist()
+    segment = Segment(token_ids=row, action_mask=[False] + [True] * (seq - 1), logprobs=[0.0] + [-1.0] * (seq - 1),
+                      versions=[-1] + [0] * (seq - 1))
+    times = {"plain": [], "ours": []}
+    metrics = {}
+    for r in range(rounds):  # alternating rounds; round 0 is warm-up
+        for name in ("plain", "ours"):
+            for _ in range(steps):
+                start = time.perf_counter()
+                if name == "plain":
+                    plain_step()
+                else:
+                    metrics = ours.sft_step([segment])
+                if r:
+                    times[name].append(time.perf_counter() - start)
+    plain_peak = torch.cuda.max_memory_allocated() / 2**30
+    ours.shutdown()
+    tps = {k: seq / statistics.median(v) for k, v in times.items()}
+    return report("trainer", ours_tokens_per_s=tps["ours"], plain_tokens_per_s=tps["plain"],
+                  ratio=tps["ours"] / tps["plain"], target=1.0, ours_peak_gib=metrics.get("train/peak_gib"),
+                  plain_peak_gib=plain_peak, seq=seq)
+
+
+# --- generator: ours vs raw vLLM; then refit timings
+
+async def bench_generator(model: str, n: int = 256, new: int = 256, rounds: int = 3) -> dict:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from estimators import EstimatorArgs
+    from generator import Generator, RolloutArgs, VllmArgs, build_engine_args, build_sampling_params
+    from losses import LossArgs
+    from trainer import CkptArgs, FsdpArgs, TrainArgs, TrainerGroup
+    vllm, rollout = VllmArgs(enforce_eager=False, gpu_memory_utilization=0.3, max_model_len=1024), RolloutArgs(max_new_tokens=new)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 151936, (64,), generator=g).tolist() for _ in range(n)]
+    free0 = torch.cuda.mem_get_info()[0]
+    raw = AsyncLLM.from_engine_args(build_engine_args(model, vllm, cuda=True))
+    engine_gib = (free0 - torch.cuda.mem_get_info()[0]) / 2**30
+    gen = Generator(model, vllm, rollout, actor_options={"num_gpus": 0.5})
+
+    async def raw_one(i, p, tag):
+        params = build_sampling_params(rollout, max_new_tokens=None, stop_token_ids=None, seed=i, ignore_eos=True)
+        async for out in raw.generate({"prompt_token_ids": p}, params, f"{tag}-{i}"):
+            pass
+        return len(out.outputs[0].token_ids)
+
+    async def timed(name, r):
+        start = time.perf_counter()
+        if name == "raw":
+            counts = await asyncio.gather(*(raw_one(i, p, f"r{r}") for i, p in enumerate(prompts)))
+        else:
+            counts = [len(c.token_ids) for c in await asyncio.gather(
+                *(gen.generate(p, seed=i, ignore_eos=True) for i, p in enumerate(prompts)))]
+        return sum(counts) / (time.perf_counter() - start)
+
+    rates = {"raw": [], "ours": []}
+    for r in range(rounds + 1):  # round 0 warms both up
+        for name in ("raw", "ours"):
+            rate = await timed(name, r)
+            if r:
+                rates[name].append(rate)
+    raw.shutdown()
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    out = report("generator", ours_tokens_per_s=med["ours"], raw_vllm_tokens_per_s=med["raw"],
+                 ratio=med["ours"] / med["raw"], target=0.95, engine_gib=engine_gib, prompts=n, new_tokens=new,
+                 rounds=rates)
+
+    # refit: the trainer on this GPU (IPC), then one on the other GPU (NCCL) when there is one
+    placements = [0.5] + ([1.0] if torch.cuda.device_count() > 1 else [])
+    for rank_gpus in placements:
+        trainer = TrainerGroup(model, TrainArgs(), FsdpArgs(param_dtype="bfloat16"), CkptArgs(), LossArgs(),
+                               EstimatorArgs(), temperature=1.0, gpus_per_rank=rank_gpus)
+        cycles, loads, transport = [], [], None
+        for _ in range(6):  # the first opens the transport (NCCL group) and warms up
+            start = time.perf_counter()
+            await gen.pause()
+            rep = await asyncio.to_thread(trainer.refit, gen)
+            await gen.resume()
+            cycles.append(time.perf_counter() - start)
+            loads.append(rep["refit_s"])
+            transport = rep["transport"]
+        c = await gen.generate(prompts[0], max_new_tokens=8)
+        assert c.versions == [trainer.version] * len(c.versions)
+        trainer.shutdown()
+        report("refit", transport=transport, refit_s=statistics.median(loads[1:]),
+               pause_refit_resume_s=statistics.median(cycles[1:]), target_s=0.15,
+               buckets=len(rep["applied"]), bucket_mb=vllm.refit_bucket_mb)
+    await gen.shutdown()
+    return out
+
+
+# --- the loop
+
+def bench_loop(model: str, section: str, *extra: str, steps: int = 8) -> dict:
+    import launch
+    out_dir = os.path.join(ROOT, "runs", f"bench_{section}")
+    argv = ["--launch.model", model, "--launch.out_dir", out_dir, "--launch.steps", str(steps),
+            "--agent.path", COPY, "--data.path", COPY, "--train.batch_prompts", "32",
+            "--rollout.samples_per_prompt", "8", "--rollout.max_new_tokens", "256", "--vllm.max_model_len", "512",
+            "--vllm.gpu_memory_utilization", "0.3", "--no-vllm.enforce_eager", "--fsdp.param_dtype", "bfloat16",
+            "--fsdp.gradient_checkpointing", "--train.max_tokens_per_microbatch", "16384", "--train.lr", "1e-6", *extra]
+    asyncio.run(launch.run_rl(launch.parse_args(argv)))
+    rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))][2:]  # steps 0-1 warm up
+    med = lambda key: statistics.median(r[key] for r in rows)
+    tokens = med("rollout/action_tokens")
+    return {"loop_tokens_per_s": tokens / med("launch/step_s"), "rollout_phase_tokens_per_s": tokens / med("launch/rollout_wait_s"),
+            "train_tokens_per_s": tokens / med("launch/train_s"), "refit_s": med("launch/refit_s"),
+            "step_s": med("launch/step_s"), "trainer_peak_gib": max(r["train/peak_gib"] for r in rows),
+            "action_tokens_per_step": tokens, "mismatch_abs": med("loss/mismatch_abs")}
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        print("bench_gpu: not run: needs CUDA (on the GPU machine: make bench-gpu)")
+        return
+    import ray
+    sections = sys.argv[1:] or ["trainer", "generator", "loop1", "loop2"]
+    model = model_dir()
+    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    for s in sections:
+        print(f"== {s}", flush=True)
+        if s == "trainer":
+            bench_trainer(model)
+            torch.cuda.empty_cache()  # the plain model is gone: give its cached blocks back to the engines
+        elif s == "generator":
+            asyncio.run(bench_generator(model))
+        elif s == "loop1":
+            m = bench_loop(model, "loop1", "--launch.colocate")
+            gen = earlier("generator", "raw_vllm_tokens_per_s") or m["rollout_phase_tokens_per_s"]
+            bound = 1 / (1 / gen + 1 / m["train_tokens_per_s"])
+            report("loop1", **m, gen_tokens_per_s=gen, sync_bound_tokens_per_s=bound,
+                   ratio=m["loop_tokens_per_s"] / bound, target=0.9)
+        elif s == "loop2":
+            if torch.cuda.device_count() < 2:
+                report("loop2", skipped="needs two GPUs")
+                continue
+            m = bench_loop(model, "loop2", "--train.max_staleness", "1", "--loss.is_level", "token")
+            alone = earlier("generator", "raw_vllm_tokens_per_s")
+            report("loop2", **m, vllm_alone_tokens_per_s=alone, ratio=m["loop_tokens_per_s"] / alone if alone else None,
+                   target=0.85)
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
