@@ -346,16 +346,15 @@ def gpu_shares(launch: LaunchArgs, train: TrainArgs, vllm: VllmArgs) -> tuple[di
     return {"num_gpus": vllm.tensor_parallel_size}, 1.0
 
 
-async def probe_mismatch(generator: Generator, trainer: TrainerGroup, segments: list, count: int = 4) -> dict:
+async def probe_mismatch(generator: Generator, trainer: TrainerGroup, segments: list, count: int = 8, tokens: int = 32) -> dict:
     """Forward consistency for a step whose batch held no token of the trainer's version (asynchronous
-    steps, where every token lags): sample from a few of the batch's prompts with the weights just
-    refit, and compare those sampling log-probs with the trainer's recompute under the same weights."""
-    probes = []
-    for s in segments[:count]:
-        prompt = s.token_ids[:s.action_mask.index(True)]
-        out = await generator.generate(prompt, affinity="probe")
-        probes.append(Segment(token_ids=prompt + out.token_ids, action_mask=[False] * len(prompt) + [True] * len(out.token_ids),
-                              logprobs=[0.0] * len(prompt) + out.logprobs, versions=[-1] * len(prompt) + out.versions))
+    steps, where every token lags): sample a few short continuations of the batch's prompts at once with
+    the weights just refit, and compare those sampling log-probs with the trainer's recompute."""
+    prompts = [s.token_ids[:s.action_mask.index(True)] for s in segments[:count]]
+    tokens = min(tokens, generator.rollout.max_new_tokens)
+    outs = await asyncio.gather(*(generator.generate(p, max_new_tokens=tokens, affinity="probe") for p in prompts))
+    probes = [Segment(token_ids=p + o.token_ids, action_mask=[False] * len(p) + [True] * len(o.token_ids),
+                      logprobs=[0.0] * len(p) + o.logprobs, versions=[-1] * len(p) + o.versions) for p, o in zip(prompts, outs)]
     recomputed = await asyncio.to_thread(trainer.logprobs, probes)
     rollout = torch.nn.utils.rnn.pad_sequence([torch.tensor(p.logprobs) for p in probes], batch_first=True)  # (B, T)
     mask = torch.nn.utils.rnn.pad_sequence([torch.tensor(p.action_mask) for p in probes], batch_first=True)  # (B, T)

@@ -4,11 +4,13 @@ Model: random weights in Qwen3-0.6B's shape (596M parameters, bf16 on disk, 151,
 built locally. Each section measures ours and its baseline side by side in one run:
   trainer    TrainerGroup (NeMo AutoModel + FSDP2, bf16 autocast over fp32 masters, activation
              checkpointing, AdamW) vs plain transformers training of the same model and the same
-             numerics, one 16,384-token sequence per step, alternating rounds. Target >= 1.0x.
+             numerics, one 16,384-token sequence per step, one after the other (both do not fit at
+             once). Target >= 1.0x.
   generator  Generator vs a raw vLLM AsyncLLM built from the same engine arguments, both alive on one
              GPU, 256 prompts x 256 sampled tokens, alternating rounds. Target >= 0.95x. Then refit:
              pause + update_weights + resume of the 0.6B weights from a trainer on the same GPU (CUDA
              IPC) and, with two GPUs, from one on the other GPU (NCCL). Target <= 0.15 s.
+  refit      the same with 1 GiB buckets (two for the 0.6B weights) on an eager engine.
   loop1      the loop, engine and trainer sharing one GPU, K=0 (synchronous): tokens/s vs the bound
              1/(1/gen + 1/train), gen = the generator section's vLLM tokens/s, train = the loop's own
              training tokens/s. Target >= 0.9x.
@@ -16,7 +18,7 @@ built locally. Each section measures ours and its baseline side by side in one r
              engine). Target >= 0.85x.
 Peak memory: trainer (torch max allocated) and engine (GPU memory taken by its start) are reported.
 
-    python tests/bench_gpu.py [trainer] [generator] [loop1] [loop2]     # default: all; results also
+    python tests/bench_gpu.py [trainer] [generator] [refit] [loop1] [loop2]   # default: all; results also
                                                                         # appended to $BENCH_OUT
 """
 import asyncio
@@ -62,7 +64,7 @@ def model_dir() -> str:
 
 # --- trainer: ours vs plain transformers, one 16,384-token sequence per step
 
-def bench_trainer(model: str, seq: int = 16384, rounds: int = 3, steps: int = 3) -> dict:
+def bench_trainer(model: str, seq: int = 16384, warmup: int = 2, steps: int = 5) -> dict:
     from transformers import AutoModelForCausalLM
 
     from estimators import EstimatorArgs
@@ -86,25 +88,28 @@ def bench_trainer(model: str, seq: int = 16384, rounds: int = 3, steps: int = 3)
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
 
-    ours = TrainerGroup(model, TrainArgs(lr=1e-5, max_tokens_per_microbatch=seq),
-                        FsdpArgs(param_dtype="bfloat16", gradient_checkpointing=True), CkptArgs(), LossArgs(),
-                        EstimatorArgs(), temperature=1.0, gpus_per_rank=0.5)  # 0.5: shares the GPU with plain
     row = ids[0].tolist()
     segment = Segment(token_ids=row, action_mask=[False] + [True] * (seq - 1), logprobs=[0.0] + [-1.0] * (seq - 1),
                       versions=[-1] + [0] * (seq - 1))
     times = {"plain": [], "ours": []}
-    metrics = {}
-    for r in range(rounds):  # alternating rounds; round 0 is warm-up
-        for name in ("plain", "ours"):
-            for _ in range(steps):
-                start = time.perf_counter()
-                if name == "plain":
-                    plain_step()
-                else:
-                    metrics = ours.sft_step([segment])
-                if r:
-                    times[name].append(time.perf_counter() - start)
+    for _ in range(warmup):
+        plain_step()
+    for _ in range(steps):
+        start = time.perf_counter()
+        plain_step()
+        times["plain"].append(time.perf_counter() - start)
     plain_peak = torch.cuda.max_memory_allocated() / 2**30
+    plain.cpu()  # both do not fit at 16k tokens: the baseline leaves the GPU before ours starts
+    opt.state.clear()
+    torch.cuda.empty_cache()
+    ours = TrainerGroup(model, TrainArgs(lr=1e-5, max_tokens_per_microbatch=seq),
+                        FsdpArgs(param_dtype="bfloat16", gradient_checkpointing=True), CkptArgs(), LossArgs(),
+                        EstimatorArgs(), temperature=1.0)
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        metrics = ours.sft_step([segment])
+        if i >= warmup:
+            times["ours"].append(time.perf_counter() - start)
     ours.shutdown()
     tps = {k: seq / statistics.median(v) for k, v in times.items()}
     return report("trainer", ours_tokens_per_s=tps["ours"], plain_tokens_per_s=tps["plain"],
@@ -117,10 +122,7 @@ def bench_trainer(model: str, seq: int = 16384, rounds: int = 3, steps: int = 3)
 async def bench_generator(model: str, n: int = 256, new: int = 256, rounds: int = 3) -> dict:
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from estimators import EstimatorArgs
     from generator import Generator, RolloutArgs, VllmArgs, build_engine_args, build_sampling_params
-    from losses import LossArgs
-    from trainer import CkptArgs, FsdpArgs, TrainArgs, TrainerGroup
     vllm, rollout = VllmArgs(enforce_eager=False, gpu_memory_utilization=0.3, max_model_len=1024), RolloutArgs(max_new_tokens=new)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 151936, (64,), generator=g).tolist() for _ in range(n)]
@@ -157,39 +159,55 @@ async def bench_generator(model: str, n: int = 256, new: int = 256, rounds: int 
                  rounds=rates)
 
     # refit: the trainer on this GPU (IPC), then one on the other GPU (NCCL) when there is one
-    placements = [0.5] + ([1.0] if torch.cuda.device_count() > 1 else [])
-    for rank_gpus in placements:
-        trainer = TrainerGroup(model, TrainArgs(), FsdpArgs(param_dtype="bfloat16"), CkptArgs(), LossArgs(),
-                               EstimatorArgs(), temperature=1.0, gpus_per_rank=rank_gpus)
-        cycles, loads, transport = [], [], None
-        for _ in range(6):  # the first opens the transport (NCCL group) and warms up
-            start = time.perf_counter()
-            await gen.pause()
-            rep = await asyncio.to_thread(trainer.refit, gen)
-            await gen.resume()
-            cycles.append(time.perf_counter() - start)
-            loads.append(rep["refit_s"])
-            transport = rep["transport"]
-        c = await gen.generate(prompts[0], max_new_tokens=8)
-        assert c.versions == [trainer.version] * len(c.versions)
-        trainer.shutdown()
-        report("refit", transport=transport, refit_s=statistics.median(loads[1:]),
-               pause_refit_resume_s=statistics.median(cycles[1:]), target_s=0.15,
-               buckets=len(rep["applied"]), bucket_mb=vllm.refit_bucket_mb)
+    for rank_gpus in [0.5] + ([1.0] if torch.cuda.device_count() > 1 else []):
+        await time_refits(gen, model, rank_gpus, vllm.refit_bucket_mb)
     await gen.shutdown()
     return out
 
 
+async def time_refits(gen, model: str, rank_gpus: float, bucket_mb: int, count: int = 6) -> dict:
+    """pause + trainer.refit + resume, `count` times (the first opens the transport and warms up)."""
+    from estimators import EstimatorArgs
+    from losses import LossArgs
+    from trainer import CkptArgs, FsdpArgs, TrainArgs, TrainerGroup
+    trainer = TrainerGroup(model, TrainArgs(), FsdpArgs(param_dtype="bfloat16"), CkptArgs(), LossArgs(),
+                           EstimatorArgs(), temperature=1.0, gpus_per_rank=rank_gpus)
+    cycles, loads = [], []
+    for _ in range(count):
+        start = time.perf_counter()
+        await gen.pause()
+        rep = await asyncio.to_thread(trainer.refit, gen)
+        await gen.resume()
+        cycles.append(time.perf_counter() - start)
+        loads.append(rep["refit_s"])
+    c = await gen.generate([5] * 16, max_new_tokens=8)
+    assert c.versions == [trainer.version] * len(c.versions)
+    trainer.shutdown()
+    return report("refit", transport=rep["transport"], refit_s=statistics.median(loads[1:]),
+                  pause_refit_resume_s=statistics.median(cycles[1:]), target_s=0.15, buckets=len(rep["applied"]),
+                  bucket_mb=bucket_mb)
+
+
+async def bench_refit(model: str, bucket_mb: int = 1024) -> None:
+    """Refit alone, with bigger buckets than the generator section's default (an eager engine starts fast)."""
+    from generator import Generator, RolloutArgs, VllmArgs
+    gen = Generator(model, VllmArgs(gpu_memory_utilization=0.3, max_model_len=1024, refit_bucket_mb=bucket_mb),
+                    RolloutArgs(max_new_tokens=8), actor_options={"num_gpus": 0.5})
+    for rank_gpus in [0.5] + ([1.0] if torch.cuda.device_count() > 1 else []):
+        await time_refits(gen, model, rank_gpus, bucket_mb)
+    await gen.shutdown()
+
+
 # --- the loop
 
-def bench_loop(model: str, section: str, *extra: str, steps: int = 8) -> dict:
+def bench_loop(model: str, section: str, *extra: str, steps: int = 6) -> dict:
     import launch
     out_dir = os.path.join(ROOT, "runs", f"bench_{section}")
     argv = ["--launch.model", model, "--launch.out_dir", out_dir, "--launch.steps", str(steps),
             "--agent.path", COPY, "--data.path", COPY, "--train.batch_prompts", "32",
             "--rollout.samples_per_prompt", "8", "--rollout.max_new_tokens", "256", "--vllm.max_model_len", "512",
             "--vllm.gpu_memory_utilization", "0.3", "--no-vllm.enforce_eager", "--fsdp.param_dtype", "bfloat16",
-            "--fsdp.gradient_checkpointing", "--train.max_tokens_per_microbatch", "16384", "--train.lr", "1e-6", *extra]
+            "--train.max_tokens_per_microbatch", "8192", "--train.lr", "1e-6", *extra]
     asyncio.run(launch.run_rl(launch.parse_args(argv)))
     rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))][2:]  # steps 0-1 warm up
     med = lambda key: statistics.median(r[key] for r in rows)
@@ -205,7 +223,7 @@ def main() -> None:
         print("bench_gpu: not run: needs CUDA (on the GPU machine: make bench-gpu)")
         return
     import ray
-    sections = sys.argv[1:] or ["trainer", "generator", "loop1", "loop2"]
+    sections = sys.argv[1:] or ["trainer", "generator", "refit", "loop1", "loop2"]
     model = model_dir()
     ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     for s in sections:
@@ -215,6 +233,8 @@ def main() -> None:
             torch.cuda.empty_cache()  # the plain model is gone: give its cached blocks back to the engines
         elif s == "generator":
             asyncio.run(bench_generator(model))
+        elif s == "refit":
+            asyncio.run(bench_refit(model))
         elif s == "loop1":
             m = bench_loop(model, "loop1", "--launch.colocate")
             gen = earlier("generator", "raw_vllm_tokens_per_s") or m["rollout_phase_tokens_per_s"]

@@ -130,8 +130,8 @@ def test_trainer_loads_with_nemo_and_learns_on_gpu(gpu_model, ray_local):
 
 @TWO_GPUS
 def test_fsdp2_on_two_gpus_takes_the_one_gpu_step(gpu_model, ray_local):
-    """Same batch, same seed: world size 2 (one GPU each, NCCL) and world size 1 reach the same loss
-    after two steps, within bf16 noise (the reduction order differs)."""
+    """Same batch, same seed: world size 2 (one GPU each, NCCL) and world size 1 take the same steps:
+    equal losses within bf16 noise (the reduction order differs) at each of three steps."""
     from transformers import AutoTokenizer
     batch = sft_batch([{"messages": [{"role": "user", "content": f"copy {i}"}, {"role": "assistant", "content": f"{i}"}]}
                        for i in range(8)], AutoTokenizer.from_pretrained(gpu_model))
@@ -143,7 +143,8 @@ def test_fsdp2_on_two_gpus_takes_the_one_gpu_step(gpu_model, ray_local):
         finally:
             trainer.shutdown()
     print("nll ws1", nll[1], "ws2", nll[2])
-    assert nll[2][-1] < nll[2][0] and abs(nll[2][-1] - nll[1][-1]) < 0.02 * nll[1][0]
+    assert nll[2][1] < nll[2][0]  # it trains (lr 1e-3 overshoots by the third step, on both world sizes)
+    assert all(abs(a - b) < 0.02 * nll[1][0] for a, b in zip(nll[1], nll[2]))
 
 
 def loop(model: str, out: str, *extra: str) -> dict:
