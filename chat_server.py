@@ -14,6 +14,7 @@ stateful Responses (previous_response_id), non-text content (400), admin HTTP ro
 calls open_episode / close_episode in process).
 """
 import asyncio
+import bisect
 import gc
 import json
 import logging
@@ -137,8 +138,7 @@ class ChatRequest:
         return hash(self.msgs[0].key()) if self.msgs else 0
 
 
-TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "an array",
-              dict: "an object"}
+TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "an array", dict: "an object"}
 
 
 def get(obj: dict, key: str, types, path: str = "", required: bool = False):
@@ -201,14 +201,10 @@ def parse_openai(body: dict, prior: tuple = (0, None, ())) -> ChatRequest:
         if not isinstance(m, dict):
             raise bad(p[:-1], "expected an object")
         role = get(m, "role", str, p, required=True)
-        if role in ("system", "developer"):
-            text = text_of(m.get("content"), p + "content")
-            if i == 0:
-                system = text
-            else:
-                msgs.append(Msg("system", text))
-        elif role == "user":
-            msgs.append(Msg("user", text_of(m.get("content"), p + "content")))
+        if role in ("system", "developer") and i == 0:
+            system = text_of(m.get("content"), p + "content")
+        elif role in ("system", "developer", "user"):
+            msgs.append(Msg("user" if role == "user" else "system", text_of(m.get("content"), p + "content")))
         elif role == "assistant":
             calls = []
             for j, tc in enumerate(get(m, "tool_calls", list, p) or []):
@@ -239,30 +235,30 @@ def parse_anthropic(body: dict, counting: bool = False, prior: tuple = (0, None,
     system, messages, (done, _, msgs) = body.get("system"), get(body, "messages", list, required=True), prior
     system, msgs = None if system is None else text_of(system, "system"), list(msgs)
     for i in range(done, len(messages)):
-        m, p = messages[i], f"messages.{i}"
+        m, p = messages[i], f"messages.{i}."
         if not isinstance(m, dict):
-            raise bad(p, "expected an object")
-        role, content = get(m, "role", str, p + ".", required=True), m.get("content")
+            raise bad(p[:-1], "expected an object")
+        role, content = get(m, "role", str, p, required=True), m.get("content")
         if role not in ("user", "assistant"):
-            raise bad(p + ".role", f"unsupported role {role!r}: use user or assistant")
+            raise bad(p + "role", f"unsupported role {role!r}: use user or assistant")
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else \
-            get(m, "content", list, p + ".", required=True)
+            get(m, "content", list, p, required=True)
         texts, reasoning, calls, results = [], "", [], 0
         for j, b in enumerate(blocks):
-            q, kind = f"{p}.content.{j}", b.get("type") if isinstance(b, dict) else None
+            q, kind = f"{p}content.{j}.", b.get("type") if isinstance(b, dict) else None
             if kind == "text":
-                texts.append(get(b, "text", str, q + ".", required=True))
+                texts.append(get(b, "text", str, q, required=True))
             elif kind == "tool_result" and role == "user":
                 results += 1
-                msgs.append(Msg("tool", text_of(b.get("content"), q + ".content"),
-                                call_id=get(b, "tool_use_id", str, q + ".", required=True)))
+                msgs.append(Msg("tool", text_of(b.get("content"), q + "content"),
+                                call_id=get(b, "tool_use_id", str, q, required=True)))
             elif kind == "tool_use" and role == "assistant":
-                calls.append(Call(get(b, "id", str, q + ".", required=True),
-                                  get(b, "name", str, q + ".", required=True), get(b, "input", dict, q + ".") or {}))
+                calls.append(Call(get(b, "id", str, q, required=True), get(b, "name", str, q, required=True),
+                                  get(b, "input", dict, q) or {}))
             elif kind == "thinking" and role == "assistant":
-                reasoning = get(b, "thinking", str, q + ".") or ""
+                reasoning = get(b, "thinking", str, q) or ""
             elif kind != "redacted_thinking" or role != "assistant":
-                raise bad(q + ".type", f"unsupported content block {kind!r} in a {role} message")
+                raise bad(q + "type", f"unsupported content block {kind!r} in a {role} message")
         if role == "assistant":
             msgs.append(Msg("assistant", "\n".join(texts), reasoning, tuple(calls)))
         elif texts or not results:   # tool results first, then the user's own text (the template's order)
@@ -281,28 +277,28 @@ def parse_responses(body: dict) -> ChatRequest:
     items = [{"role": "user", "content": items}] if isinstance(items, str) else get(body, "input", list, required=True)
     system, msgs = get(body, "instructions", str), []
     for i, it in enumerate(items):
-        p, kind = f"input.{i}", it.get("type", "message") if isinstance(it, dict) else None
+        p, kind = f"input.{i}.", it.get("type", "message") if isinstance(it, dict) else None
         if kind == "message":
-            role = get(it, "role", str, p + ".", required=True)
-            text = text_of(it.get("content"), p + ".content", ("input_text", "output_text", "text"))
+            role = get(it, "role", str, p, required=True)
+            text = text_of(it.get("content"), p + "content", ("input_text", "output_text", "text"))
             if role in ("system", "developer") and system is None and not msgs:
                 system = text
             elif role in ("system", "developer", "user", "assistant"):
                 msgs.append(Msg("system" if role == "developer" else role, text))
             else:
-                raise bad(p + ".role", f"unsupported role {role!r}")
+                raise bad(p + "role", f"unsupported role {role!r}")
         elif kind == "function_call":
-            call = Call(get(it, "call_id", str, p + ".", required=True), get(it, "name", str, p + ".", required=True),
+            call = Call(get(it, "call_id", str, p, required=True), get(it, "name", str, p, required=True),
                         parse_arguments(it.get("arguments")))
             if msgs and msgs[-1].role == "assistant":   # one turn = [message?, function_call, ...]
                 msgs[-1] = replace(msgs[-1], calls=msgs[-1].calls + (call,))
             else:
                 msgs.append(Msg("assistant", calls=(call,)))
         elif kind == "function_call_output":
-            msgs.append(Msg("tool", text_of(it.get("output"), p + ".output", ("input_text", "output_text")),
-                            call_id=get(it, "call_id", str, p + ".", required=True)))
+            msgs.append(Msg("tool", text_of(it.get("output"), p + "output", ("input_text", "output_text")),
+                            call_id=get(it, "call_id", str, p, required=True)))
         elif kind != "reasoning":
-            raise bad(p + ".type", f"unsupported input item {kind!r}")
+            raise bad(p + "type", f"unsupported input item {kind!r}")
     return ChatRequest("responses", get(body, "model", str, required=True), system, parse_tools(body, "responses"),
                        msgs, max_tokens=get(body, "max_output_tokens", int), seed=get(body, "seed", int),
                        stream=bool(get(body, "stream", bool)))
@@ -310,21 +306,17 @@ def parse_responses(body: dict) -> ChatRequest:
 
 def sampling_changes(protocol: str, body: dict) -> list[str]:
     """Options of this request that would change the distribution the recorded log-probs come from."""
-    found = []
     tool_choice = body.get("tool_choice")
+    if protocol == "anthropic":
+        return ["tool_choice"] * (isinstance(tool_choice, dict) and tool_choice.get("type") in ("any", "tool"))
     if protocol == "openai":
-        found += ["n"] * ((get(body, "n", int) or 1) > 1) + ["logit_bias"] * bool(get(body, "logit_bias", dict))
+        found = ["n"] * ((get(body, "n", int) or 1) > 1) + ["logit_bias"] * bool(get(body, "logit_bias", dict))
         found += [k for k in ("frequency_penalty", "presence_penalty") if get(body, k, (int, float))]
-        fmt = get(body, "response_format", dict) or {}
-        found += ["response_format"] * (fmt.get("type", "text") != "text")
-        found += ["tool_choice"] * (tool_choice == "required" or isinstance(tool_choice, dict))
-    elif protocol == "anthropic":
-        found += ["tool_choice"] * (isinstance(tool_choice, dict) and tool_choice.get("type") in ("any", "tool"))
+        fmt_name, fmt = "response_format", get(body, "response_format", dict) or {}
     else:
-        fmt = (get(body, "text", dict) or {}).get("format") or {}
-        found += ["text.format"] * (isinstance(fmt, dict) and fmt.get("type", "text") != "text")
-        found += ["tool_choice"] * (tool_choice == "required" or isinstance(tool_choice, dict))
-    return found
+        found, fmt_name, fmt = [], "text.format", (get(body, "text", dict) or {}).get("format") or {}
+    found += [fmt_name] * (isinstance(fmt, dict) and fmt.get("type", "text") != "text")
+    return found + ["tool_choice"] * (tool_choice == "required" or isinstance(tool_choice, dict))
 
 
 def chain_hashes(system: str | None, tools: list, msgs: list, prior: list = ()) -> list[int]:
@@ -340,14 +332,7 @@ def chain_hashes(system: str | None, tools: list, msgs: list, prior: list = ()) 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
     """Messages two chains share (-1: different system or tools); binary search, as chains are prefix-closed."""
-    lo, hi = -1, min(len(a), len(b)) - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[mid] == b[mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    return bisect.bisect_left(range(min(len(a), len(b))), True, key=lambda i: a[i] != b[i]) - 1
 
 
 # --- template: full render, delta render, bridge, and the start-up check that makes deltas safe
@@ -496,14 +481,8 @@ def cut_at_stop(template: ChatTemplate, ids: list[int], stops: tuple) -> tuple[i
     if not hits:
         return None
     pos, stop = hits[0]
-    lo, hi = 1, len(ids)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if len(template.decode(ids[:mid])) >= pos + len(stop):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo, stop, text[:pos]
+    kept = 1 + bisect.bisect_left(range(1, len(ids)), pos + len(stop), key=lambda k: len(template.decode(ids[:k])))
+    return kept, stop, text[:pos]
 
 
 # --- segment store and matcher
@@ -629,10 +608,6 @@ def arguments_json(c: Call) -> str:
     return c.arguments if isinstance(c.arguments, str) else json.dumps(c.arguments, ensure_ascii=False)
 
 
-def openai_finish(r: Reply) -> str:
-    return "tool_calls" if r.calls else "length" if r.finish == "length" else "stop"
-
-
 def anthropic_stop(r: Reply) -> str:
     if r.calls:
         return "tool_use"
@@ -651,8 +626,9 @@ def openai_body(req: ChatRequest, r: Reply) -> dict:
     logprobs = None if r.pieces is None else {"refusal": None, "content": [
         {"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": []}
         for p, lp in zip(r.pieces, r.logprobs)]}
+    finish = "tool_calls" if r.calls else "length" if r.finish == "length" else "stop"
     return {"id": f"chatcmpl-{r.id}", "object": "chat.completion", "created": r.created, "model": req.model,
-            "choices": [{"index": 0, "message": msg, "logprobs": logprobs, "finish_reason": openai_finish(r)}],
+            "choices": [{"index": 0, "message": msg, "logprobs": logprobs, "finish_reason": finish}],
             "usage": {"prompt_tokens": r.prompt_tokens, "completion_tokens": len(r.ids),
                       "total_tokens": r.prompt_tokens + len(r.ids)}}
 
@@ -688,32 +664,29 @@ def responses_body(req: ChatRequest, r: Reply | None, reply_id: str) -> dict:
 
 class OpenAIStream:
     """Chat completion chunks: a role chunk at once, then content, all tool calls whole, finish, usage, [DONE]."""
+    ping = ": keep-alive\n\n"   # an SSE comment: the SDK skips it
 
     def __init__(self, req: ChatRequest, plan: Plan):
         self.req = req
         self.base = {"id": f"chatcmpl-{plan.reply_id}", "object": "chat.completion.chunk", "created": int(time.time()),
                      "model": req.model}
+        self.head = [self.chunk({"role": "assistant", "content": ""})]   # frames sent at once
 
     def chunk(self, delta: dict, finish: str | None = None) -> str:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         return sse(None, {**self.base, "choices": [choice]})
 
-    def head(self) -> list[str]:
-        return [self.chunk({"role": "assistant", "content": ""})]
-
-    def ping(self) -> str:
-        return ": keep-alive\n\n"
-
     def tail(self, r: Reply) -> list[str]:
         body, out = openai_body(self.req, r), []
-        msg = body["choices"][0]["message"]
+        choice = body["choices"][0]
+        msg = choice["message"]
         if r.reasoning:
             out.append(self.chunk({"reasoning_content": r.reasoning}))
         if msg["content"]:
             out.append(self.chunk({"content": msg["content"]}))
         if r.calls:
             out.append(self.chunk({"tool_calls": [{"index": k, **tc} for k, tc in enumerate(msg["tool_calls"])]}))
-        out.append(self.chunk({}, openai_finish(r)))
+        out.append(self.chunk({}, choice["finish_reason"]))
         if self.req.include_usage:
             out.append(sse(None, {**self.base, "choices": [], "usage": body["usage"]}))
         return out + ["data: [DONE]\n\n"]
@@ -725,18 +698,14 @@ class OpenAIStream:
 class AnthropicStream:
     """Named events: message_start, pings while generating, per block a start/delta/stop triple, message_delta,
     message_stop."""
+    ping = sse("ping", {"type": "ping"})
 
     def __init__(self, req: ChatRequest, plan: Plan):
-        self.req, self.plan = req, plan
-
-    def head(self) -> list[str]:
-        message = {"id": f"msg_{self.plan.reply_id}", "type": "message", "role": "assistant", "model": self.req.model,
+        self.req = req
+        message = {"id": f"msg_{plan.reply_id}", "type": "message", "role": "assistant", "model": req.model,
                    "content": [], "stop_reason": None, "stop_sequence": None,
-                   "usage": {"input_tokens": self.plan.pending.prompt_tokens, "output_tokens": 0}}
-        return [sse("message_start", {"type": "message_start", "message": message})]
-
-    def ping(self) -> str:
-        return sse("ping", {"type": "ping"})
+                   "usage": {"input_tokens": plan.pending.prompt_tokens, "output_tokens": 0}}
+        self.head = [sse("message_start", {"type": "message_start", "message": message})]
 
     def tail(self, r: Reply) -> list[str]:
         out = []
@@ -761,37 +730,32 @@ class AnthropicStream:
 
 class ResponsesStream:
     """Named Responses events with sequence numbers: created, in_progress, per item added/delta/done, completed."""
+    ping = OpenAIStream.ping
 
     def __init__(self, req: ChatRequest, plan: Plan):
         self.req, self.plan, self.seq = req, plan, -1
+        shell = responses_body(req, None, plan.reply_id)
+        self.head = [self.event("response.created", response=shell), self.event("response.in_progress", response=shell)]
 
     def event(self, kind: str, **data) -> str:
         self.seq += 1
         return sse(kind, {"type": kind, "sequence_number": self.seq, **data})
 
-    def head(self) -> list[str]:
-        shell = responses_body(self.req, None, self.plan.reply_id)
-        return [self.event("response.created", response=shell), self.event("response.in_progress", response=shell)]
-
-    def ping(self) -> str:
-        return ": keep-alive\n\n"
-
     def tail(self, r: Reply) -> list[str]:
         full, out = responses_body(self.req, r, self.plan.reply_id), []
         for i, item in enumerate(full["output"]):
             ref = {"item_id": item["id"], "output_index": i}
+            empty = {"content": []} if item["type"] == "message" else {"arguments": ""}
+            out.append(self.event("response.output_item.added", output_index=i,
+                                  item={**item, "status": "in_progress", **empty}))
             if item["type"] == "message":
                 part, text = item["content"][0], item["content"][0]["text"]
-                out += [self.event("response.output_item.added", output_index=i,
-                                   item={**item, "status": "in_progress", "content": []}),
-                        self.event("response.content_part.added", **ref, content_index=0, part={**part, "text": ""}),
+                out += [self.event("response.content_part.added", **ref, content_index=0, part={**part, "text": ""}),
                         self.event("response.output_text.delta", **ref, content_index=0, delta=text, logprobs=[]),
                         self.event("response.output_text.done", **ref, content_index=0, text=text, logprobs=[]),
                         self.event("response.content_part.done", **ref, content_index=0, part=part)]
             else:
-                out += [self.event("response.output_item.added", output_index=i,
-                                   item={**item, "status": "in_progress", "arguments": ""}),
-                        self.event("response.function_call_arguments.delta", **ref, delta=item["arguments"]),
+                out += [self.event("response.function_call_arguments.delta", **ref, delta=item["arguments"]),
                         self.event("response.function_call_arguments.done", **ref, name=item["name"],
                                    arguments=item["arguments"])]
             out.append(self.event("response.output_item.done", output_index=i, item=item))
@@ -878,8 +842,7 @@ class ChatServer:
         if retries > 0 and key in ep.pending:   # an SDK retry of a turn we have (or are still generating)
             return Plan("RETRY", ep.pending[key].reply_id, [], pending=ep.pending[key], cached=True)
         scored = [(t, common_prefix(t.hashes, req.hashes)) for t in reversed(ep.tracks) if t.is_open]
-        best, n = max(scored, key=lambda s: s[1], default=(None, -1)), len(req.msgs)
-        track, L = best
+        (track, L), n = max(scored, key=lambda s: s[1], default=(None, -1)), len(req.msgs)
         if track and L == len(track.msgs) < n and all(m.role in self.template.append_roles for m in req.msgs[L:]):
             added = track.turns[-1].bridge + self.template.render_delta([m.to_template() for m in req.msgs[L:]],
                                                                         bool(track.msgs[-1].calls))
@@ -909,14 +872,13 @@ class ChatServer:
 
     async def run_turn(self, ep: EpisodeState, req: ChatRequest, plan: Plan) -> Reply:
         """Generate (no lock held) and commit; raises ApiError only, and taints the episode on a bug of ours."""
+        start = time.perf_counter()
         if plan.cached:
-            start = time.perf_counter()
             try:
                 return await asyncio.shield(plan.pending.future)
             finally:
                 plan.gen_s = time.perf_counter() - start
         try:
-            start = time.perf_counter()
             try:
                 c = await self.generator.generate(plan.prompt, max_new_tokens=plan.max_new, seed=req.seed,
                                                   request_id=plan.reply_id, affinity=ep.id)
@@ -932,8 +894,7 @@ class ChatServer:
                 reply = self.commit(ep, req, plan, c)
         except Exception as e:
             if not isinstance(e, ApiError):
-                self.taint(ep, e)
-                e = ApiError(500, f"internal error: {e!r}; the episode is marked tainted and will not be trained")
+                e = self.taint(ep, e, "; the episode is marked tainted and will not be trained")
             if ep.pending.get(req.hashes[-1]) is plan.pending:
                 del ep.pending[req.hashes[-1]]
             plan.pending.future.set_exception(e)
@@ -946,8 +907,7 @@ class ChatServer:
         """Record the sampled ids on the planned segment (or a fork of it) and build the reply."""
         ids, logprobs, versions, finish, stop = list(c.token_ids), list(c.logprobs), list(c.versions), c.finish_reason, None
         if not ids or not len(ids) == len(logprobs) == len(versions):
-            raise RuntimeError(f"generator returned {len(ids)} ids, {len(logprobs)} log-probs, {len(versions)} "
-                               f"versions")
+            raise RuntimeError(f"generator returned {len(ids)} ids, {len(logprobs)} log-probs, {len(versions)} versions")
         text = self.template.decode(ids[:-1] if finish == "stop" and ids[-1] in self.template.special_ids else ids)
         cut = cut_at_stop(self.template, ids, req.stop) if req.stop else None
         if cut:
@@ -968,7 +928,6 @@ class ChatServer:
             for rows in (t.tokens, t.mask, t.logprobs, t.versions):
                 del rows[plan.base:]
             del t.msgs[plan.base_msgs:], t.hashes[plan.base_msgs + 1:]
-            t.turns = [u for u in t.turns if u.end <= plan.base]
         else:   # a new segment, or a fork when another commit moved or sealed the planned one
             self.counts["chat/forks"] += src is not None
             t = Track(len(ep.tracks), req.first(), parent=None if src is None else src.index, hashes=req.hashes[:1])
@@ -976,8 +935,8 @@ class ChatServer:
                 rows = (src.tokens, src.mask, src.logprobs, src.versions)
                 t.tokens, t.mask, t.logprobs, t.versions = (r[:plan.base] for r in rows)
                 t.msgs, t.hashes = src.msgs[:plan.base_msgs], src.hashes[:plan.base_msgs + 1]
-                t.turns = [u for u in src.turns if u.end <= plan.base]
             ep.tracks.append(t)
+        t.turns = [u for u in src.turns if u.end <= plan.base] if src is not None else []
         if plan.seal is not None and plan.seal.is_open:
             plan.seal.is_open, plan.seal.sealed_by = False, "rewrite"
         t.tokens += plan.added + ids
@@ -1007,20 +966,21 @@ class ChatServer:
             except ApiError as e:
                 return self.error_response(proto, e)
             except Exception as e:   # a bug of ours: answer 500 and never train on this episode
-                self.taint(getattr(request.state, "episode", None), e)
-                return self.error_response(proto, ApiError(500, f"internal error: {e!r}"))
+                return self.error_response(proto, self.taint(getattr(request.state, "episode", None), e))
         return run
 
-    def taint(self, ep: EpisodeState | None, e: Exception) -> None:
+    def taint(self, ep: EpisodeState | None, e: Exception, note: str = "") -> ApiError:
+        """A bug of ours: log it, never train on the episode, and answer with a 500."""
         log.error("internal error (episode %s; its segments are marked tainted)", ep and ep.id, exc_info=e)
         if ep is not None and not ep.tainted:
             ep.tainted = True
             self.counts["chat/tainted_episodes"] += 1
+        return ApiError(500, f"internal error: {e!r}{note}")
 
     async def http_error(self, request: Request, exc: HTTPException) -> Response:
         proto = "anthropic" if "anthropic-version" in request.headers else "openai"
-        return self.error_response(proto, ApiError(exc.status_code, f"{request.method} {request.url.path}: "
-                                                                     f"{exc.detail}"))
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return self.error_response(proto, ApiError(exc.status_code, message))
 
     def error_response(self, protocol: str, e: ApiError) -> Response:
         status = 529 if e.status == 503 and protocol == "anthropic" else e.status
@@ -1135,12 +1095,12 @@ class ChatServer:
         """Headers and first frames at once, keep-alive frames while generating, then the whole turn.
         Errors after the headers become the protocol's error event (validation ran before)."""
         try:
-            for frame in writer.head():
+            for frame in writer.head:
                 yield frame
             while not task.done():
                 await asyncio.wait({task}, timeout=self.args.ping_s)
                 if not task.done():
-                    yield writer.ping()
+                    yield writer.ping
             for frame in writer.tail(task.result()):
                 yield frame
             self.overheads_ms.append((time.perf_counter() - start - plan.gen_s) * 1000)
@@ -1148,8 +1108,7 @@ class ChatServer:
             self.counts[f"chat/errors_{e.status}"] += 1
             yield writer.error(e)
         except Exception as e:
-            self.taint(ep, e)
-            yield writer.error(ApiError(500, f"internal error: {e!r}"))
+            yield writer.error(self.taint(ep, e))
 
     async def count_tokens(self, request: Request, protocol: str) -> Response:
         self.attribute(request)
