@@ -326,24 +326,22 @@ async def refit(generator: Generator, trainer: TrainerGroup) -> float:
 
 
 def gpu_shares(launch: LaunchArgs, train: TrainArgs, vllm: VllmArgs) -> tuple[dict | None, float | None]:
-    """Ray GPU requests of (each engine, each trainer rank): whole GPUs each, or half of one GPU each
-    with --launch.colocate; (None, None) on a cluster without GPUs."""
+    """Ray GPU requests of (each engine, each trainer rank): half of one GPU each with --launch.colocate;
+    else the engines' default (their GPUs if the cluster has any) and one whole GPU per rank, checked to fit."""
     gpus = ray.cluster_resources().get("GPU", 0)
-    if not gpus:
-        if launch.colocate:
-            raise ValueError("--launch.colocate: the Ray cluster has no GPUs to share; drop the flag")
-        return None, None
     if launch.colocate:
+        if not gpus:
+            raise ValueError("--launch.colocate: the Ray cluster has no GPUs to share; drop the flag")
         if train.world_size > 1 or vllm.tensor_parallel_size > 1 or vllm.num_engines > 1:
             raise ValueError("--launch.colocate shares one GPU between one trainer rank and one engine: set "
                              "--train.world_size 1, --vllm.num_engines 1, --vllm.tensor_parallel_size 1, or drop it")
         return {"num_gpus": 0.5}, 0.5
     need = train.world_size + vllm.num_engines * vllm.tensor_parallel_size
-    if need > gpus:
+    if gpus and need > gpus:
         raise ValueError(f"--train.world_size {train.world_size} + --vllm.num_engines x --vllm.tensor_parallel_size "
                          f"{vllm.num_engines * vllm.tensor_parallel_size} = {need} GPUs, the cluster has {gpus:g}: "
                          f"set --launch.colocate to share one GPU, or lower them")
-    return {"num_gpus": vllm.tensor_parallel_size}, 1.0
+    return None, (1.0 if gpus else None)  # by the cluster, not this driver: it may have no GPU
 
 
 async def probe_mismatch(generator: Generator, trainer: TrainerGroup, segments: list, count: int = 8, tokens: int = 32) -> dict:

@@ -540,9 +540,14 @@ class TrainerRank:
 
     # --- refit export: full tensors under HF names, in buckets
 
-    def export_bucket(self, index: int, bucket_mb: float, dtype: torch.dtype | None) -> tuple[list | None, int]:
-        """Bucket `index` of [(HF name, full tensor)] on rank 0 (None elsewhere), and the number of buckets.
+    def full_params(self, params: list[tuple[str, torch.nn.Parameter]]):
+        """(HF name, whole tensor) of each parameter in turn; every rank must iterate (the gathers are collective).
         named_parameters() lists a tied lm_head.weight once, as model.embed_tokens.weight (the name vLLM loads)."""
+        for name, param in params:
+            yield export_name(name), (param.detach().full_tensor() if isinstance(param, DTensor) else param.detach())
+
+    def export_bucket(self, index: int, bucket_mb: float, dtype: torch.dtype | None) -> tuple[list | None, int]:
+        """Bucket `index` of [(HF name, full CPU tensor)] on rank 0 (None elsewhere), and the number of buckets."""
         buckets, size = [[]], 0
         for name, param in self.model.named_parameters():
             nbytes = param.numel() * (dtype or param.dtype).itemsize
@@ -551,11 +556,7 @@ class TrainerRank:
                 size = 0
             buckets[-1].append((name, param))
             size += nbytes
-        out = []
-        for name, param in buckets[index]:
-            full = param.detach().full_tensor() if isinstance(param, DTensor) else param.detach()  # every rank joins the gather
-            if self.rank == 0:
-                out.append((export_name(name), full.to("cpu", dtype or full.dtype, copy=True)))
+        out = [(name, full.to("cpu", dtype or full.dtype, copy=True)) for name, full in self.full_params(buckets[index])]
         return (out if self.rank == 0 else None), len(buckets)
 
     def refit(self, generator) -> dict | None:
@@ -565,8 +566,7 @@ class TrainerRank:
         if self.router is None or self.router.id != generator.id:
             self.router = generator
         dtype = getattr(torch, generator.dtype)
-        pairs = ((export_name(name), (p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()).to(dtype))
-                 for name, p in self.model.named_parameters())
+        pairs = ((name, full.to(dtype)) for name, full in self.full_params(self.model.named_parameters()))
         if self.rank != 0:
             for _ in pairs:  # join every gather rank 0 makes
                 pass
