@@ -168,14 +168,20 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
 ALIGN = 256  # bytes: each tensor of a packed bucket starts here, so that dtype views of it are legal
 
 
-def pack(bucket: list[tuple[str, torch.Tensor]]) -> tuple[list, torch.Tensor]:
-    """A bucket as (layout, one flat uint8 tensor on the bucket's device): layout rows are (name, dtype,
-    shape, byte offset), and the bytes are the tensors' own: a refit never casts."""
+def packed_layout(bucket: list[tuple[str, torch.Tensor]]) -> tuple[list, int]:
+    """(layout, bytes) of a packed bucket: layout rows are (name, dtype, shape, byte offset)."""
     layout, size = [], 0
     for name, tensor in bucket:
         layout.append((name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), size))
         size += -(-tensor.nbytes // ALIGN) * ALIGN
-    flat = torch.empty(size, dtype=torch.uint8, device=bucket[0][1].device)
+    return layout, size
+
+
+def pack(bucket: list[tuple[str, torch.Tensor]], buffer: torch.Tensor | None = None) -> tuple[list, torch.Tensor]:
+    """A bucket as (layout, one flat uint8 tensor on the bucket's device: the first bytes of `buffer` when
+    given). The bytes are the tensors' own: a refit never casts."""
+    layout, size = packed_layout(bucket)
+    flat = torch.empty(size, dtype=torch.uint8, device=bucket[0][1].device) if buffer is None else buffer[:size]
     for (_, _, _, offset), (_, tensor) in zip(layout, bucket):
         flat[offset:offset + tensor.nbytes].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
     return layout, flat
@@ -292,37 +298,52 @@ class WeightLoader:
         group = StatelessProcessGroup.create(host=host, port=port, rank=rank_offset + self.rank, world_size=world_size)
         self.refit_nccl = PyNcclCommunicator(group, device=self.device)
 
-    def refit_bucket(self, wire: tuple, first: bool, last: bool) -> list[tuple[str, str]]:
-        """Load one packed bucket; returns the (name, dtype) of each tensor applied.
+    def refit_bucket(self, wire: tuple, first: bool, last: bool) -> tuple[list[tuple[str, str]], float]:
+        """Load one packed bucket; returns the (name, dtype) of each tensor applied, and the seconds it took here.
 
-        wire is (transport, layout, payload): "bytes" carries the bucket itself (CPU trainer); "ipc" a
-        CUDA IPC handle of the trainer's flat tensor on this GPU; "nccl" its size, broadcast next."""
+        wire is (transport, layout, payload): "bytes" carries the bucket itself (CPU trainer); "ipc" the
+        CUDA IPC handle of the trainer's refit buffer on this GPU and the bucket's size in it; "nccl" its
+        size, broadcast next."""
+        start = time.perf_counter()
         transport, layout, payload = wire
         if transport == "bytes":
             flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         elif transport == "ipc":
-            rebuild, args = pickle.loads(payload)
-            args = list(args)
-            args[6] = self.device.index  # torch's rebuild_cuda_tensor: the storage's device, numbered as seen here
-            flat = rebuild(*args)
+            handle, size = payload
+            if getattr(self, "refit_ipc", (None,))[0] != handle:  # the trainer's buffer: opened once, kept open
+                self.refit_ipc = None  # close the old one first
+                rebuild, args = pickle.loads(handle)
+                args = list(args)
+                args[6] = self.device.index  # torch's rebuild_cuda_tensor: the storage's device, numbered as seen here
+                self.refit_ipc = (handle, rebuild(*args))
+            # a copy of our own: the trainer refills its buffer with the next bucket, and the layerwise reload
+            # may keep views of this one until a later bucket completes a layer
+            flat = self.refit_ipc[1][:size].clone()
         else:
             flat = torch.empty(payload, dtype=torch.uint8, device=self.device)
             self.refit_nccl.broadcast(flat, src=0, stream=torch.cuda.current_stream())
-        # vLLM's layerwise reload (what reload_weights runs), opened on the first bucket and closed on the
-        # last: a fused layer (qkv, gate_up) split across buckets is processed once it is complete.
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
         model = self.model_runner.get_model()
+        if first:  # unquantized dense weights on CUDA are used as loaded, so they can be copied in place; MoE
+            # experts may be re-laid out for their kernel backend, and quantized or CPU weights are processed
+            self.refit_in_place = (self.device.type == "cuda" and self.vllm_config.quant_config is None
+                                   and not any(hasattr(m, "w13_weight") for m in model.modules()))
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            if first:
-                initialize_layerwise_reload(model)
-            model.load_weights(unpack(layout, flat))
-            if last:
-                finalize_layerwise_reload(model, self.vllm_config.model_config)
-                if self.device.type == "cpu":
-                    repack_cpu_weights(model, tied=self.vllm_config.model_config.hf_config.tie_word_embeddings)
-        del flat  # an IPC view must be gone before the trainer frees its tensor
-        return [(name, dtype) for name, dtype, _, _ in layout]
+            if self.refit_in_place:
+                model.load_weights(unpack(layout, flat))
+            else:  # vLLM's layerwise reload (what reload_weights runs), opened on the first bucket and closed on
+                # the last: each layer is processed again once its weights are complete, across buckets too
+                if first:
+                    initialize_layerwise_reload(model)
+                model.load_weights(unpack(layout, flat))
+                if last:
+                    finalize_layerwise_reload(model, self.vllm_config.model_config)
+                    if self.device.type == "cpu":
+                        repack_cpu_weights(model, tied=self.vllm_config.model_config.hf_config.tie_word_embeddings)
+        if flat.is_cuda:  # the copies are done before the trainer refills its buffer or frees its tensor
+            torch.cuda.synchronize(self.device)
+        return [(name, dtype) for name, dtype, _, _ in layout], time.perf_counter() - start
 
 
 def repack_cpu_weights(model: torch.nn.Module, *, tied: bool) -> None:
@@ -405,7 +426,7 @@ class Engine:
     async def join_nccl(self, host: str, port: int, rank_offset: int, world_size: int) -> None:
         await self.llm.collective_rpc("join_nccl", args=(host, port, rank_offset, world_size))
 
-    async def load_bucket(self, wire: tuple, first: bool, last: bool) -> list:
+    async def load_bucket(self, wire: tuple, first: bool, last: bool) -> tuple[list, float]:
         return (await self.llm.collective_rpc("refit_bucket", args=(wire, first, last)))[0]
 
     async def set_version(self, version: int) -> None:
@@ -460,10 +481,10 @@ class Generator:
                 raise engine_error(i, e) from e
         self._vocab_size, self.dtype = infos[0]["vocab_size"], infos[0]["dtype"]
         self._gpus = [uuid for info in infos for uuid in info["gpus"]]  # each engine worker's GPU
-        self._next, self._nccl, self._timings = 0, None, {}
+        self._next, self._nccl, self._ipc, self._timings = 0, None, None, {}
 
-    def __getstate__(self):
-        return {**self.__dict__, "_nccl": None}  # an NCCL communicator belongs to the process that made it
+    def __getstate__(self):  # an NCCL communicator and a CUDA IPC buffer belong to the process that made them
+        return {**self.__dict__, "_nccl": None, "_ipc": None}
 
     def with_rollout(self, rollout: RolloutArgs) -> "Generator":
         """A router over the same engines that samples with other --rollout.* values (evaluation, tests)."""
@@ -521,11 +542,11 @@ class Generator:
         --vllm.refit_bucket_mb: CPU tensors as bytes; CUDA tensors over CUDA IPC to an engine on this
         GPU, else broadcast over NCCL from this process (which joins the engines' group on first use).
         Returns {"applied": per bucket, the (name, dtype) list engine 0 loaded; "refit_s": seconds;
-        "transport": "bytes" | "ipc" | "nccl"}.
+        "worker_s": of those, the seconds engine 0's worker spent loading; "transport": "bytes" | "ipc" | "nccl"}.
         """
         if not all(await self._all("is_paused")):
             raise ValueError("update_weights while the engines are running: call pause() first")
-        start, seen, applied, transport = time.perf_counter(), set(), [], None
+        start, seen, applied, transport, worker_s = time.perf_counter(), set(), [], None, 0.0
         buckets = iter_buckets((check_tensor(n, t, self._shapes, self.dtype, seen) for n, t in named_tensors),
                                self._bucket_bytes)
         bucket = next(buckets, None)
@@ -537,8 +558,9 @@ class Generator:
             except ValueError:  # a bad tensor further on: close the load opened by earlier buckets, then raise
                 await self._load(bucket, not applied, True)
                 raise
-            loaded, transport = await self._load(bucket, not applied, following is None)
+            (loaded, seconds), transport = await self._load(bucket, not applied, following is None)
             applied.append(loaded)
+            worker_s += seconds
             bucket = following
         missing = sorted(set(self._shapes) - seen)
         if missing:
@@ -547,19 +569,29 @@ class Generator:
         await self._all("set_version", version)
         self.version = version
         refit_s = time.perf_counter() - start
-        self._timings.update({"generator/refit_s": refit_s, "generator/refit_messages": len(applied)})
-        return {"applied": applied, "refit_s": refit_s, "transport": transport}
+        self._timings.update({"generator/refit_s": refit_s, "generator/refit_worker_s": worker_s,
+                              "generator/refit_messages": len(applied)})
+        return {"applied": applied, "refit_s": refit_s, "worker_s": worker_s, "transport": transport}
 
-    async def _load(self, bucket: list, first: bool, last: bool) -> tuple[list, str]:
+    async def _load(self, bucket: list, first: bool, last: bool) -> tuple[tuple[list, float], str]:
         """One bucket into every engine, over the transport its device calls for; (engine 0's report, transport)."""
-        layout, flat = pack(bucket)
-        if flat.device.type == "cpu":
+        device = bucket[0][1].device
+        if device.type == "cpu":
+            layout, flat = pack(bucket)
             transport, payload = "bytes", flat.numpy().tobytes()
-        elif self._gpus == [str(torch.cuda.get_device_properties(flat.device).uuid)] * len(self._gpus):
-            from torch.multiprocessing.reductions import reduce_tensor
-            torch.cuda.current_stream(flat.device).synchronize()  # the bytes are in place before another process reads
-            transport, payload = "ipc", pickle.dumps(reduce_tensor(flat))
+        elif self._gpus == [str(torch.cuda.get_device_properties(device).uuid)] * len(self._gpus):
+            # CUDA IPC through one buffer kept across buckets and refits: the workers open its handle once
+            size = packed_layout(bucket)[1]
+            if self._ipc is None or self._ipc[0].numel() < size:
+                from torch.multiprocessing.reductions import reduce_tensor
+                self._ipc = None
+                buffer = torch.empty(max(size, self._bucket_bytes), dtype=torch.uint8, device=device)
+                self._ipc = (buffer, pickle.dumps(reduce_tensor(buffer)))
+            layout, flat = pack(bucket, self._ipc[0])
+            torch.cuda.current_stream(device).synchronize()  # the bytes are in place before another process reads
+            transport, payload = "ipc", (self._ipc[1], size)
         else:
+            layout, flat = pack(bucket)
             if self._nccl is None:
                 await self._join_nccl(flat.device)
             transport, payload = "nccl", flat.numel()

@@ -254,6 +254,11 @@ class GroupQueue:
             if not self.tasks:
                 self.idle_since = time.perf_counter()
 
+    def fill(self, capacity: int, taken: int = 0) -> None:
+        """Launch groups while fewer than `capacity` are in flight, queued or `taken`."""
+        while len(self.tasks) + self.done.qsize() + taken < capacity:
+            self.launch()
+
     async def drain(self) -> None:
         """Wait until every launched group has finished (their results stay queued)."""
         while self.tasks:
@@ -266,8 +271,7 @@ class GroupQueue:
         older than min_version; each dropped group is replaced."""
         batch = []
         while len(batch) < n:
-            while len(self.tasks) + self.done.qsize() + len(batch) < capacity:
-                self.launch()
+            self.fill(capacity, len(batch))
             group = await self.done.get()
             if isinstance(group, Exception):
                 raise group
@@ -404,6 +408,8 @@ async def run_rl(cfg: dict) -> dict:
         if not train.partial_rollout:
             await queue.drain()
         refit_s = await refit(generator, trainer)
+        if step + 1 < launch.steps:
+            queue.fill(capacity)  # the engines sample the next groups while the probe, eval and logging run
         if "loss/vllm_kl" not in metrics:  # mismatch is measured every step, K > 0 included
             metrics.update(await probe_mismatch(generator, trainer, segments))
         # --- eval, log

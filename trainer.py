@@ -202,14 +202,14 @@ def plan_step(lengths: list[int], *, minibatches: int, dp_size: int, max_tokens:
 
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float, *, entropy: bool, entropy_grad: bool):
     """log p(ids_t | ids_<t) under softmax(logits / temperature) (B, T), and when asked the entropy of that
-    distribution (B, T), both 0 at t = 0. Full-vocabulary tensors exist only for this microbatch (logsumexp + gather)."""
-    scaled = logits[:, :-1].float() / temperature  # (B, T-1, V): position t predicts token t+1
-    lse = torch.logsumexp(scaled, dim=-1)  # (B, T-1)
-    logp = scaled.gather(-1, ids[:, 1:, None]).squeeze(-1) - lse  # (B, T-1)
+    distribution (B, T), both 0 at t = 0. Full-vocabulary tensors exist only for this microbatch: one fp32
+    copy, scaled in place, and its log-softmax (one fused kernel; the only one backward keeps)."""
+    logsm = torch.log_softmax(logits[:, :-1].to(torch.float32, copy=True).div_(temperature), dim=-1)  # (B, T-1, V): t predicts t+1
+    logp = logsm.gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
     if not entropy:
         return torch.nn.functional.pad(logp, (1, 0)), None
     with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
-        h = lse - (torch.softmax(scaled, dim=-1) * scaled).sum(-1)  # (B, T-1): H = logsumexp(z) - E_p[z]
+        h = -(logsm.exp() * logsm).sum(-1)  # (B, T-1): H = -sum_v p log p
     return torch.nn.functional.pad(logp, (1, 0)), torch.nn.functional.pad(h, (1, 0))  # (B, T)
 
 

@@ -172,7 +172,7 @@ async def time_refits(gen, model: str, rank_gpus: float, bucket_mb: int, count: 
     from trainer import CkptArgs, FsdpArgs, TrainArgs, TrainerGroup
     trainer = TrainerGroup(model, TrainArgs(), FsdpArgs(param_dtype="bfloat16"), CkptArgs(), LossArgs(),
                            EstimatorArgs(), temperature=1.0, gpus_per_rank=rank_gpus)
-    cycles, loads = [], []
+    cycles, loads, workers = [], [], []
     for _ in range(count):
         start = time.perf_counter()
         await gen.pause()
@@ -180,10 +180,11 @@ async def time_refits(gen, model: str, rank_gpus: float, bucket_mb: int, count: 
         await gen.resume()
         cycles.append(time.perf_counter() - start)
         loads.append(rep["refit_s"])
+        workers.append(rep["worker_s"])
     c = await gen.generate([5] * 16, max_new_tokens=8)
     assert c.versions == [trainer.version] * len(c.versions)
     trainer.shutdown()
-    return report("refit", transport=rep["transport"], refit_s=statistics.median(loads[1:]),
+    return report("refit", transport=rep["transport"], refit_s=statistics.median(loads[1:]), worker_s=statistics.median(workers[1:]),
                   pause_refit_resume_s=statistics.median(cycles[1:]), target_s=0.15, buckets=len(rep["applied"]),
                   bucket_mb=bucket_mb)
 

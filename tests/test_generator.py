@@ -175,6 +175,12 @@ def test_pack_keeps_dtype_shape_and_bits_of_every_tensor_at_aligned_offsets():
     for (name, tensor), (back_name, back) in zip(bucket, unpack(layout, flat)):
         assert back_name == name and back.dtype == tensor.dtype and back.shape == tensor.shape
         assert torch.equal(back.reshape(-1).view(torch.uint8), tensor.contiguous().reshape(-1).view(torch.uint8))
+    # into a bigger buffer (CUDA IPC reuses one): its first 1,024 bytes hold the same tensors; the rest is untouched
+    buffer = torch.full((2048,), 255, dtype=torch.uint8)
+    layout2, flat2 = pack(bucket, buffer)
+    assert layout2 == layout and flat2.data_ptr() == buffer.data_ptr() and flat2.numel() == 1024
+    assert all(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)) for (_, a), (_, b) in zip(unpack(layout, flat2), unpack(layout, flat)))
+    assert bool((buffer[1024:] == 255).all())
 
 
 def test_check_tensor_refuses_unknown_repeated_reshaped_and_recast_parameters():

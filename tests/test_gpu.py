@@ -113,6 +113,17 @@ class TestOneGpuShared:
         m_after = compare(trainer, PROMPTS[:4], after)      # the engine now samples the trained weights...
         m_stale = compare(trainer, PROMPTS[:4], before)     # ...and its old samples no longer match them
         assert m_after["loss/mismatch_abs"] < 0.02 and m_stale["loss/mismatch_abs"] > 5 * m_after["loss/mismatch_abs"]
+        # a second refit goes through the same IPC buffer, refilled: the engine follows the weights again
+        for _ in range(2):
+            trainer.sft_step(batch)
+        run(gen.pause())
+        again = trainer.refit(gen)
+        run(gen.resume())
+        print("second refit", again["refit_s"], "s, worker", again["worker_s"], "s")
+        newest = sample(gen, PROMPTS[:4], max_new_tokens=32)
+        assert all(o.versions == [trainer.version] * 32 for o in newest)
+        m_newest, m_prev = compare(trainer, PROMPTS[:4], newest), compare(trainer, PROMPTS[:4], after)
+        assert m_newest["loss/mismatch_abs"] < 0.02 and m_prev["loss/mismatch_abs"] > 2 * m_newest["loss/mismatch_abs"]
 
 
 def test_trainer_loads_with_nemo_and_learns_on_gpu(gpu_model, ray_local):
