@@ -2,6 +2,8 @@
 
 Model: random weights in Qwen3-0.6B's shape (596M parameters, bf16 on disk, 151,936 embedding rows),
 built locally. Each section measures ours and its baseline side by side in one run:
+  logprobs   the trainer's log-prob path alone (forward + backward of token_logprobs over one 16,384 x
+             151,936 bf16 logits tensor) vs HF's causal-LM cross-entropy (fp32 upcast + cross_entropy).
   trainer    TrainerGroup (NeMo AutoModel + FSDP2, bf16 autocast over fp32 masters, activation
              checkpointing, AdamW) vs plain transformers training of the same model and the same
              numerics, one 16,384-token sequence per step, one after the other (both do not fit at
@@ -18,7 +20,7 @@ built locally. Each section measures ours and its baseline side by side in one r
              engine). Target >= 0.85x.
 Peak memory: trainer (torch max allocated) and engine (GPU memory taken by its start) are reported.
 
-    python tests/bench_gpu.py [trainer] [generator] [refit] [loop1] [loop2]   # default: all; results also
+    python tests/bench_gpu.py [logprobs] [trainer] [generator] [refit] [loop1] [loop2]   # default: all; results also
                                                                         # appended to $BENCH_OUT
 """
 import asyncio
@@ -60,6 +62,34 @@ def model_dir() -> str:
     if not os.path.exists(os.path.join(path, "model.safetensors")):
         build_tiny_model(path, tokenizer="chars", alphabet="0123456789copy \n", dtype="bfloat16", **QWEN3_0_6B)
     return path
+
+
+# --- logprobs: the trainer's log-prob path alone vs HF's causal-LM cross-entropy, on the same bf16 logits
+
+def bench_logprobs(seq: int = 16384, vocab: int = 151936, repeats: int = 5) -> dict:
+    import torch.nn.functional as F
+
+    from trainer import token_logprobs
+    logits = torch.randn(1, seq, vocab, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(0))
+    ids = torch.randint(0, vocab, (1, seq), device="cuda")
+    runs = {"ours": lambda z: token_logprobs(z, ids, 1.0, entropy=False, entropy_grad=False)[0][:, 1:],
+            "ours_entropy": lambda z: token_logprobs(z, ids, 1.0, entropy=True, entropy_grad=False)[0][:, 1:],
+            "hf_cross_entropy": lambda z: -F.cross_entropy(z.float()[0, :-1], ids[0, 1:], reduction="none")}
+    out = {}
+    for name, fn in runs.items():
+        times = []
+        for _ in range(repeats):
+            z = logits.clone().requires_grad_(True)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base, start = torch.cuda.memory_allocated(), time.perf_counter()
+            (-fn(z).sum() / seq).backward()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        out[f"{name}_ms"] = 1000 * statistics.median(times)
+        out[f"{name}_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30  # above logits and grad-less inputs
+        del z
+    return report("logprobs", **out, ratio=out["hf_cross_entropy_ms"] / out["ours_ms"], seq=seq, vocab=vocab)
 
 
 # --- trainer: ours vs plain transformers, one 16,384-token sequence per step
@@ -224,12 +254,14 @@ def main() -> None:
         print("bench_gpu: not run: needs CUDA (on the GPU machine: make bench-gpu)")
         return
     import ray
-    sections = sys.argv[1:] or ["trainer", "generator", "refit", "loop1", "loop2"]
+    sections = sys.argv[1:] or ["logprobs", "trainer", "generator", "refit", "loop1", "loop2"]
     model = model_dir()
     ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     for s in sections:
         print(f"== {s}", flush=True)
-        if s == "trainer":
+        if s == "logprobs":
+            bench_logprobs()
+        elif s == "trainer":
             bench_trainer(model)
             torch.cuda.empty_cache()  # the plain model is gone: give its cached blocks back to the engines
         elif s == "generator":
