@@ -10,8 +10,9 @@ A refit keeps in-flight requests: their tokens before it carry the old version, 
 vLLM 0.26 (the GPU build here) has no such spans: there a pause lets requests in flight finish first.
 Log-probs are vLLM's processed log-probs: the sampled token's under logits / temperature.
 Refit tensors carry checkpoint names and the engine's dtype (never cast), packed into
-`--vllm.refit_bucket_mb` buckets, one `collective_rpc` each: bytes from a CPU trainer, a CUDA IPC handle
-to an engine on the trainer's GPU, an NCCL broadcast to engines on other GPUs.
+`--vllm.refit_bucket_mb` buckets, one `collective_rpc` each: bytes from a CPU trainer, a CUDA IPC buffer
+(opened once) to an engine on the trainer's GPU, an NCCL broadcast to engines on other GPUs. Unquantized
+dense weights on CUDA are copied in place; others go through vLLM's layerwise reload.
 Not here: text, tokenizers, chat templates (chat_server.py, agent.py): this file moves token ids only.
 """
 import asyncio
