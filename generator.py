@@ -330,18 +330,17 @@ class WeightLoader:
             # experts may be re-laid out for their kernel backend, and quantized or CPU weights are processed
             self.refit_in_place = (self.device.type == "cuda" and self.vllm_config.quant_config is None
                                    and not any(hasattr(m, "w13_weight") for m in model.modules()))
+        # otherwise vLLM's layerwise reload (what reload_weights runs), opened on the first bucket and closed on
+        # the last: each layer is processed again once its weights are complete, across buckets too
+        layerwise = not self.refit_in_place
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            if self.refit_in_place:
-                model.load_weights(unpack(layout, flat))
-            else:  # vLLM's layerwise reload (what reload_weights runs), opened on the first bucket and closed on
-                # the last: each layer is processed again once its weights are complete, across buckets too
-                if first:
-                    initialize_layerwise_reload(model)
-                model.load_weights(unpack(layout, flat))
-                if last:
-                    finalize_layerwise_reload(model, self.vllm_config.model_config)
-                    if self.device.type == "cpu":
-                        repack_cpu_weights(model, tied=self.vllm_config.model_config.hf_config.tie_word_embeddings)
+            if layerwise and first:
+                initialize_layerwise_reload(model)
+            model.load_weights(unpack(layout, flat))
+            if layerwise and last:
+                finalize_layerwise_reload(model, self.vllm_config.model_config)
+                if self.device.type == "cpu":
+                    repack_cpu_weights(model, tied=self.vllm_config.model_config.hf_config.tie_word_embeddings)
         if flat.is_cuda:  # the copies are done before the trainer refills its buffer or frees its tensor
             torch.cuda.synchronize(self.device)
         return [(name, dtype) for name, dtype, _, _ in layout], time.perf_counter() - start
@@ -577,22 +576,21 @@ class Generator:
     async def _load(self, bucket: list, first: bool, last: bool) -> tuple[tuple[list, float], str]:
         """One bucket into every engine, over the transport its device calls for; (engine 0's report, transport)."""
         device = bucket[0][1].device
-        if device.type == "cpu":
-            layout, flat = pack(bucket)
-            transport, payload = "bytes", flat.numpy().tobytes()
-        elif self._gpus == [str(torch.cuda.get_device_properties(device).uuid)] * len(self._gpus):
+        ipc = device.type == "cuda" and self._gpus == [str(torch.cuda.get_device_properties(device).uuid)] * len(self._gpus)
+        need = packed_layout(bucket)[1] if ipc else 0
+        if ipc and (self._ipc is None or self._ipc[0].numel() < need):
             # CUDA IPC through one buffer kept across buckets and refits: the workers open its handle once
-            size = packed_layout(bucket)[1]
-            if self._ipc is None or self._ipc[0].numel() < size:
-                from torch.multiprocessing.reductions import reduce_tensor
-                self._ipc = None
-                buffer = torch.empty(max(size, self._bucket_bytes), dtype=torch.uint8, device=device)
-                self._ipc = (buffer, pickle.dumps(reduce_tensor(buffer)))
-            layout, flat = pack(bucket, self._ipc[0])
+            from torch.multiprocessing.reductions import reduce_tensor
+            self._ipc = None  # the old buffer goes before a bigger one is taken
+            buffer = torch.empty(max(need, self._bucket_bytes), dtype=torch.uint8, device=device)
+            self._ipc = (buffer, pickle.dumps(reduce_tensor(buffer)))
+        layout, flat = pack(bucket, self._ipc[0] if ipc else None)
+        if device.type == "cpu":
+            transport, payload = "bytes", flat.numpy().tobytes()
+        elif ipc:
             torch.cuda.current_stream(device).synchronize()  # the bytes are in place before another process reads
-            transport, payload = "ipc", (self._ipc[1], size)
+            transport, payload = "ipc", (self._ipc[1], flat.numel())
         else:
-            layout, flat = pack(bucket)
             if self._nccl is None:
                 await self._join_nccl(flat.device)
             transport, payload = "nccl", flat.numel()

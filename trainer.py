@@ -556,7 +556,8 @@ class TrainerRank:
                 size = 0
             buckets[-1].append((name, param))
             size += nbytes
-        out = [(name, full.to("cpu", dtype or full.dtype, copy=True)) for name, full in self.full_params(buckets[index])]
+        out = [(name, full.to("cpu", dtype or full.dtype, copy=True)) for name, full in self.full_params(buckets[index])
+               if self.rank == 0]  # every rank joins each gather; only rank 0 copies to host
         return (out if self.rank == 0 else None), len(buckets)
 
     def refit(self, generator) -> dict | None:
