@@ -3,7 +3,8 @@
 Model: random weights in Qwen3-0.6B's shape (596M parameters, bf16 on disk, 151,936 embedding rows),
 built locally. Each section measures ours and its baseline side by side in one run:
   logprobs   the trainer's log-prob path alone (forward + backward of token_logprobs over one 16,384 x
-             151,936 bf16 logits tensor) vs HF's causal-LM cross-entropy (fp32 upcast + cross_entropy).
+             151,936 bf16 logits tensor; compiled on CUDA, and eager) vs HF's causal-LM cross-entropy (fp32
+             upcast + cross_entropy).
   trainer    TrainerGroup (NeMo AutoModel + FSDP2, bf16 autocast over fp32 masters, activation
              checkpointing, AdamW) vs plain transformers training of the same model and the same
              numerics, one 16,384-token sequence per step, one after the other (both do not fit at
@@ -69,11 +70,12 @@ def model_dir() -> str:
 def bench_logprobs(seq: int = 16384, vocab: int = 151936, repeats: int = 5) -> dict:
     import torch.nn.functional as F
 
-    from trainer import token_logprobs
+    from trainer import rows_logprobs, token_logprobs
     logits = torch.randn(1, seq, vocab, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(0))
     ids = torch.randint(0, vocab, (1, seq), device="cuda")
     runs = {"ours": lambda z: token_logprobs(z, ids, 1.0, entropy=False, entropy_grad=False)[0][:, 1:],
             "ours_entropy": lambda z: token_logprobs(z, ids, 1.0, entropy=True, entropy_grad=False)[0][:, 1:],
+            "ours_eager": lambda z: rows_logprobs(z[0, :-1], ids[0, 1:], 1.0, False, False)[0],
             "hf_cross_entropy": lambda z: -F.cross_entropy(z.float()[0, :-1], ids[0, 1:], reduction="none")}
     out = {}
     for name, fn in runs.items():

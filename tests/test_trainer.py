@@ -17,7 +17,7 @@ from estimators import EstimatorArgs
 from generator import Segment
 from losses import LossArgs
 from trainer import (CkptArgs, FsdpArgs, TrainArgs, TrainerGroup, check_args, lr_at, plan_step, read_chat_jsonl,
-                     sft_batch)
+                     sft_batch, token_logprobs)
 
 VOCAB = 72  # tiny_chars_model
 
@@ -106,6 +106,28 @@ def test_microbatch_plan_bounds_padded_tokens_and_gives_every_rank_the_same_coun
     assert sorted(i for rank in tight[0] for micro in rank for i in micro) == list(range(6))
     with pytest.raises(ValueError, match="segment 0: 10 tokens > --train.max_tokens_per_microbatch 9"):
         plan_step(lengths, minibatches=1, dp_size=1, max_tokens=9)
+
+
+def test_token_logprobs_shift_by_one_and_scale_by_temperature():
+    # row 0 at t = 0: logits (0, 2 ln 3) / T=2 -> p = (1/4, 3/4); row 1 at t = 1: (ln 4, 0) / 2 -> p = (2/3, 1/3)
+    ln = torch.log
+    logits = torch.zeros(2, 3, 2)
+    logits[0, 0, 1] = 2 * ln(torch.tensor(3.0))
+    logits[1, 1, 0] = 2 * ln(torch.tensor(2.0))
+    logits.requires_grad_(True)
+    ids = torch.tensor([[0, 1, 0], [1, 1, 0]])
+    logp, h = token_logprobs(logits, ids, 2.0, entropy=True, entropy_grad=False)
+    H = lambda *p: -sum(q * torch.log(torch.tensor(q)) for q in p)
+    # t = 0 is 0; row 0: t=1 reads (1/4, 3/4) at id 1, t=2 uniform; row 1: t=1 uniform, t=2 reads (2/3, 1/3) at id 0
+    assert torch.allclose(logp, torch.tensor([[0.0, ln(torch.tensor(0.75)), ln(torch.tensor(0.5))],
+                                              [0.0, ln(torch.tensor(0.5)), ln(torch.tensor(2 / 3))]]), atol=1e-6)
+    assert torch.allclose(h, torch.tensor([[0.0, H(0.25, 0.75), H(0.5, 0.5)], [0.0, H(0.5, 0.5), H(2 / 3, 1 / 3)]]), atol=1e-6)
+    assert logp.requires_grad and not h.requires_grad  # the entropy gets a graph only when the loss uses it
+    logp[0, 1].backward()  # d log p_1 / d logits = (onehot(1) - p) / T = ((0 - 1/4) / 2, (1 - 3/4) / 2) at [0, 0]
+    expected = torch.zeros(2, 3, 2)
+    expected[0, 0] = torch.tensor([-0.125, 0.125])
+    assert torch.allclose(logits.grad, expected, atol=1e-6)
+    assert token_logprobs(logits, ids, 2.0, entropy=True, entropy_grad=True)[1].requires_grad
 
 
 def test_cosine_schedule_warms_up_then_decays_to_zero():
