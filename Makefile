@@ -31,7 +31,7 @@ bench: $(STAMP)
 GPU_ENV := PYTHONPATH=$(CURDIR)/.gpu-site:$(CURDIR) VLLM_USE_FLASHINFER_SAMPLER=0 NCCL_NVLS_ENABLE=0
 
 test-gpu:
-	$(GPU_ENV) python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/test_gpu.py
+	$(GPU_ENV) python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/test_gpu.py $(PYTEST_ARGS)
 
 bench-gpu:
 	$(GPU_ENV) python3 tests/bench_gpu.py $(SECTIONS)

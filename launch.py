@@ -400,6 +400,7 @@ async def run_rl(cfg: dict) -> dict:
         if mismatched:
             raise RuntimeError(f"audit/token_mismatch: {mismatched} rows differ from the ids the generator returned; stopping")
         metrics = rollout_metrics(segments, trainer.version, train.max_staleness)
+        metrics["rollout/group_s"] = sorted(g["seconds"] for g in groups)[len(groups) // 2]  # median launch-to-finish time
         # --- train one step (in a thread: finished groups keep arriving meanwhile)
         t1 = time.perf_counter()
         metrics.update(await asyncio.to_thread(trainer.train_step, segments, data_position=dict(queue.position)))

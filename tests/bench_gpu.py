@@ -41,7 +41,8 @@ COPY = os.path.join(ROOT, "recipes", "copy_agent.py")
 
 
 def report(section: str, **values) -> dict:
-    values = {"section": section, **{k: round(v, 4) if isinstance(v, float) else v for k, v in values.items()}}
+    values = {"section": section, "at": time.strftime("%Y-%m-%d %H:%M:%S"),
+              **{k: round(v, 4) if isinstance(v, float) else v for k, v in values.items()}}
     print(json.dumps(values), flush=True)
     os.makedirs(os.path.dirname(OUT), exist_ok=True)
     with open(OUT, "a") as f:
@@ -50,11 +51,9 @@ def report(section: str, **values) -> dict:
 
 
 def earlier(section: str, key: str):
-    """A value an earlier section of this machine's runs reported (None if it has not run)."""
-    if not os.path.exists(OUT):
-        return None
-    found = [json.loads(line) for line in open(OUT) if f'"{section}"' in line]
-    return found[-1].get(key) if found else None
+    """(value, when) an earlier section of this machine's runs reported ((None, None) if it has not run)."""
+    found = [json.loads(line) for line in open(OUT) if f'"{section}"' in line] if os.path.exists(OUT) else []
+    return (found[-1].get(key), found[-1].get("at")) if found else (None, None)
 
 
 def model_dir() -> str:
@@ -245,9 +244,11 @@ def bench_loop(model: str, section: str, *extra: str, steps: int = 6) -> dict:
     rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))][2:]  # steps 0-1 warm up
     med = lambda key: statistics.median(r[key] for r in rows)
     tokens = med("rollout/action_tokens")
+    idle = [b["launch/engine_idle_s"] - a["launch/engine_idle_s"] for a, b in zip(rows, rows[1:])]  # the metric is cumulative
     return {"loop_tokens_per_s": tokens / med("launch/step_s"), "rollout_phase_tokens_per_s": tokens / med("launch/rollout_wait_s"),
             "train_tokens_per_s": tokens / med("launch/train_s"), "refit_s": med("launch/refit_s"),
-            "step_s": med("launch/step_s"), "trainer_peak_gib": max(r["train/peak_gib"] for r in rows),
+            "step_s": med("launch/step_s"), "rollout_wait_s": med("launch/rollout_wait_s"), "train_s": med("launch/train_s"),
+            "engine_idle_per_step_s": statistics.median(idle), "group_s": med("rollout/group_s"), "trainer_peak_gib": max(r["train/peak_gib"] for r in rows),
             "action_tokens_per_step": tokens, "mismatch_abs": med("loss/mismatch_abs")}
 
 
@@ -272,17 +273,18 @@ def main() -> None:
             asyncio.run(bench_refit(model))
         elif s == "loop1":
             m = bench_loop(model, "loop1", "--launch.colocate")
-            gen = earlier("generator", "raw_vllm_tokens_per_s") or m["rollout_phase_tokens_per_s"]
+            gen, at = earlier("generator", "raw_vllm_tokens_per_s")
+            gen = gen or m["rollout_phase_tokens_per_s"]
             bound = 1 / (1 / gen + 1 / m["train_tokens_per_s"])
-            report("loop1", **m, gen_tokens_per_s=gen, sync_bound_tokens_per_s=bound,
+            report("loop1", **m, gen_tokens_per_s=gen, gen_measured_at=at, sync_bound_tokens_per_s=bound,
                    ratio=m["loop_tokens_per_s"] / bound, target=0.9)
         elif s == "loop2":
             if torch.cuda.device_count() < 2:
                 report("loop2", skipped="needs two GPUs")
                 continue
             m = bench_loop(model, "loop2", "--train.max_staleness", "1", "--loss.is_level", "token")
-            alone = earlier("generator", "raw_vllm_tokens_per_s")
-            report("loop2", **m, vllm_alone_tokens_per_s=alone, ratio=m["loop_tokens_per_s"] / alone if alone else None,
+            alone, at = earlier("generator", "raw_vllm_tokens_per_s")
+            report("loop2", **m, vllm_alone_tokens_per_s=alone, vllm_alone_measured_at=at, ratio=m["loop_tokens_per_s"] / alone if alone else None,
                    target=0.85)
     ray.shutdown()
 
