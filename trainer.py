@@ -93,6 +93,7 @@ class FsdpArgs:
     offload: str = field(default="none", metadata={"help": "optimizer: FSDP2 CPUOffloadPolicy keeps sharded params, grads and AdamW state in host memory (GPU only)", "choices": OFFLOADS})
     param_dtype: str = field(default="float32", metadata={"help": "compute dtype of the forward/backward; master weights and AdamW state stay float32", "choices": PARAM_DTYPES})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute each decoder layer's activations in backward (NeMo's activation checkpointing)"})
+    compile_logprobs: bool = field(default=True, metadata={"help": "GPU: the log-prob path (fp32 log-softmax over the vocabulary) compiled by Inductor: ~3x faster, half the memory of eager"})
 
     def __post_init__(self):
         if self.offload not in OFFLOADS or self.param_dtype not in PARAM_DTYPES:
@@ -215,12 +216,13 @@ def rows_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: floa
 compiled_rows_logprobs = torch.compile(rows_logprobs, dynamic=True, options={"triton.coalesce_tiling_analysis": False})
 
 
-def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float, *, entropy: bool, entropy_grad: bool):
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float, *, entropy: bool, entropy_grad: bool,
+                   compiled: bool = False):
     """log p(ids_t | ids_<t) under softmax(logits / temperature) (B, T), and when asked the entropy of that
     distribution (B, T), both 0 at t = 0. Full-vocabulary tensors exist only for this microbatch."""
     B, T, V = logits.shape
     targets = torch.nn.functional.pad(ids[:, 1:], (0, 1))  # (B, T): position t predicts t + 1; the last one nothing
-    fn = compiled_rows_logprobs if logits.is_cuda else rows_logprobs
+    fn = compiled_rows_logprobs if compiled else rows_logprobs
     logp, h = fn(logits.reshape(B * T, V), targets.reshape(B * T), temperature, entropy, entropy_grad)
     shift = lambda x: torch.nn.functional.pad(x.view(B, T)[:, :-1], (1, 0))  # (B, T): t's value moves to t + 1
     return shift(logp), shift(h) if entropy else None
@@ -424,7 +426,8 @@ class TrainerRank:
         """(B, T) log-probs of ids under model's logits / temperature, and (B, T) entropy when asked."""
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             logits = model(input_ids=ids, use_cache=False).logits  # (B, T, V)
-        return token_logprobs(logits, ids, temperature, entropy=entropy, entropy_grad=self.entropy_grad)
+        return token_logprobs(logits, ids, temperature, entropy=entropy, entropy_grad=self.entropy_grad,
+                              compiled=self.cuda and self.fsdp.compile_logprobs)
 
     def critic_values(self, ids: torch.Tensor) -> torch.Tensor:
         """(B, T) value of the state before each token: the head's output at the previous position."""

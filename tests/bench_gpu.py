@@ -70,12 +70,12 @@ def model_dir() -> str:
 def bench_logprobs(seq: int = 16384, vocab: int = 151936, repeats: int = 5) -> dict:
     import torch.nn.functional as F
 
-    from trainer import rows_logprobs, token_logprobs
+    from trainer import token_logprobs
     logits = torch.randn(1, seq, vocab, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(0))
     ids = torch.randint(0, vocab, (1, seq), device="cuda")
-    runs = {"ours": lambda z: token_logprobs(z, ids, 1.0, entropy=False, entropy_grad=False)[0][:, 1:],
-            "ours_entropy": lambda z: token_logprobs(z, ids, 1.0, entropy=True, entropy_grad=False)[0][:, 1:],
-            "ours_eager": lambda z: rows_logprobs(z[0, :-1], ids[0, 1:], 1.0, False, False)[0],
+    runs = {"ours": lambda z: token_logprobs(z, ids, 1.0, entropy=False, entropy_grad=False, compiled=True)[0][:, 1:],
+            "ours_entropy": lambda z: token_logprobs(z, ids, 1.0, entropy=True, entropy_grad=False, compiled=True)[0][:, 1:],
+            "ours_eager": lambda z: token_logprobs(z, ids, 1.0, entropy=False, entropy_grad=False)[0][:, 1:],
             "hf_cross_entropy": lambda z: -F.cross_entropy(z.float()[0, :-1], ids[0, 1:], reduction="none")}
     out = {}
     for name, fn in runs.items():
