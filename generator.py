@@ -41,6 +41,8 @@ class VllmArgs:
     tensor_parallel_size: int = field(default=1, metadata={"help": "GPUs per engine (tensor parallel)"})
     enable_expert_parallel: bool = field(default=False, metadata={"help": "MoE: whole experts per GPU, not slices"})
     enable_prefix_caching: bool = field(default=False, metadata={"help": "reuse KV of shared prefixes (reset every refit)"})
+    max_num_seqs: int = field(default=256, metadata={"help": "sequences decoded together (AsyncLLM's own default: 128)"})
+    max_num_batched_tokens: int = field(default=8192, metadata={"help": "tokens per engine step, prefill chunks + decodes"})
     enforce_eager: bool = field(default=True, metadata={"help": "no CUDA graphs/compile: fast start (GPU: False)"})
     num_speculative_tokens: int = field(default=0, metadata={"help": "MTP speculative decoding: drafts/step (0 = off)"})
     return_routed_experts: bool = field(default=False, metadata={"help": "MoE: record each token's experts (routing replay)"})
@@ -59,6 +61,10 @@ class VllmArgs:
         if min(self.tensor_parallel_size, self.num_engines, self.refit_bucket_mb, self.cpu_threads) < 1:
             raise ValueError("--vllm.tensor_parallel_size, --vllm.num_engines, --vllm.refit_bucket_mb, "
                              "--vllm.cpu_threads must be >= 1")
+        if not 1 <= self.max_num_seqs <= self.max_num_batched_tokens:
+            raise ValueError(f"--vllm.max_num_seqs {self.max_num_seqs} / --vllm.max_num_batched_tokens "
+                             f"{self.max_num_batched_tokens}: need 1 <= max_num_seqs <= max_num_batched_tokens "
+                             "(each sequence decodes one token per step)")
         if self.num_speculative_tokens < 0:
             raise ValueError("--vllm.num_speculative_tokens must be >= 0 (0 turns MTP off)")
         if self.enable_expert_parallel and self.tensor_parallel_size == 1:
@@ -260,6 +266,7 @@ def build_engine_args(model_path: str, vllm: VllmArgs, *, cuda: bool):
     spec = {"method": "mtp", "num_speculative_tokens": vllm.num_speculative_tokens}
     return AsyncEngineArgs(
         model=model_path, max_model_len=vllm.max_model_len, seed=vllm.seed, enforce_eager=vllm.enforce_eager,
+        max_num_seqs=vllm.max_num_seqs, max_num_batched_tokens=vllm.max_num_batched_tokens,
         dtype=engine_dtype(model_path, vllm.dtype),
         enable_prefix_caching=vllm.enable_prefix_caching, tensor_parallel_size=vllm.tensor_parallel_size,
         enable_expert_parallel=vllm.enable_expert_parallel, gpu_memory_utilization=vllm.gpu_memory_utilization,

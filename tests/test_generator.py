@@ -86,6 +86,8 @@ def serves(gen: Generator) -> bool:
     (VllmArgs, {"cpu_threads": 0}, "cpu_threads"),
     (VllmArgs, {"num_speculative_tokens": -1}, "num_speculative_tokens"),
     (VllmArgs, {"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+    (VllmArgs, {"max_num_seqs": 512, "max_num_batched_tokens": 256}, "max_num_seqs 512"),
+    (VllmArgs, {"max_num_seqs": 0}, "max_num_seqs 0"),
     (RolloutArgs, {"temperature": 0.0}, "temperature"),
     (RolloutArgs, {"top_p": 0.0}, "top_p"),
     (RolloutArgs, {"top_k": 0}, "top_k"),
@@ -111,6 +113,11 @@ def test_engine_refuses_flags_its_machine_cannot_honour(tiny_model, kwargs, cuda
                                              ("float16", "float16")])
 def test_engine_dtype_auto_is_the_checkpoints_own(tiny_model, dtype, expected):
     assert engine_dtype(tiny_model, dtype) == expected  # the factory saves "dtype": "float32" in config.json
+
+
+def test_scheduler_limits_reach_the_engine_unchanged(tiny_model):
+    args = build_engine_args(tiny_model, VllmArgs(max_num_seqs=3, max_num_batched_tokens=96), cuda=False)
+    assert (args.max_num_seqs, args.max_num_batched_tokens) == (3, 96)  # not vLLM's per-usage defaults (128, 2048)
 
 
 def test_engine_refuses_a_kv_cache_env_var_that_would_override_the_flag(tiny_model, monkeypatch):
