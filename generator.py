@@ -41,7 +41,7 @@ class VllmArgs:
     tensor_parallel_size: int = field(default=1, metadata={"help": "GPUs per engine (tensor parallel)"})
     enable_expert_parallel: bool = field(default=False, metadata={"help": "MoE: whole experts per GPU, not slices"})
     enable_prefix_caching: bool = field(default=False, metadata={"help": "reuse KV of shared prefixes (reset every refit)"})
-    max_num_seqs: int = field(default=256, metadata={"help": "sequences decoded together (AsyncLLM's own default: 128)"})
+    max_num_seqs: int = field(default=512, metadata={"help": "sequences decoded together (AsyncLLM's own default: 128)"})
     max_num_batched_tokens: int = field(default=8192, metadata={"help": "tokens per engine step, prefill chunks + decodes"})
     enforce_eager: bool = field(default=True, metadata={"help": "no CUDA graphs/compile: fast start (GPU: False)"})
     num_speculative_tokens: int = field(default=0, metadata={"help": "MTP speculative decoding: drafts/step (0 = off)"})

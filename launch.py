@@ -409,10 +409,14 @@ async def run_rl(cfg: dict) -> dict:
         if not train.partial_rollout:
             await queue.drain()
         refit_s = await refit(generator, trainer)
+        probe = None
+        if "loss/vllm_kl" not in metrics:  # mismatch is measured every step, K > 0 included
+            probe = asyncio.create_task(probe_mismatch(generator, trainer, segments))
+            await asyncio.sleep(0)  # it submits its requests now, ahead of the next groups: it never waits behind them
         if step + 1 < launch.steps:
             queue.fill(capacity)  # the engines sample the next groups while the probe, eval and logging run
-        if "loss/vllm_kl" not in metrics:  # mismatch is measured every step, K > 0 included
-            metrics.update(await probe_mismatch(generator, trainer, segments))
+        if probe is not None:
+            metrics.update(await probe)
         # --- eval, log
         if cfg["eval"].every and (step + 1) % cfg["eval"].every == 0:
             metrics.update(await evaluate(workers, held_out, cfg["eval"].prompts))

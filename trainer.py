@@ -163,7 +163,8 @@ def collate(segments: list[Segment]) -> dict[str, torch.Tensor]:
         ids[i, :n], mask[i, :n], rollout_logp[i, :n], versions[i, :n] = seg.token_ids, seg.action_mask, seg.logprobs, seg.versions
     group_index = {g: k for k, g in enumerate(dict.fromkeys(seg.group_id for seg in segments))}
     episode_index = {e: k for k, e in enumerate(dict.fromkeys(seg.episode_id for seg in segments))}
-    return {"ids": torch.from_numpy(ids), "mask": torch.from_numpy(mask), "rollout_logp": torch.from_numpy(rollout_logp), "versions": torch.from_numpy(versions),
+    return {"ids": torch.from_numpy(ids), "mask": torch.from_numpy(mask), "rollout_logp": torch.from_numpy(rollout_logp),
+            "versions": torch.from_numpy(versions),
             "rewards": torch.tensor([float(seg.reward) for seg in segments]),  # (B,)
             "group_ids": torch.tensor([group_index[seg.group_id] for seg in segments]),  # (B,)
             "episode_ids": torch.tensor([episode_index[seg.episode_id] for seg in segments]),  # (B,)
