@@ -11,7 +11,9 @@ built locally. Each section measures ours and its baseline side by side in one r
              once). Target >= 1.0x.
   generator  Generator vs a raw vLLM AsyncLLM built from the same engine arguments, both alive on one
              GPU, 256 prompts x 256 sampled tokens, 6 alternating rounds (ratio: the median of each round of
-             ours over the raw round before it). Target >= 0.95x. Then refit:
+             ours over the raw round before it). Target >= 0.95x. Each round also runs the loop's rollout
+             path on the same engine (agents_to_ours: 32 copy groups x 8 episodes on one agent worker,
+             vs ours). Then refit:
              pause + update_weights + resume of the 0.6B weights from a trainer on the same GPU (CUDA
              IPC) and, with two GPUs, from one on the other GPU (NCCL). Target <= 0.15 s. Then Generator's
              tokens/s again, after those refits (the in-place load must not slow sampling).
@@ -153,9 +155,13 @@ def bench_trainer(model: str, seq: int = 16384, warmup: int = 2, steps: int = 5)
 # --- generator: ours vs raw vLLM; then refit timings
 
 async def bench_generator(model: str, n: int = 256, new: int = 256, rounds: int = 6) -> dict:
+    import ray
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from agent import AgentArgs, AgentWorker
+    from chat_server import ChatArgs
     from generator import Generator, RolloutArgs, VllmArgs, build_engine_args, build_sampling_params
+    from recipes.copy_agent import rows
     vllm, rollout = VllmArgs(enforce_eager=False, gpu_memory_utilization=0.3, max_model_len=1024), RolloutArgs(max_new_tokens=new)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 151936, (64,), generator=g).tolist() for _ in range(n)]
@@ -163,6 +169,9 @@ async def bench_generator(model: str, n: int = 256, new: int = 256, rounds: int 
     raw = AsyncLLM.from_engine_args(build_engine_args(model, vllm, cuda=True))
     engine_gib = (free0 - torch.cuda.mem_get_info()[0]) / 2**30
     gen = Generator(model, vllm, rollout, actor_options={"num_gpus": 0.5})
+    # the loop's rollout path on the same engine: one agent worker running copy episodes, n // 8 groups of 8
+    worker = ray.remote(num_cpus=0)(AgentWorker).remote(AgentArgs(path=COPY, max_context=1024), ChatArgs(), gen, model)
+    await worker.start.remote()
 
     async def raw_one(i, p, tag):
         params = build_sampling_params(rollout, max_new_tokens=None, stop_token_ids=None, seed=i, ignore_eos=True)
@@ -174,14 +183,17 @@ async def bench_generator(model: str, n: int = 256, new: int = 256, rounds: int 
         start = time.perf_counter()
         if name == "raw":
             counts = await asyncio.gather(*(raw_one(i, p, f"r{r}") for i, p in enumerate(prompts)))
+        elif name == "agents":
+            groups = await asyncio.gather(*(worker.run_group.remote(row, f"r{r}g{k}", 8) for k, row in enumerate(rows("train")[:n // 8])))
+            counts = [sum(s.action_mask) for grp in groups for s in grp["segments"]]
         else:
             counts = [len(c.token_ids) for c in await asyncio.gather(
                 *(gen.generate(p, seed=i, ignore_eos=True) for i, p in enumerate(prompts)))]
         return sum(counts) / (time.perf_counter() - start)
 
-    rates = {"raw": [], "ours": []}
-    for r in range(rounds + 1):  # round 0 warms both up
-        for name in ("raw", "ours"):
+    rates = {"raw": [], "ours": [], "agents": []}
+    for r in range(rounds + 1):  # round 0 warms them up
+        for name in ("raw", "ours", "agents"):
             rate = await timed(name, r)
             if r:
                 rates[name].append(rate)
@@ -189,10 +201,11 @@ async def bench_generator(model: str, n: int = 256, new: int = 256, rounds: int 
     med = {k: statistics.median(v) for k, v in rates.items()}
     # rounds of one engine vary by up to ~25% on this machine: the ratio pairs each round of ours with the raw
     # round just before it, so a slow spell of the host counts against both sides
-    paired = statistics.median(o / r for o, r in zip(rates["ours"], rates["raw"]))
+    paired = lambda a, b: statistics.median(x / y for x, y in zip(rates[a], rates[b]))
     out = report("generator", ours_tokens_per_s=med["ours"], raw_vllm_tokens_per_s=med["raw"],
-                 ratio=paired, ratio_of_medians=med["ours"] / med["raw"], target=0.95, engine_gib=engine_gib,
-                 prompts=n, new_tokens=new, rounds=rates)
+                 ratio=paired("ours", "raw"), ratio_of_medians=med["ours"] / med["raw"], target=0.95, engine_gib=engine_gib,
+                 prompts=n, new_tokens=new, agents_tokens_per_s=med["agents"], agents_to_ours=paired("agents", "ours"),
+                 rounds=rates)
 
     # refit: the trainer on this GPU (IPC), then one on the other GPU (NCCL) when there is one
     for rank_gpus in [0.5] + ([1.0] if torch.cuda.device_count() > 1 else []):
