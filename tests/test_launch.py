@@ -201,9 +201,9 @@ def test_resume_continues_step_and_version(sync_run, copy_model):
 # --- recipes: each CPU recipe, shortened to 2 steps, through its own shell script
 
 
-def run_recipe(name: str, out: str, **env: str) -> list[dict]:
+def run_recipe(name: str, out: str, *flags: str, **env: str) -> list[dict]:
     root = os.path.join(os.path.dirname(__file__), "..")
-    done = subprocess.run(["bash", f"recipes/{name}"], cwd=root, env={**os.environ, "OUT": out, **env},
+    done = subprocess.run(["bash", f"recipes/{name}", *flags], cwd=root, env={**os.environ, "OUT": out, **env},
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
@@ -221,6 +221,7 @@ def check_chat_recipe(out: str) -> None:
             assert key in row, key
         assert row["audit/token_mismatch"] == 0.0 and row["rollout/dropped_agent_error"] == 0.0
         assert row["rollout/segments"] >= row["rollout/episodes"] == 8.0  # 2 prompts x 4 samples, each >= 1 segment
+        assert row["rollout/segments_per_episode"] == row["rollout/segments"] / 8.0
     assert rows[-1]["train/version"] == 2.0
 
 
@@ -244,3 +245,13 @@ def test_cpu_default_recipe_runs_sft_then_rl(tmp_path):
     assert len(rl) == 2 and all(r["audit/token_mismatch"] == 0.0 and "rollout/lag_1" in r for r in rl)
     assert "reward after SFT" in printed and "reward after RL" in printed
     assert os.path.exists(os.path.join(out, "rl", "reward.png"))
+
+
+def test_smollm2_recipe_evaluates_the_real_model_before_and_after_rl(tmp_path):
+    out = str(tmp_path / "smollm2")
+    printed = run_recipe("smollm2_cpu.sh", out, "--train.batch_prompts", "2", "--eval.prompts", "4", "--eval.every", "1",
+                         STEPS="1")
+    (row,) = read_metrics(out)
+    assert row["audit/token_mismatch"] == 0.0 and row["rollout/episodes"] == 8.0  # 2 prompts x 4 samples
+    assert row["eval/episodes"] == 4.0 and 0.0 <= row["eval/before_reward_mean"] <= 1.0
+    assert "held-out accuracy before RL" in printed
