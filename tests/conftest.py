@@ -1,4 +1,7 @@
 """Shared fixtures: tiny model directories built once per test session (no hub access)."""
+import asyncio
+import threading
+
 import pytest
 import torch
 
@@ -72,3 +75,22 @@ def smollm2_generator(smollm2_model, ray_local):
     gen = Generator(smollm2_model, VllmArgs(max_model_len=1024, kv_cache_gb=0.5), RolloutArgs(max_new_tokens=16))
     yield gen
     asyncio.run(gen.shutdown())
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """An event loop in a thread: a chat server lives there, sync SDK clients call it from the test."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join()
+
+
+def call(loop, fn, *args):
+    """Run fn(*args) (a coroutine function or a plain one) on `loop` from the test's thread."""
+    async def run():
+        result = fn(*args)
+        return await result if asyncio.iscoroutine(result) else result
+    return asyncio.run_coroutine_threadsafe(run(), loop).result(timeout=300)

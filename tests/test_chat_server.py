@@ -6,7 +6,6 @@ wrapped by `Recorder` so each segment can be compared id for id with what the en
 """
 import asyncio
 import json
-import threading
 
 import anthropic
 import httpx
@@ -16,6 +15,7 @@ import pytest
 
 from chat_server import (ChatArgs, ChatServer, ChatTemplate, chain_hashes, cut_at_stop, openai_body,
                          parse_anthropic, parse_openai, parse_reply, parse_responses)
+from conftest import call
 from generator import Completion, VllmArgs
 from recipes.tiny_model import CHAT_TEMPLATE
 
@@ -65,22 +65,6 @@ class Recorder:
         return [(p, c) for e, p, c in self.calls if e == episode_id]
 
 
-@pytest.fixture(scope="module")
-def loop():
-    """An event loop in a thread: the server lives there, sync SDK clients call it from the test."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield loop
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join()
-
-
-def call(loop, fn, *args):
-    async def run():
-        result = fn(*args)
-        return await result if asyncio.iscoroutine(result) else result
-    return asyncio.run_coroutine_threadsafe(run(), loop).result(timeout=300)
 
 
 def start_server(loop, generator, tiny_model, **args):

@@ -7,7 +7,6 @@ written out by hand below (`HAND`) and checked against each template's render of
 """
 import asyncio
 import json
-import threading
 from dataclasses import dataclass
 
 import openai
@@ -15,6 +14,7 @@ import pytest
 
 from agent import AgentArgs, AgentWorker, Env, Result, run_env_episode
 from chat_server import ChatArgs, ChatServer, ChatTemplate
+from conftest import call
 from generator import Completion, RolloutArgs
 from recipes.math_agent import SYSTEM
 from recipes.tiny_model import build_tiny_model
@@ -118,22 +118,6 @@ class Observe(Env):
         return Result(reward=1.0)
 
 
-@pytest.fixture(scope="module")
-def loop():
-    """An event loop in a thread: the chat server lives there, the sync SDK client calls it from the test."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield loop
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join()
-
-
-def call(loop, fn, *args):
-    async def run():
-        result = fn(*args)
-        return await result if asyncio.iscoroutine(result) else result
-    return asyncio.run_coroutine_threadsafe(run(), loop).result(timeout=300)
 
 
 # --- unit tests: no engine
