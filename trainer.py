@@ -10,11 +10,14 @@ weights into a paused Generator straight from rank 0 (on GPU they never leave it
 torch.distributed.checkpoint. Every rank receives the whole batch and derives the same plan,
 advantages and loss denominators from it; besides the model's own collectives, ranks only
 all-reduce the no-grad pass's per-row results (a gather) and each step's loss (a metric).
+--train.routing_replay (Qwen3-MoE): the forward routes each (token, MoE layer) to the experts the
+segment's routed_experts (T, layers, top_k) recorded (-1 = live top-k); the gate still gets gradient.
 Not here: sampling and the refit transport (generator.py), advantage and loss math (estimators.py,
 losses.py), the loop (launch.py). Refused with a message: context and expert parallelism, routing
-replay (the trainer cannot yet force the engine's expert choices).
+replay on a dense model or on a batch with no routed_experts.
 """
 import asyncio
+import functools
 import json
 import math
 import os
@@ -35,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
 from estimators import EstimatorArgs, compute_advantages
 from generator import Segment
@@ -63,7 +67,7 @@ class TrainArgs:
     batch_prompts: int = field(default=8, metadata={"help": "prompt groups per train step (read by launch.py's loop; SFT: examples per step)"})
     max_staleness: int = field(default=0, metadata={"help": "policy versions a batch may lag the trainer (read by launch.py's loop); 0 = strictly on-policy"})
     partial_rollout: bool = field(default=False, metadata={"help": "keep in-flight requests across a refit, so one sequence can mix versions (read by launch.py)"})
-    routing_replay: bool = field(default=False, metadata={"help": "MoE: replay the engine's expert choices in the trainer's forward (not supported yet)"})
+    routing_replay: bool = field(default=False, metadata={"help": "MoE (Qwen3-MoE): route each token to the experts the engine recorded (Segment.routed_experts) in every policy forward"})
     seed: int = field(default=0, metadata={"help": "torch / python / numpy seed of every rank"})
 
     def __post_init__(self):
@@ -81,8 +85,6 @@ class TrainArgs:
             raise ValueError(f"--train.grad_clip {self.grad_clip}: must be > 0, or None for no clipping")
         if min(self.epochs, self.minibatches, self.max_tokens_per_microbatch, self.world_size, self.batch_prompts) < 1 or min(self.warmup_steps, self.max_staleness) < 0:
             raise ValueError("--train.epochs, --train.minibatches, --train.max_tokens_per_microbatch, --train.world_size, --train.batch_prompts must be >= 1; --train.warmup_steps, --train.max_staleness >= 0")
-        if self.routing_replay:
-            raise ValueError("--train.routing_replay: the trainer cannot yet force the engine's expert choices in its forward; leave it off and watch loss/mismatch_* (and see --vllm.return_routed_experts)")
 
 
 @dataclass
@@ -140,8 +142,9 @@ def check_args(train: TrainArgs, fsdp: FsdpArgs, loss: LossArgs, estimator: Esti
 # --- pure functions: batch layout, log-probs, schedule, gradient norm, SFT rows
 
 
-def collate(segments: list[Segment]) -> dict[str, torch.Tensor]:
-    """The whole batch as right-padded (B, T) tensors plus per-row (B,) ones; ValueError names the first bad segment."""
+def collate(segments: list[Segment], moe: tuple[int, int, int] | None = None) -> dict[str, torch.Tensor]:
+    """The whole batch as right-padded (B, T) tensors plus per-row (B,) ones; ValueError names the first bad segment.
+    moe = (MoE layers, top_k, experts) adds "routed" (B, T, layers, top_k) int16, -1 where not recorded."""
     if not segments:
         raise ValueError("segments: empty batch; train_step needs at least one segment with an action token")
     for i, seg in enumerate(segments):
@@ -163,12 +166,45 @@ def collate(segments: list[Segment]) -> dict[str, torch.Tensor]:
         ids[i, :n], mask[i, :n], rollout_logp[i, :n], versions[i, :n] = seg.token_ids, seg.action_mask, seg.logprobs, seg.versions
     group_index = {g: k for k, g in enumerate(dict.fromkeys(seg.group_id for seg in segments))}
     episode_index = {e: k for k, e in enumerate(dict.fromkeys(seg.episode_id for seg in segments))}
-    return {"ids": torch.from_numpy(ids), "mask": torch.from_numpy(mask), "rollout_logp": torch.from_numpy(rollout_logp),
-            "versions": torch.from_numpy(versions),
-            "rewards": torch.tensor([float(seg.reward) for seg in segments]),  # (B,)
-            "group_ids": torch.tensor([group_index[seg.group_id] for seg in segments]),  # (B,)
-            "episode_ids": torch.tensor([episode_index[seg.episode_id] for seg in segments]),  # (B,)
-            "lengths": torch.tensor([len(seg.token_ids) for seg in segments])}  # (B,)
+    batch = {"ids": torch.from_numpy(ids), "mask": torch.from_numpy(mask), "rollout_logp": torch.from_numpy(rollout_logp),
+             "versions": torch.from_numpy(versions),
+             "rewards": torch.tensor([float(seg.reward) for seg in segments]),  # (B,)
+             "group_ids": torch.tensor([group_index[seg.group_id] for seg in segments]),  # (B,)
+             "episode_ids": torch.tensor([episode_index[seg.episode_id] for seg in segments]),  # (B,)
+             "lengths": torch.tensor([len(seg.token_ids) for seg in segments])}  # (B,)
+    if moe is not None:  # --train.routing_replay
+        batch["routed"] = torch.from_numpy(collate_routing(segments, T, *moe))  # (B, T, layers, top_k)
+    return batch
+
+
+def collate_routing(segments: list[Segment], T: int, layers: int, top_k: int, experts: int) -> np.ndarray:
+    """(B, T, layers, top_k) int16 expert ids from each segment's routed_experts, -1 where none was recorded
+    (padding, a segment without routing, a row the engine marked -1); ValueError names the bad segment."""
+    if all(seg.routed_experts is None for seg in segments):
+        raise ValueError("--train.routing_replay: no segment of the batch carries routed_experts; record them (--vllm.return_routed_experts) or leave the flag off")
+    out = np.full((len(segments), T, layers, top_k), -1, dtype=np.int16)  # (B, T, layers, top_k)
+    for i, seg in enumerate(segments):
+        if seg.routed_experts is None:
+            continue
+        r = np.asarray(seg.routed_experts)
+        where = f"segment {i} ({seg.episode_id!r})"
+        if r.shape != (len(seg.token_ids), layers, top_k):
+            raise ValueError(f"{where}: routed_experts has shape {r.shape}, the model needs (T, MoE layers, top_k) = {(len(seg.token_ids), layers, top_k)}")
+        if r.size and (r.min() < -1 or r.max() >= experts or ((r < 0).any(-1) != (r < 0).all(-1)).any()):
+            raise ValueError(f"{where}: routed_experts ids must lie in [0, {experts}), or be -1 for all top_k of a (token, layer)")
+        out[i, :len(seg.token_ids)] = r
+    return out
+
+
+def replayed_routing(logits: torch.Tensor, live_ids: torch.Tensor, replay: torch.Tensor, *, norm_topk_prob: bool):
+    """(N, K) routing weights and expert ids of N tokens: replay's ids where recorded (>= 0), live_ids elsewhere.
+    The weights are softmax(logits) over all E experts gathered at those ids (renormalized to sum 1 when
+    norm_topk_prob), so the gate keeps its gradient; at live ids they equal the router's own weights."""
+    ids = torch.where(replay >= 0, replay.long(), live_ids)  # (N, K)
+    weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(-1, ids)  # (N, K)
+    if norm_topk_prob:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights.to(logits.dtype), ids
 
 
 def plan_step(lengths: list[int], *, minibatches: int, dp_size: int, max_tokens: int) -> list[list[list[list[int]]]]:
@@ -358,6 +394,7 @@ class TrainerRank:
             torch.set_num_threads(1)  # ranks share the cores; one thread each is fastest and deterministic
         self.step, self.version = 0, 0  # train steps taken; optimizer steps taken (0 = the loaded weights)
         self.router = None  # the Generator this rank refits (rank 0)
+        self.moe, self.replay = None, None  # --train.routing_replay: (MoE layers, top_k, experts); this forward's (b, t, layers, top_k) ids
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a free port: rank 0 hosts the process group's rendezvous."""
@@ -386,6 +423,8 @@ class TrainerRank:
         dp_mesh = self.dist_setup.mesh_context.device_mesh["dp"]
         self.dp_rank, self.dp_size, self.dp_group = dp_mesh.get_local_rank(), dp_mesh.size(), dp_mesh.get_group()
         self.model = self.build(AutoModelForCausalLM)
+        if self.train.routing_replay:
+            self.moe = self.install_replay(self.model)
         # NeMo does not call fully_shard with one data-parallel rank, so its mixed-precision cast never happens: autocast instead.
         self.autocast = compute_dtype != torch.float32 and not isinstance(self.model, FSDPModule)
         # fused: one kernel per step over all tensors (foreach, torch's default, makes ~a dozen passes); lr: set before each step
@@ -413,7 +452,29 @@ class TrainerRank:
                 model.score.weight.zero_()
                 model.score.bias.zero_()
         from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
+        model.train()  # from_pretrained returns eval mode, in which HF's (NeMo's) activation checkpointing is off
         return parallelize_model(model.to(self.device), self.dist_setup.mesh_context)
+
+    def install_replay(self, model) -> tuple[int, int, int]:
+        """Hook every Qwen3-MoE router of model so that it returns replayed ids and weights (replay_router);
+        -> (MoE layers, top_k, experts), the shape collate checks each segment's routed_experts against."""
+        routers = [m for m in model.modules() if isinstance(m, Qwen3MoeTopKRouter)]  # in layer order
+        if not routers:
+            raise ValueError(f"--train.routing_replay: {self.model_path} has no Qwen3-MoE router (a dense model, or an MoE architecture this replay does not know); leave the flag off")
+        for layer, router in enumerate(routers):
+            router.register_forward_hook(functools.partial(self.replay_router, layer))
+        return len(routers), routers[0].top_k, routers[0].num_experts
+
+    def replay_router(self, layer: int, router, args, output):
+        """Forward hook of MoE layer `layer`'s router: its (logits, weights, ids) with this forward's recorded
+        ids replayed. It reads self.replay, bound per microbatch by policy_logprobs, so an activation-checkpoint
+        recompute in backward (which runs before the next microbatch's forward) replays the same ids."""
+        logits, _, live_ids = output  # (N, E), (N, K), (N, K) with N = b * t
+        if self.replay is None:
+            return output
+        replay = self.replay[:, :, layer].reshape(live_ids.shape)  # (N, K)
+        weights, ids = replayed_routing(logits, live_ids, replay, norm_topk_prob=router.norm_topk_prob)
+        return logits, weights, ids
 
     # --- forwards: microbatches of rows, and the no-grad pass that every rank assembles into (B, T)
 
@@ -422,14 +483,18 @@ class TrainerRank:
         return plan_step(batch["lengths"].tolist(), minibatches=minibatches, dp_size=self.dp_size, max_tokens=self.train.max_tokens_per_microbatch)
 
     def microbatch(self, batch: dict, rows: list[int]) -> dict[str, torch.Tensor]:
-        """The rows' tensors cropped to their longest row, on this rank's device; no rows give one masked pad token."""
+        """The rows' tensors cropped to their longest row, on this rank's device; no rows give one masked pad
+        token (routed live: -1)."""
         if not rows:
-            return {k: torch.zeros_like(v[:1, :1] if v.ndim == 2 else v[:1]).to(self.device) for k, v in batch.items()}
+            return {k: torch.full_like(v[:1, :1] if v.ndim >= 2 else v[:1], -1 if k == "routed" else 0).to(self.device) for k, v in batch.items()}
         width = int(batch["lengths"][rows].max())
-        return {k: (v[rows, :width] if v.ndim == 2 else v[rows]).to(self.device) for k, v in batch.items()}
+        return {k: (v[rows, :width] if v.ndim >= 2 else v[rows]).to(self.device) for k, v in batch.items()}
 
-    def policy_logprobs(self, model, ids: torch.Tensor, temperature: float, *, entropy: bool = False):
-        """(B, T) log-probs of ids under model's logits / temperature, and (B, T) entropy when asked."""
+    def policy_logprobs(self, model, ids: torch.Tensor, temperature: float, *, entropy: bool = False,
+                        routed: torch.Tensor | None = None):
+        """(B, T) log-probs of ids under model's logits / temperature, and (B, T) entropy when asked; with
+        --train.routing_replay, model's MoE layers replay routed (B, T, layers, top_k) (None: live routing)."""
+        self.replay = routed  # read by replay_router in this forward and in its checkpoint recompute
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             logits = model(input_ids=ids, use_cache=False).logits  # (B, T, V)
         return token_logprobs(logits, ids, temperature, entropy=entropy, entropy_grad=self.entropy_grad,
@@ -443,11 +508,11 @@ class TrainerRank:
 
     @torch.no_grad()
     def forward_rows(self, fn, batch: dict, plan: list) -> torch.Tensor:
-        """fn(ids) -> (b, t) over this rank's rows of the plan, assembled into the whole batch's (B, T) on every rank."""
+        """fn(microbatch) -> (b, t) over this rank's rows of the plan, assembled into the whole batch's (B, T) on every rank."""
         out = torch.zeros(batch["ids"].shape, device=self.device)  # (B, T)
         for minibatch in plan:
             for rows in minibatch[self.dp_rank]:
-                y = fn(self.microbatch(batch, rows)["ids"])  # (b, t)
+                y = fn(self.microbatch(batch, rows))  # (b, t)
                 if rows:
                     out[rows, :y.shape[1]] = y.float()
         dist.all_reduce(out, group=self.dp_group)  # rows are disjoint across dp ranks: the sum is a gather
@@ -459,22 +524,25 @@ class TrainerRank:
         """One RL step on the whole batch: advantages, old log-probs, then epochs x minibatches optimizer steps.
         Returns (weight, metrics) records for the driver to merge, and the policy version after the step."""
         # --- rollout batch: the same padded tensors and the same plan on every rank
-        batch = collate(segments)
+        batch = collate(segments, self.moe)
         mask = batch["mask"]  # (B, T)
         plan = self.plan(batch, self.train.minibatches)
         start_version, records = self.version, []
+        if "routed" in batch:  # share of the batch's (token, MoE layer) positions whose recorded experts are replayed
+            real = torch.arange(mask.shape[1]) < batch["lengths"][:, None]  # (B, T)
+            records.append((1.0, {"train/replayed_frac": float((batch["routed"][..., 0] >= 0)[real].float().mean())}))
 
         # --- no-grad pass: old log-probs (the proximal policy), reference log-probs, critic values.
         # Exactly on-policy with one optimizer step per batch, old = new.detach() and the pass is skipped.
         on_policy = self.train.epochs == 1 and self.train.minibatches == 1 and bool((batch["versions"][mask] == self.version).all())
         kl = None
         if not on_policy or self.ref is not None:
-            batch["old_logp"] = self.forward_rows(lambda ids: self.policy_logprobs(self.model, ids, self.temperature)[0], batch, plan)
+            batch["old_logp"] = self.forward_rows(lambda x: self.policy_logprobs(self.model, x["ids"], self.temperature, routed=x.get("routed"))[0], batch, plan)
         if self.ref is not None:
-            batch["ref_logp"] = self.forward_rows(lambda ids: self.policy_logprobs(self.ref, ids, self.temperature)[0], batch, plan)
+            batch["ref_logp"] = self.forward_rows(lambda x: self.policy_logprobs(self.ref, x["ids"], self.temperature)[0], batch, plan)
             kl = torch.where(mask, batch["old_logp"] - batch["ref_logp"], 0.0)  # (B, T) k1, for a KL reward in the estimator
         if self.critic is not None:
-            batch["values"] = self.forward_rows(self.critic_values, batch, plan)
+            batch["values"] = self.forward_rows(lambda x: self.critic_values(x["ids"]), batch, plan)
 
         # --- advantages over the whole batch (estimators.py); gae turns the critic's values into returns
         batch["adv"], returns, metrics = compute_advantages(self.estimator, batch["rewards"], batch["group_ids"], batch["episode_ids"], mask, values=batch.get("values"), kl=kl)
@@ -495,7 +563,7 @@ class TrainerRank:
                 for micro in minibatch[self.dp_rank]:
                     x = self.microbatch(batch, micro)
                     # new log-probs with gradient, then this microbatch's share of the policy loss (losses.py)
-                    logp, entropy = self.policy_logprobs(self.model, x["ids"], self.temperature, entropy=True)
+                    logp, entropy = self.policy_logprobs(self.model, x["ids"], self.temperature, entropy=True, routed=x.get("routed"))
                     loss, loss_metrics = compute_policy_loss(
                         self.loss, logp, x.get("old_logp", logp.detach()), x["rollout_logp"], x["adv"], x["mask"],
                         versions=x["versions"], current_version=start_version, denoms=denoms,
@@ -538,7 +606,8 @@ class TrainerRank:
         return {"train/loss": float(step_loss), "train/grad_norm": grad_norm, "train/lr": lr, "train/peak_gib": peak}
 
     def sft_step(self, segments: list[Segment]) -> tuple[list[tuple[float, dict]], int]:
-        """One optimizer step of token NLL on the action tokens, at temperature 1 (the model's own distribution)."""
+        """One optimizer step of token NLL on the action tokens, at temperature 1 (the model's own distribution);
+        MoE layers route live (SFT rows were never sampled, so there is no routing to replay)."""
         batch = collate(segments)
         mask, records = batch["mask"], []
         plan = self.plan(batch, 1)
@@ -556,9 +625,9 @@ class TrainerRank:
 
     def logprobs(self, segments: list[Segment], temperature: float | None) -> list[torch.Tensor] | None:
         """Every segment's (T,) recomputed log-probs (0 at t = 0) on rank 0; None on the others."""
-        batch = collate(segments)
+        batch = collate(segments, self.moe)
         plan = self.plan(batch, 1)
-        logp = self.forward_rows(lambda ids: self.policy_logprobs(self.model, ids, self.temperature if temperature is None else temperature)[0], batch, plan)
+        logp = self.forward_rows(lambda x: self.policy_logprobs(self.model, x["ids"], self.temperature if temperature is None else temperature, routed=x.get("routed"))[0], batch, plan)
         return [logp[i, :n] for i, n in enumerate(batch["lengths"].tolist())] if self.rank == 0 else None
 
     # --- refit export: full tensors under HF names, in buckets

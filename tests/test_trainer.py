@@ -142,8 +142,6 @@ def test_flag_combinations_are_refused_naming_the_flags():
         TrainArgs(schedule="cosine")
     with pytest.raises(ValueError, match="--train.schedule 'linear'"):
         TrainArgs(schedule="linear")
-    with pytest.raises(ValueError, match="--train.routing_replay"):
-        TrainArgs(routing_replay=True)
     with pytest.raises(ValueError, match="--fsdp.cp_size"):
         FsdpArgs(cp_size=2)
     with pytest.raises(ValueError, match="--fsdp.tp_size > 1: .* q_norm/k_norm"):
