@@ -391,7 +391,8 @@ async def run_rl(cfg: dict) -> dict:
     capacity = train.batch_prompts * (train.max_staleness + 1)  # K=0: nothing is sampled while training
     metrics, before = {}, {}
     if cfg["eval"].every and cfg["eval"].before and trainer.step == 0:  # the baseline every later eval compares with
-        before = {"eval/before_reward_mean": (await evaluate(workers, held_out, cfg["eval"].prompts))["eval/reward_mean"]}
+        baseline = await evaluate(workers, held_out, cfg["eval"].prompts)
+        before = {"eval/before_reward_mean": baseline["eval/reward_mean"]}
     for step in range(trainer.step, launch.steps):
         # --- rollout: a batch of finished groups (the trainer idles while it waits)
         t0 = time.perf_counter()

@@ -181,7 +181,8 @@ def collate_routing(segments: list[Segment], T: int, layers: int, top_k: int, ex
     """(B, T, layers, top_k) int16 expert ids from each segment's routed_experts, -1 where none was recorded
     (padding, a segment without routing, a row the engine marked -1); ValueError names the bad segment."""
     if all(seg.routed_experts is None for seg in segments):
-        raise ValueError("--train.routing_replay: no segment of the batch carries routed_experts; record them (--vllm.return_routed_experts) or leave the flag off")
+        raise ValueError("--train.routing_replay: no segment of the batch carries routed_experts; record them "
+                         "(--vllm.return_routed_experts) or leave the flag off")
     out = np.full((len(segments), T, layers, top_k), -1, dtype=np.int16)  # (B, T, layers, top_k)
     for i, seg in enumerate(segments):
         if seg.routed_experts is None:
@@ -189,9 +190,11 @@ def collate_routing(segments: list[Segment], T: int, layers: int, top_k: int, ex
         r = np.asarray(seg.routed_experts)
         where = f"segment {i} ({seg.episode_id!r})"
         if r.shape != (len(seg.token_ids), layers, top_k):
-            raise ValueError(f"{where}: routed_experts has shape {r.shape}, the model needs (T, MoE layers, top_k) = {(len(seg.token_ids), layers, top_k)}")
+            raise ValueError(f"{where}: routed_experts has shape {r.shape}, the model needs (T, MoE layers, top_k) = "
+                             f"{(len(seg.token_ids), layers, top_k)}")
         if r.size and (r.min() < -1 or r.max() >= experts or ((r < 0).any(-1) != (r < 0).all(-1)).any()):
-            raise ValueError(f"{where}: routed_experts ids must lie in [0, {experts}), or be -1 for all top_k of a (token, layer)")
+            raise ValueError(f"{where}: routed_experts ids must lie in [0, {experts}), "
+                             "or be -1 for all top_k of a (token, layer)")
         out[i, :len(seg.token_ids)] = r
     return out
 
@@ -394,7 +397,8 @@ class TrainerRank:
             torch.set_num_threads(1)  # ranks share the cores; one thread each is fastest and deterministic
         self.step, self.version = 0, 0  # train steps taken; optimizer steps taken (0 = the loaded weights)
         self.router = None  # the Generator this rank refits (rank 0)
-        self.moe, self.replay = None, None  # --train.routing_replay: (MoE layers, top_k, experts); this forward's (b, t, layers, top_k) ids
+        # --train.routing_replay: (MoE layers, top_k, experts), and this forward's (b, t, layers, top_k) expert ids
+        self.moe, self.replay = None, None
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a free port: rank 0 hosts the process group's rendezvous."""
@@ -460,7 +464,8 @@ class TrainerRank:
         -> (MoE layers, top_k, experts), the shape collate checks each segment's routed_experts against."""
         routers = [m for m in model.modules() if isinstance(m, Qwen3MoeTopKRouter)]  # in layer order
         if not routers:
-            raise ValueError(f"--train.routing_replay: {self.model_path} has no Qwen3-MoE router (a dense model, or an MoE architecture this replay does not know); leave the flag off")
+            raise ValueError(f"--train.routing_replay: {self.model_path} has no Qwen3-MoE router (a dense model, or "
+                             "an MoE architecture this replay does not know); leave the flag off")
         for layer, router in enumerate(routers):
             router.register_forward_hook(functools.partial(self.replay_router, layer))
         return len(routers), routers[0].top_k, routers[0].num_experts
@@ -486,7 +491,8 @@ class TrainerRank:
         """The rows' tensors cropped to their longest row, on this rank's device; no rows give one masked pad
         token (routed live: -1)."""
         if not rows:
-            return {k: torch.full_like(v[:1, :1] if v.ndim >= 2 else v[:1], -1 if k == "routed" else 0).to(self.device) for k, v in batch.items()}
+            return {k: torch.full_like(v[:1, :1] if v.ndim >= 2 else v[:1], -1 if k == "routed" else 0).to(self.device)
+                    for k, v in batch.items()}
         width = int(batch["lengths"][rows].max())
         return {k: (v[rows, :width] if v.ndim >= 2 else v[rows]).to(self.device) for k, v in batch.items()}
 
@@ -508,7 +514,8 @@ class TrainerRank:
 
     @torch.no_grad()
     def forward_rows(self, fn, batch: dict, plan: list) -> torch.Tensor:
-        """fn(microbatch) -> (b, t) over this rank's rows of the plan, assembled into the whole batch's (B, T) on every rank."""
+        """fn(microbatch) -> (b, t) over this rank's rows of the plan, assembled into the whole batch's (B, T) on
+        every rank."""
         out = torch.zeros(batch["ids"].shape, device=self.device)  # (B, T)
         for minibatch in plan:
             for rows in minibatch[self.dp_rank]:
@@ -537,7 +544,8 @@ class TrainerRank:
         on_policy = self.train.epochs == 1 and self.train.minibatches == 1 and bool((batch["versions"][mask] == self.version).all())
         kl = None
         if not on_policy or self.ref is not None:
-            batch["old_logp"] = self.forward_rows(lambda x: self.policy_logprobs(self.model, x["ids"], self.temperature, routed=x.get("routed"))[0], batch, plan)
+            policy = lambda x: self.policy_logprobs(self.model, x["ids"], self.temperature, routed=x.get("routed"))[0]
+            batch["old_logp"] = self.forward_rows(policy, batch, plan)
         if self.ref is not None:
             batch["ref_logp"] = self.forward_rows(lambda x: self.policy_logprobs(self.ref, x["ids"], self.temperature)[0], batch, plan)
             kl = torch.where(mask, batch["old_logp"] - batch["ref_logp"], 0.0)  # (B, T) k1, for a KL reward in the estimator
@@ -563,7 +571,8 @@ class TrainerRank:
                 for micro in minibatch[self.dp_rank]:
                     x = self.microbatch(batch, micro)
                     # new log-probs with gradient, then this microbatch's share of the policy loss (losses.py)
-                    logp, entropy = self.policy_logprobs(self.model, x["ids"], self.temperature, entropy=True, routed=x.get("routed"))
+                    logp, entropy = self.policy_logprobs(self.model, x["ids"], self.temperature, entropy=True,
+                                                         routed=x.get("routed"))
                     loss, loss_metrics = compute_policy_loss(
                         self.loss, logp, x.get("old_logp", logp.detach()), x["rollout_logp"], x["adv"], x["mask"],
                         versions=x["versions"], current_version=start_version, denoms=denoms,
@@ -627,7 +636,9 @@ class TrainerRank:
         """Every segment's (T,) recomputed log-probs (0 at t = 0) on rank 0; None on the others."""
         batch = collate(segments, self.moe)
         plan = self.plan(batch, 1)
-        logp = self.forward_rows(lambda x: self.policy_logprobs(self.model, x["ids"], self.temperature if temperature is None else temperature, routed=x.get("routed"))[0], batch, plan)
+        temperature = self.temperature if temperature is None else temperature
+        policy = lambda x: self.policy_logprobs(self.model, x["ids"], temperature, routed=x.get("routed"))[0]
+        logp = self.forward_rows(policy, batch, plan)
         return [logp[i, :n] for i, n in enumerate(batch["lengths"].tolist())] if self.rank == 0 else None
 
     # --- refit export: full tensors under HF names, in buckets
