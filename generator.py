@@ -5,9 +5,11 @@ answer (T sampled tokens). `Generator` is a picklable router over `--vllm.num_en
 driving one vLLM `AsyncLLM` in process (no HTTP); an episode's requests (`affinity`) share one engine.
     c = await gen.generate(prompt_ids, affinity=episode_id)   # c.token_ids, c.logprobs, c.versions: (T,)
     await gen.pause(); await gen.update_weights(named_tensors, version=7); await gen.resume()
-A refit keeps in-flight requests: their tokens before it carry the old version, after it the new one
-(from vLLM's weight-version spans, not from counting streamed tokens), and their KV cache is recomputed.
-vLLM 0.26 (the GPU build here) has no such spans: there a pause lets requests in flight finish first.
+A refit keeps in-flight requests (vLLM's pause in keep mode): their tokens before it carry the old version,
+after it the new one, and their KV cache is recomputed with the new weights. The boundary is the count of
+tokens vLLM had emitted when the pause completed, read once its output handler has processed all of them
+(`Engine.sampled_counts` says why that count is exact). vLLM >= 0.32 also labels tokens with weight-version
+spans: there every boundary is checked against them. vLLM 0.26 (the GPU build here) has no spans.
 Log-probs are vLLM's processed log-probs: the sampled token's under logits / temperature.
 Refit tensors carry checkpoint names and the engine's dtype (never cast), packed into
 `--vllm.refit_bucket_mb` buckets, one `collective_rpc` each: bytes from a CPU trainer, a CUDA IPC buffer
@@ -370,9 +372,10 @@ class Engine:
 
     def __init__(self, model_path: str, vllm: VllmArgs):
         self.model_path, self.vllm, self.llm = model_path, vllm, None
-        self.requests, self.tokens, self.prompt_tokens, self.request_s = 0, 0, 0, 0.0
-        self.paused, self.in_flight, self.open = False, 0, asyncio.Event()
+        self.requests, self.tokens, self.prompt_tokens, self.request_s, self.checked = 0, 0, 0, 0.0, 0
+        self.paused, self.adding, self.open = False, 0, asyncio.Event()  # open: no refit under way
         self.open.set()
+        self.refits, self.at_pause = {}, {}  # request id -> [(k, v)]: from output token k on, version v
 
     async def start(self, version: int) -> dict:
         cuda = torch.cuda.is_available()
@@ -382,8 +385,7 @@ class Engine:
             self.llm = AsyncLLM.from_engine_args(args)
         except ValueError as e:  # vLLM's config errors (pydantic) do not pickle; their message does
             raise ValueError(f"vLLM refused the engine configuration: {e}") from None
-        # vLLM >= 0.32 labels each output token with the weight version that sampled it (spans); 0.26 does
-        # not, so there a pause first lets the requests in flight finish: each request has one version.
+        # vLLM >= 0.32 labels each output token with the weight version that sampled it (spans); 0.26 does not
         self.spans = hasattr(self.llm, "update_weight_version")
         await self.set_version(version)
         config = self.llm.model_config
@@ -391,21 +393,35 @@ class Engine:
                 "gpus": await self.llm.collective_rpc("device_uuid") if cuda else []}
 
     async def generate(self, prompt_ids: list[int], rollout: RolloutArgs, request_id: str, **kw) -> Completion:
-        await self.open.wait()  # closed only while a pause drains requests (vLLM < 0.32)
-        start, version = time.perf_counter(), self.version
-        self.in_flight += 1
-        try:
-            async for final in self.llm.generate({"prompt_token_ids": prompt_ids}, build_sampling_params(rollout, **kw),
-                                                 request_id):
-                pass
+        await self.open.wait()  # a request sent during a refit waits for it: all its tokens get the new version
+        start, version, marks = time.perf_counter(), self.version, []
+        self.adding += 1
+        try:  # add_request returns once vLLM's output processor tracks the request (pause waits for that)
+            q = await self.llm.add_request(request_id, {"prompt_token_ids": prompt_ids},
+                                           build_sampling_params(rollout, **kw))
         finally:
-            self.in_flight -= 1
+            self.adding -= 1
+        self.refits[request_id] = marks
+        try:
+            final = None
+            while final is None or not final.finished:
+                final = q.get_nowait() or await q.get()
+        except asyncio.CancelledError:
+            await self.llm.abort(q.request_id, internal=True)
+            raise
+        finally:
+            del self.refits[request_id]
         out = final.outputs[0]
         ids = list(out.token_ids)
-        if self.spans:
-            versions = versions_from_spans([(s.version, s.start, s.end) for s in out.weight_versions or []], len(ids))
-        else:
-            versions = [version] * len(ids)
+        versions = [version] * len(ids)
+        for k, v in marks:
+            versions[k:] = [v] * (len(ids) - k)
+        if self.spans and marks:  # vLLM's own labels: the counted boundaries must agree with them
+            labelled = versions_from_spans([(s.version, s.start, s.end) for s in out.weight_versions or []], len(ids))
+            if labelled != versions:
+                raise RuntimeError(f"request {request_id}: refit boundaries {marks} disagree with vLLM's "
+                                   f"weight-version spans {out.weight_versions}")
+            self.checked += 1
         self.requests += 1
         self.tokens += len(ids)
         self.prompt_tokens += len(prompt_ids)
@@ -414,13 +430,40 @@ class Engine:
                           versions=versions, finish_reason=out.finish_reason, routed_experts=out.routed_experts)
 
     async def pause(self) -> None:
-        if not self.spans:
-            self.open.clear()
-            while self.in_flight:
-                await asyncio.sleep(0.002)
+        self.open.clear()
+        while self.adding:  # every request let in before the gate closed is registered with vLLM first
+            await asyncio.sleep(0.001)
         # keep: requests stay queued; clear_cache: on resume their KV is recomputed with the new weights.
         await self.llm.pause_generation(mode="keep", clear_cache=True)
+        self.at_pause = await self.sampled_counts()
         self.paused = True
+
+    async def sampled_counts(self) -> dict[str, int]:
+        """Output tokens of each request in flight, all sampled before the pause that just completed.
+
+        Exact, by the order in which vLLM (0.26 and 0.32) moves outputs: in keep mode the engine core
+        answers the pause only once it is idle, after every step's outputs are queued for sending, and the
+        answer travels on the same socket behind them; the client queues step outputs in arrival order for
+        the output handler and resolves the pause after them; nothing is sampled until resume. The handler
+        takes the next item of that queue only after processing the previous one, so once it has taken an
+        empty item put in behind them, the output processor's per-request counts hold every token sampled
+        before the pause and none after it."""
+        if not self.refits:
+            return {}
+        from vllm.v1.engine import EngineCoreOutputs
+        outputs = self.llm.engine_core.outputs_queue
+        outputs.put_nowait(EngineCoreOutputs())
+
+        async def taken():
+            while outputs.qsize():
+                await asyncio.sleep(0.001)
+        try:
+            await asyncio.wait_for(taken(), timeout=60)
+        except TimeoutError:
+            raise RuntimeError("vLLM's output handler took nothing from its queue for 60 s after a pause "
+                               "(dead engine?)") from None
+        states = self.llm.output_processor.request_states.values()
+        return {s.external_req_id: s.detokenizer.num_output_tokens() for s in states}
 
     async def resume(self) -> None:
         await self.llm.resume_generation()
@@ -437,7 +480,10 @@ class Engine:
         return (await self.llm.collective_rpc("refit_bucket", args=(wire, first, last)))[0]
 
     async def set_version(self, version: int) -> None:
-        self.version = version
+        for request_id, k in self.at_pause.items():  # tokens of a kept request sampled after the refit
+            if request_id in self.refits:
+                self.refits[request_id].append((k, version))
+        self.version, self.at_pause = version, {}
         if self.spans:
             await self.llm.update_weight_version(str(version))
         if self.vllm.enable_prefix_caching:
@@ -445,7 +491,8 @@ class Engine:
 
     async def metrics(self) -> dict:
         return {"generator/requests": self.requests, "generator/tokens": self.tokens,
-                "generator/prompt_tokens": self.prompt_tokens, "generator/request_s": self.request_s}
+                "generator/prompt_tokens": self.prompt_tokens, "generator/request_s": self.request_s,
+                "generator/boundaries_checked": self.checked}
 
     async def shutdown(self) -> None:
         self.llm.shutdown()

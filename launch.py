@@ -266,10 +266,10 @@ class GroupQueue:
             await asyncio.wait(set(self.tasks))
 
     async def next_batch(self, n: int, *, capacity: int, filter_range: tuple[float, float] | None,
-                         min_version: int) -> list[dict]:
+                         min_version: int, partial: bool = False) -> list[dict]:
         """n finished groups, launching new ones while fewer than `capacity` are in flight, queued or taken.
         Dropped: groups whose every episode failed, groups filtered by mean reward, groups with a token
-        older than min_version; each dropped group is replaced."""
+        older than min_version (with `partial`: whose newest token is); each dropped group is replaced."""
         batch = []
         while len(batch) < n:
             self.fill(capacity, len(batch))
@@ -289,7 +289,10 @@ class GroupQueue:
             if filter_range and not filter_range[0] <= sum(rewards) / len(rewards) <= filter_range[1]:
                 self.counts["filtered"] += 1
                 continue
-            if min(v for s in group["segments"] for v, m in zip(s.versions, s.action_mask) if m) < min_version:
+            versions = [v for s in group["segments"] for v, m in zip(s.versions, s.action_mask) if m]
+            # partial rollouts: a group is as fresh as its newest token; its older tokens are corrected per
+            # token (and bounded by --loss.max_token_lag). Otherwise as old as its oldest.
+            if (max(versions) if partial else min(versions)) < min_version:
                 self.counts["stale"] += 1
                 continue
             batch.append(group)
@@ -319,6 +322,7 @@ def rollout_metrics(segments: list, version: int, lag_bins: int) -> dict:
            "rollout/mixed_version_rows": float(sum(len({v for v in s.versions if v >= 0}) > 1 for s in segments))}
     for k in range(lag_bins + 1):  # rollout/lag_0 .. lag_K: share of action tokens sampled k versions ago
         out[f"rollout/lag_{k}"] = sum(lag == k for lag in lags) / max(len(lags), 1)
+    out["rollout/lag_older"] = sum(lag > lag_bins for lag in lags) / max(len(lags), 1)  # partial rollouts only
     return out
 
 
@@ -393,13 +397,15 @@ async def run_rl(cfg: dict) -> dict:
     if cfg["eval"].every and cfg["eval"].before and trainer.step == 0:  # the baseline every later eval compares with
         baseline = await evaluate(workers, held_out, cfg["eval"].prompts)
         before = {"eval/before_reward_mean": baseline["eval/reward_mean"]}
+    filled = time.perf_counter()  # when the engines were last given groups after a refit
     for step in range(trainer.step, launch.steps):
         # --- rollout: a batch of finished groups (the trainer idles while it waits)
         t0 = time.perf_counter()
         groups = await queue.next_batch(train.batch_prompts, capacity=capacity, filter_range=data.filter_range,
-                                        min_version=trainer.version - train.max_staleness)
+                                        min_version=trainer.version - train.max_staleness,
+                                        partial=train.partial_rollout)
         segments = [s for g in groups for s in g["segments"]]
-        wait_s = time.perf_counter() - t0
+        wait_s, since_refit_s = time.perf_counter() - t0, time.perf_counter() - filled
         # --- audit: every trained row holds exactly the ids the generator returned
         mismatched = audit(segments)
         if mismatched:
@@ -420,6 +426,7 @@ async def run_rl(cfg: dict) -> dict:
             await asyncio.sleep(0)  # it submits its requests now, ahead of the next groups: it never waits behind them
         if step + 1 < launch.steps:
             queue.fill(capacity)  # the engines sample the next groups while the probe, eval and logging run
+            filled = time.perf_counter()
         if probe is not None:
             metrics.update(await probe)
         # --- eval, log
@@ -427,13 +434,14 @@ async def run_rl(cfg: dict) -> dict:
             metrics.update(await evaluate(workers, held_out, cfg["eval"].prompts))
         metrics.update(before)  # the first step's row also holds the baseline
         before = {}
-        step_s = time.perf_counter() - t0
+        counters = {**(await generator.metrics()), **(await workers[0].metrics.remote())}  # chat/*: worker 0's server
+        step_s = time.perf_counter() - t0  # the whole cycle: the next step starts now
         metrics.update({"audit/token_mismatch": float(mismatched), "launch/step_s": step_s, "launch/rollout_wait_s": wait_s,
+                        "launch/since_refit_s": since_refit_s,  # K=0: the whole rollout phase
                         "launch/train_s": train_s, "launch/refit_s": refit_s, "launch/trainer_idle_s": wait_s + refit_s,
                         "launch/engine_idle_s": queue.engine_idle_s,
                         "launch/tokens_per_s": metrics["rollout/action_tokens"] / step_s,
-                        **{f"rollout/dropped_{k}": float(v) for k, v in queue.counts.items()},
-                        **(await generator.metrics()), **(await workers[0].metrics.remote())})  # chat/*: worker 0's server
+                        **{f"rollout/dropped_{k}": float(v) for k, v in queue.counts.items()}, **counters})
         log.log(step, metrics)
     log.plot(os.path.join(launch.out_dir, "reward.png"))
     ckpt = cfg["ckpt"]

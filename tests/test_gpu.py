@@ -63,6 +63,24 @@ def sample(gen: Generator, prompts=PROMPTS, **kw) -> list:
     return run(all_())
 
 
+def segment(prompt: list[int], out):
+    from generator import Segment
+    return Segment(token_ids=prompt + out.token_ids, action_mask=[False] * len(prompt) + [True] * len(out.token_ids),
+                   logprobs=[0.0] * len(prompt) + out.logprobs, versions=[-1] * len(prompt) + out.versions)
+
+
+def old_logprobs(hf, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    """Teacher-forced log-probs of completion after prompt from a transformers model (temperature 1), on CPU."""
+    ids = torch.tensor([prompt + completion], device="cuda")
+    with torch.no_grad():
+        logits = hf(ids).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt):, None])[:, 0].cpu()
+
+
+def mean_abs_of(outs: list, refs: list) -> float:
+    return torch.cat([(torch.tensor(o.logprobs) - r).abs() for o, r in zip(outs, refs)]).mean().item()
+
+
 def compare(trainer: TrainerGroup, prompts: list, outs: list) -> dict:
     """mismatch_metrics of the engine's sampling log-probs vs the trainer's bf16 recompute, printed."""
     from generator import Segment
@@ -115,9 +133,11 @@ class TestOneGpuShared:
             trainer.sft_step(batch)
         v = trainer.version
 
+        n = 900
+
         async def refit_while_one_runs():
-            long = asyncio.create_task(gen.generate(PROMPTS[0], max_new_tokens=512, ignore_eos=True, seed=1))
-            await asyncio.sleep(0.2)  # it is sampling now
+            long = asyncio.create_task(gen.generate(PROMPTS[0], max_new_tokens=n, ignore_eos=True, seed=1))
+            await gen.generate(PROMPTS[1], max_new_tokens=64, ignore_eos=True, seed=2)  # `long` is ~64 tokens in
             await gen.pause()
             report = await asyncio.to_thread(trainer.refit, gen)
             await gen.resume()
@@ -126,13 +146,29 @@ class TestOneGpuShared:
         print("refit", report["refit_s"], "s over", len(report["applied"]), "buckets by", report["transport"])
         assert report["transport"] == "ipc" and len(report["applied"]) > 1 and gen.version == v
         assert all(dtype == "bfloat16" for bucket in report["applied"] for _, dtype in bucket)
-        # the request in flight: every token labelled, old version first, and never a version after v
-        assert long.versions == sorted(long.versions) and set(long.versions) <= {0, v} and long.versions[0] == 0
+        # the request in flight was kept across the refit: old version first, then the new one
+        k = long.versions.count(0)
+        assert long.versions == [0] * k + [v] * (n - k) and 0 < k < n, k
+        # each part against a teacher-forced bf16 forward of the weights that sampled it: the checkpoint's
+        # (transformers) before the boundary, the trainer's after; within twice the single-version mismatch
+        from transformers import AutoModelForCausalLM
+        hf = AutoModelForCausalLM.from_pretrained(gpu_model, dtype=torch.bfloat16).cuda()
+        old_ref = lambda p, o: old_logprobs(hf, p, o.token_ids)
+        single_old = mean_abs_of(before, [old_ref(p, o) for p, o in zip(PROMPTS[:4], before)])
+        seq = old_ref(PROMPTS[0], long)
+        part_old = (torch.tensor(long.logprobs[:k]) - seq[:k]).abs().mean().item()
+        now = trainer.logprobs([segment(PROMPTS[0], long)])[0].float()[len(PROMPTS[0]):]
+        part_new = (torch.tensor(long.logprobs[k:]) - now[k:]).abs().mean().item()
+        stale_new = (torch.tensor(long.logprobs[k:]) - seq[k:]).abs().mean().item()
         after = sample(gen, PROMPTS[:4], max_new_tokens=32)
         assert all(o.versions == [v] * 32 for o in after)
         m_after = compare(trainer, PROMPTS[:4], after)      # the engine now samples the trained weights...
         m_stale = compare(trainer, PROMPTS[:4], before)     # ...and its old samples no longer match them
         assert m_after["loss/mismatch_abs"] < 0.02 and m_stale["loss/mismatch_abs"] > 5 * m_after["loss/mismatch_abs"]
+        print("boundary", k, "of", n, "part old", part_old, "single old", single_old, "part new", part_new,
+              "single new", m_after["loss/mismatch_abs"], "part new vs old weights", stale_new)
+        assert part_old < 2 * single_old + 0.002 and part_new < 2 * m_after["loss/mismatch_abs"] + 0.002
+        assert stale_new > 5 * part_new  # the tokens after the boundary came from the new weights
         # a second refit goes through the same IPC buffer, refilled: the engine follows the weights again
         for _ in range(2):
             trainer.sft_step(batch)

@@ -172,6 +172,38 @@ def test_async_loop_with_partial_rollouts_records_mixed_versions_and_corrects_th
     assert all("loss/is_weight_mean" in r for r in rows)  # ...with the importance correction on
 
 
+@pytest.mark.parametrize("partial, kept, stale", [(False, "fresh", 1), (True, "spanning", 0)])
+def test_a_group_spanning_refits_is_as_fresh_as_its_newest_token_with_partial_rollouts(ray_local, partial, kept, stale):
+    # A scripted worker (a real Ray actor) answers the queue's calls in order: first a group whose tokens
+    # span versions 0..2, then fresh ones. With the trainer at version 2 and K=1 (min_version 1), the
+    # spanning group is stale by its oldest token (0 < 1), and fresh by its newest (2 >= 1).
+    import ray
+
+    from generator import Segment
+
+    def group(name: str, versions: list[int]) -> dict:
+        n = len(versions)
+        seg = Segment(token_ids=[5] * (n + 1), action_mask=[False] + [True] * n, logprobs=[0.0] + [-1.0] * n,
+                      versions=[-1] + versions, reward=1.0, episode_id=name, group_id=name)
+        return {"segments": [seg], "dropped": {}, "errors": [], "seconds": 0.0}
+
+    @ray.remote
+    class Scripted:
+        def __init__(self):
+            self.answers = [group("spanning", [0, 1, 2]), group("fresh", [2, 2]), group("fresh", [2, 2])]
+
+        def run_group(self, row, group_id, samples):
+            return self.answers.pop(0)
+
+    async def one_batch():
+        queue = launch.GroupQueue([Scripted.remote()], [{"prompt": "p"}], 1, {"epoch": 0, "index": 0}, 0)
+        batch = await queue.next_batch(1, capacity=1, filter_range=None, min_version=1, partial=partial)
+        await queue.drain()
+        return batch, queue.counts["stale"]
+    batch, dropped = asyncio.run(one_batch())
+    assert [g["segments"][0].episode_id for g in batch] == [kept] and dropped == stale
+
+
 def test_agent_exception_drops_episode_and_run_continues(ray_local, copy_model, tmp_path):
     agent = write_agent(tmp_path, FLAKY_ENV, "flaky.py")
     out = str(tmp_path / "flaky")
@@ -255,3 +287,16 @@ def test_smollm2_recipe_evaluates_the_real_model_before_and_after_rl(tmp_path):
     assert row["audit/token_mismatch"] == 0.0 and row["rollout/episodes"] == 8.0  # 2 prompts x 4 samples
     assert row["eval/episodes"] == 4.0 and 0.0 <= row["eval/before_reward_mean"] <= 1.0
     assert "held-out accuracy before RL" in printed
+
+
+def test_longtail_agent_draws_lognormal_lengths_with_the_stated_median_and_cap():
+    import math
+    import random
+
+    from recipes.longtail_agent import CAP, MEDIAN, SIGMA, draw_length
+    rng = random.Random(0)
+    xs = sorted(draw_length(rng) for _ in range(20000))
+    # L = MEDIAN * exp(SIGMA * z): z's median 0 gives L's median MEDIAN; P(L > MEDIAN * e^SIGMA) = P(z > 1) = 0.1587
+    assert (MEDIAN, SIGMA, CAP) == (256, 1.0, 8192)
+    assert 240 <= xs[len(xs) // 2] <= 272 and 1 <= xs[0] and xs[-1] <= CAP
+    assert abs(sum(x > MEDIAN * math.e for x in xs) / len(xs) - 0.1587) < 0.01
