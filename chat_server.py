@@ -358,6 +358,9 @@ CHECK_APPENDS = {"tool": {"role": "tool", "tool_call_id": "call_0", "content": "
                  "user": {"role": "user", "content": "next ü"}, "system": {"role": "system", "content": "note"}}
 
 
+RECENT = 256  # full renders ChatTemplate keeps
+
+
 class ChatTemplate:
     """The model's chat template as token ids; one implementation shared by the chat server and agent.py.
 
@@ -377,6 +380,7 @@ class ChatTemplate:
         self.eos_id = self.tokenizer.eos_token_id
         self.special_ids = set(self.tokenizer.all_special_ids)
         self.atomic_ids = self.special_ids | set(self.tokenizer.added_tokens_decoder)   # never merged with neighbours
+        self.recent = OrderedDict()  # the last RECENT full renders: a group's episodes share their first prompt
         probe = self.render_text([{"role": "user", "content": "u"}, {"role": "assistant", "content": MARK}],
                                  add_generation_prompt=False)
         self.turn_end = probe[probe.rindex(MARK) + len(MARK):]          # what the template writes after a turn
@@ -399,8 +403,15 @@ class ChatTemplate:
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def render_full(self, messages: list[dict], tools: list | None = None) -> list[int]:
-        """A whole prompt, ending with the assistant generation prompt: the first turn of a segment."""
-        return self.encode(self.render_text(messages, tools))
+        """A whole prompt, ending with the assistant generation prompt: the first turn of a segment. A fresh
+        list each call; the last RECENT distinct requests are remembered (rendering is a quarter of an Env
+        episode's worker time, and the samples of one prompt render the same messages)."""
+        key = json.dumps([messages, tools], sort_keys=True, default=str)
+        ids = self.recent.pop(key, None) or tuple(self.encode(self.render_text(messages, tools)))
+        self.recent[key] = ids
+        if len(self.recent) > RECENT:
+            self.recent.popitem(last=False)
+        return list(ids)
 
     def render_delta(self, messages: list[dict], last_assistant_had_tool_calls: bool = False) -> list[int]:
         """Tokens of messages appended after an assistant turn and its bridge, up to the next generation prompt.

@@ -47,6 +47,19 @@ def run(env, generator, template, **args):
                                        args=AgentArgs(**args), episode_id="ep", group_id="g"))
 
 
+def test_remembered_renders_equal_fresh_ones_and_each_call_gets_its_own_list(template):
+    import chat_server
+    first = [{"role": "user", "content": "copy 123"}]
+    fresh = template.encode(template.render_text(first))  # the uncached path: the template rendered, then encoded
+    a = template.render_full(first)
+    a += [7, 7]  # a caller extends its prompt (run_env_episode does): the remembered render must not change
+    assert template.render_full(first) == fresh and a == fresh + [7, 7]
+    assert template.render_full(first, [{"type": "function", "function": {"name": "f", "parameters": {}}}]) != fresh
+    for i in range(chat_server.RECENT + 1):  # a bounded memory: the oldest render is forgotten
+        template.render_full([{"role": "user", "content": f"copy {i}"}])
+    assert len(template.recent) == chat_server.RECENT and template.render_full(first) == fresh
+
+
 def test_multiturn_episode_trains_on_exact_sampled_ids(tiny_generator, template):
     gen = Recording(tiny_generator)
     (seg,) = run(Echo(turns=3), gen, template)
