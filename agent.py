@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from chat_server import ChatArgs, ChatServer, ChatTemplate
-from generator import Generator, Segment, sampled_digest
+from generator import Generator, Segment, sampled_digest, segment_routing
 
 
 @dataclass
@@ -130,7 +130,7 @@ async def run_env_episode(env: Env, generator: Generator, template: ChatTemplate
     messages = ([{"role": "system", "content": env.system_prompt}] if env.system_prompt else []) + [{"role": "user", "content": first}]
     ids = template.render_full(messages)
     mask, logps, versions, sampled = [False] * len(ids), [0.0] * len(ids), [-1] * len(ids), []
-    result, truncated = None, False
+    result, truncated, routed = None, False, None
     while True:
         room = args.max_context - len(ids)
         if room <= 0 or state["turn"] >= args.max_turns:
@@ -142,6 +142,7 @@ async def run_env_episode(env: Env, generator: Generator, template: ChatTemplate
         logps += out.logprobs
         versions += out.versions
         sampled += out.token_ids
+        routed = out.routed_experts  # each call prefills the whole history: its routing covers every earlier row
         state.update(turn=state["turn"] + 1, finish_reason=out.finish_reason)
         text_ids = out.token_ids[:-1] if out.token_ids[-1:] == [template.eos_id] else out.token_ids
         result = await env.step(template.decode(text_ids), state)
@@ -158,7 +159,8 @@ async def run_env_episode(env: Env, generator: Generator, template: ChatTemplate
     info = dict(result.info if result is not None else {}, sampled_digest=sampled_digest(sampled), turns=state["turn"])
     return [Segment(token_ids=ids, action_mask=mask, logprobs=logps, versions=versions, reward=reward,
                     episode_id=episode_id, group_id=group_id, finish_reason=state["finish_reason"],
-                    truncated=truncated, info=info)]
+                    truncated=truncated, info=info,
+                    routed_experts=None if routed is None else segment_routing(routed, len(ids)))]
 
 
 async def run_chat_episode(agent: ChatAgent, server: ChatServer, row: dict, *, model: str, episode_id: str,

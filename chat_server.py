@@ -32,7 +32,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from generator import Completion, Segment, sampled_digest
+from generator import Completion, Segment, sampled_digest, segment_routing
 
 log = logging.getLogger("chat_server")
 APPEND_ROLES = ("tool", "user", "system")
@@ -554,7 +554,7 @@ class Track:
     stamp: int = 0                # bumped by every commit: a plan made on an older stamp forks
     is_open: bool = True
     sealed_by: str = ""
-    experts: list | None = None
+    experts: object = None          # (T, layers, top_k) int16 routing of the last engine call
 
 
 @dataclass
@@ -989,9 +989,8 @@ class ChatServer:
         t.msgs += req.msgs[plan.base_msgs:] + [assistant]
         t.hashes += req.hashes[plan.base_msgs + 1:] + [hash((req.hashes[-1], assistant.key()))]
         t.turns.append(Turn(len(t.tokens) - len(ids), len(t.tokens), self.template.bridge(ids), finish, list(ids)))
-        if c.routed_experts is not None:   # (prompt + sampled - 1) rows: this call saw the whole segment
-            rows = list(c.routed_experts[:len(t.tokens) - 1])
-            t.experts = rows + rows[-1:]   # the last token routes nothing that is trained: repeat a row
+        if c.routed_experts is not None:   # this call saw the whole segment
+            t.experts = segment_routing(c.routed_experts, len(t.tokens))
         t.stamp += 1
         if len(t.tokens) != len(plan.prompt) + len(ids) or len(t.msgs) + 1 != len(t.hashes):
             raise RuntimeError(f"segment {t.index} holds {len(t.tokens)} tokens, the engine saw "

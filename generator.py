@@ -29,6 +29,7 @@ import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import ray
 import torch
 
@@ -114,7 +115,7 @@ class Segment:
     group_id: str = ""
     finish_reason: str = ""
     truncated: bool = False
-    routed_experts: list | None = None   # (T, layers, top_k) expert ids when captured, else None
+    routed_experts: object = None  # numpy (T, layers, top_k) int16 experts per token (-1: not recorded), or None
     info: dict = field(default_factory=dict)
 
     def check(self) -> None:
@@ -151,6 +152,17 @@ class Completion:
 def pick_engine(affinity: str, num_engines: int) -> int:
     """Stable engine index for an affinity key: crc32, because Python's hash() differs per process."""
     return zlib.crc32(affinity.encode()) % num_engines
+
+
+def segment_routing(routed, T: int) -> np.ndarray:
+    """A segment's (T, layers, top_k) int16 routing from the engine call that saw its first len(routed) + 1
+    tokens (vLLM returns one row per token it ran: the call's prompt and every sampled token but the last).
+    Rows that call never ran (the last token; a last observation never sent) are -1: the trainer routes them
+    live, and nothing trained depends on them."""
+    r = np.asarray(routed)[:T]
+    out = np.full((T, *r.shape[1:]), -1, dtype=np.int16)  # (T, layers, top_k)
+    out[:len(r)] = r
+    return out
 
 
 def versions_from_spans(spans: list[tuple[str, int, int]], num_tokens: int) -> list[int]:

@@ -5,7 +5,7 @@
 
 The loop: agent workers turn prompt groups into Segments (generator.py directly for an Env agent,
 through chat_server.py for a ChatAgent) and keep up to `--train.max_staleness + 1` batches in
-flight; the trainer takes a batch, trains one step, and every engine is refit (pause → load → resume)
+flight (with partial rollouts, `--launch.in_flight` groups); the trainer takes a batch, trains one step, and every engine is refit (pause → load → resume)
 with the new policy version. K=0 is strictly on-policy: sampling waits for the refit. Every step
 writes a line to metrics.jsonl (and TensorBoard / W&B when asked), audits that each trained row holds
 exactly the ids the generator returned, and checkpoints when due. `--launch.mode sft` trains the
@@ -46,10 +46,13 @@ class LaunchArgs:
     wandb_project: str | None = field(default=None, metadata={"help": "also log to this Weights & Biases project (needs wandb installed)"})
     seed: int = field(default=0, metadata={"help": "seed of data order and sampling"})
     colocate: bool = field(default=False, metadata={"help": "GPU: the trainer and the engine share one GPU (half each; refit over CUDA IPC); else each takes its own (refit over NCCL)"})
+    in_flight: int = field(default=0, metadata={
+        "help": "prompt groups sampling or waiting at once; 0 = --train.batch_prompts x (--train.max_staleness + 1). "
+                "More keeps the engines full on long-tail rollouts; needs --train.partial_rollout"})
 
     def __post_init__(self):
-        if self.steps < 1:
-            raise ValueError(f"--launch.steps {self.steps}: must be >= 1")
+        if self.steps < 1 or self.in_flight < 0:
+            raise ValueError(f"--launch.steps {self.steps} / --launch.in_flight {self.in_flight}: need steps >= 1, in_flight >= 0")
 
 
 @dataclass
@@ -137,6 +140,14 @@ def check_cross_flags(cfg: dict) -> None:
     if (train.max_staleness > 0 or train.partial_rollout) and not corrected:
         raise ValueError(f"--train.max_staleness {train.max_staleness} / --train.partial_rollout with --loss.is_level off: "
                          "stale or mixed-version tokens need an importance correction; set --loss.is_level token (or seq, geo)")
+    in_flight, window = cfg["launch"].in_flight, train.batch_prompts * (train.max_staleness + 1)
+    if in_flight and not (train.batch_prompts <= in_flight and (in_flight <= window or train.partial_rollout)):
+        raise ValueError(f"--launch.in_flight {in_flight}: needs >= --train.batch_prompts {train.batch_prompts}, and above "
+                         f"--train.batch_prompts x (--train.max_staleness + 1) = {window} only with --train.partial_rollout "
+                         "(without it every refit waits for all of them, and the groups they finish go stale)")
+    if train.routing_replay and not cfg["vllm"].return_routed_experts:
+        raise ValueError("--train.routing_replay without --vllm.return_routed_experts: the engine records no "
+                         "routing to replay; set --vllm.return_routed_experts")
     rollout.check_logprobs_usable(importance_correction=corrected,
                                   kl_to_rollout=loss.kl_coef > 0 and loss.kl_ref == "rollout")
     if not cfg["launch"].model:
@@ -392,7 +403,8 @@ async def run_rl(cfg: dict) -> dict:
     await asyncio.gather(*(w.start.remote() for w in workers))
     queue = GroupQueue(workers, rows, rollout.samples_per_prompt, trainer.data_position or {"epoch": 0, "index": 0}, launch.seed)
     log = MetricsLog(launch, {p: dataclasses.asdict(a) for p, a in cfg.items()})
-    capacity = train.batch_prompts * (train.max_staleness + 1)  # K=0: nothing is sampled while training
+    # K=0: nothing is sampled while training; with partial rollouts --launch.in_flight may keep more groups going
+    capacity = launch.in_flight or train.batch_prompts * (train.max_staleness + 1)
     metrics, before = {}, {}
     if cfg["eval"].every and cfg["eval"].before and trainer.step == 0:  # the baseline every later eval compares with
         baseline = await evaluate(workers, held_out, cfg["eval"].prompts)
@@ -406,6 +418,7 @@ async def run_rl(cfg: dict) -> dict:
                                         partial=train.partial_rollout)
         segments = [s for g in groups for s in g["segments"]]
         wait_s, since_refit_s = time.perf_counter() - t0, time.perf_counter() - filled
+        in_flight = len(queue.tasks) + queue.done.qsize()  # groups sampling or finished, beyond this batch
         # --- audit: every trained row holds exactly the ids the generator returned
         mismatched = audit(segments)
         if mismatched:
@@ -438,6 +451,7 @@ async def run_rl(cfg: dict) -> dict:
         step_s = time.perf_counter() - t0  # the whole cycle: the next step starts now
         metrics.update({"audit/token_mismatch": float(mismatched), "launch/step_s": step_s, "launch/rollout_wait_s": wait_s,
                         "launch/since_refit_s": since_refit_s,  # K=0: the whole rollout phase
+                        "launch/groups_in_flight": float(in_flight),
                         "launch/train_s": train_s, "launch/refit_s": refit_s, "launch/trainer_idle_s": wait_s + refit_s,
                         "launch/engine_idle_s": queue.engine_idle_s,
                         "launch/tokens_per_s": metrics["rollout/action_tokens"] / step_s,

@@ -181,13 +181,16 @@ def collate(segments: list[Segment], moe: tuple[int, int, int] | None = None) ->
 
 def collate_routing(segments: list[Segment], T: int, layers: int, top_k: int, experts: int) -> np.ndarray:
     """(B, T, layers, top_k) int16 expert ids from each segment's routed_experts, -1 where none was recorded
-    (padding, a segment without routing, a row the engine marked -1); ValueError names the bad segment."""
+    (padding, a segment without routing, a row the engine marked -1); ValueError names the bad segment.
+    A row whose action tokens carry two or more versions (a partial rollout across a refit) routes live:
+    its tokens after the refit attended to a KV cache recomputed with the new weights' routing, while the
+    recorded rows before it hold the old weights' choice, so no one selection reproduces both samplers."""
     if all(seg.routed_experts is None for seg in segments):
         raise ValueError("--train.routing_replay: no segment of the batch carries routed_experts; record them "
                          "(--vllm.return_routed_experts) or leave the flag off")
     out = np.full((len(segments), T, layers, top_k), -1, dtype=np.int16)  # (B, T, layers, top_k)
     for i, seg in enumerate(segments):
-        if seg.routed_experts is None:
+        if seg.routed_experts is None or len({v for v, m in zip(seg.versions, seg.action_mask) if m}) > 1:
             continue
         r = np.asarray(seg.routed_experts)
         where = f"segment {i} ({seg.episode_id!r})"

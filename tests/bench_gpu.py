@@ -28,12 +28,16 @@ built locally. Each section measures ours and its baseline side by side in one r
              (batch reward, held-out accuracy on 200 test pairs before and every 5 steps), and the loop's tokens/s
              vs the bound 1/(1/gen + 1/train), gen = a raw vLLM AsyncLLM sampling the same prompts with the same
              settings after the loop (same engine arguments), train = the loop's training tokens/s. Target >= 0.9x.
+  smollm2_k1 the same at K=1 (--train.max_staleness 1, token-level IS): the next batch samples while the
+             trainer steps, on the same GPU.
   longtail   partial rollouts vs draining: the loop at K=1 on one GPU shared, a ChatAgent asking for lognormal
              completion lengths (recipes/longtail_agent.py: median 256, capped at 8,192), with and without
              --train.partial_rollout: loop tokens/s, the engine's tokens/s and idle share. Target >= 1.3x.
+  moe        the loop (K=0, one GPU shared) on a random Qwen3-MoE (32 experts, top-4, 8 layers): the engine
+             without routing capture, with it, and with --train.routing_replay: tokens/s and mismatch.
 Peak memory: trainer (torch max allocated) and engine (GPU memory taken by its start) are reported.
 
-    python tests/bench_gpu.py [logprobs] [trainer] [generator] [refit] [loop1] [loop2] [smollm2] [longtail]
+    python tests/bench_gpu.py [logprobs] [trainer] [generator] [refit] [loop1] [loop2] [smollm2] [smollm2_k1] [longtail] [moe]
                                                                         # default: all;
                                                                         # results also appended to $BENCH_OUT
 """
@@ -279,7 +283,8 @@ def bench_loop(model: str, section: str, *extra: str, steps: int = 6) -> dict:
             "train_tokens_per_s": tokens / med("launch/train_s"), "refit_s": med("launch/refit_s"),
             "step_s": med("launch/step_s"), "rollout_wait_s": med("launch/rollout_wait_s"), "train_s": med("launch/train_s"),
             "engine_idle_per_step_s": statistics.median(idle), "group_s": med("rollout/group_s"), "trainer_peak_gib": max(r["train/peak_gib"] for r in rows),
-            "action_tokens_per_step": tokens, "mismatch_abs": med("loss/mismatch_abs")}
+            "action_tokens_per_step": tokens, "mismatch_abs": med("loss/mismatch_abs"),
+            "mismatch_k3": med("loss/mismatch_k3"), "replayed_frac": rows[-1].get("train/replayed_frac", 0.0)}
 
 
 # --- a real model: the learning curve and the loop against its synchronous bound
@@ -311,17 +316,20 @@ async def raw_vllm_rate(model: str, prompts: list[list[int]], samples: int, vllm
     return statistics.median(rates[1:])
 
 
-def bench_smollm2(steps: int = 20, lr: str = "2e-5") -> dict:
+def bench_smollm2(steps: int = 20, lr: str = "2e-5", k: int = 0) -> dict:
+    """K=0: the loop strictly on-policy, so its gap to the bound is our overhead. K=1: the next batch samples
+    while the trainer steps (both on the one GPU), the loop as it is meant to run."""
     import launch
     from recipes.compare_agent import rows
     from recipes.smollm2 import smollm2_dir
     from transformers import AutoTokenizer
     model, agent = smollm2_dir(), os.path.join(ROOT, "recipes", "compare_agent.py")
-    out_dir = os.path.join(ROOT, "runs", "bench_smollm2")
+    out_dir = os.path.join(ROOT, "runs", f"bench_smollm2_k{k}")
+    async_ = ("--train.max_staleness", str(k), "--loss.is_level", "token") if k else ()
     argv = ["--launch.model", model, "--launch.out_dir", out_dir, "--launch.steps", str(steps), "--agent.path", agent,
             "--data.path", agent, *SMOLLM2_LOOP, "--train.lr", lr, "--eval.every", "10", "--eval.prompts", "200",
             "--vllm.gpu_memory_utilization", "0.3", "--no-vllm.enforce_eager", "--fsdp.param_dtype", "bfloat16",
-            "--train.max_tokens_per_microbatch", "16384", "--launch.colocate"]
+            "--train.max_tokens_per_microbatch", "16384", "--launch.colocate", *async_]
     cfg = launch.parse_args(argv)
     asyncio.run(launch.run_rl(cfg))
     rows_ = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
@@ -340,7 +348,7 @@ def bench_smollm2(steps: int = 20, lr: str = "2e-5") -> dict:
     train, loop = tokens / total("launch/train_s"), tokens / total("launch/step_s")
     bound = 1 / (1 / gen + 1 / train)
     wall = sum(r["rollout/action_tokens"] for r in rows_[3:]) / (rows_[-1]["time"] - rows_[2]["time"])  # evals too
-    return report("smollm2", held_out_before=rows_[0].get("eval/before_reward_mean"),
+    return report("smollm2" if k == 0 else f"smollm2_k{k}", max_staleness=k, held_out_before=rows_[0].get("eval/before_reward_mean"),
                   held_out_after=[r["eval/reward_mean"] for r in rows_ if "eval/reward_mean" in r][-1],
                   loop_tokens_per_s=loop, gen_tokens_per_s=gen, train_tokens_per_s=train, sync_bound_tokens_per_s=bound,
                   ratio=loop / bound, target=0.9, wall_tokens_per_s_with_evals=wall,
@@ -360,13 +368,15 @@ def bench_longtail(model: str, steps: int = 8) -> dict:
     every refit for the longest request in flight; partial rollouts refit at once and keep it running."""
     import launch
     agent, res = os.path.join(ROOT, "recipes", "longtail_agent.py"), {}
-    for mode, extra in (("drain", ()), ("partial", ("--train.partial_rollout",))):
+    # draining at its best window (more groups would only lengthen each drain); partial rollouts with four
+    # batches' worth of groups in flight: a long episode keeps sampling across refits and never goes stale
+    for mode, extra in (("drain", ()), ("partial", ("--train.partial_rollout", "--launch.in_flight", "64"))):
         out_dir = os.path.join(ROOT, "runs", f"bench_longtail_{mode}")
         argv = ["--launch.model", model, "--launch.out_dir", out_dir, "--launch.steps", str(steps),
                 "--agent.path", agent, "--data.path", agent, "--train.batch_prompts", "16",
                 "--rollout.samples_per_prompt", "8", "--rollout.max_new_tokens", "8192", "--vllm.max_model_len", "8448",
                 "--train.max_staleness", "1", "--loss.is_level", "token", "--launch.colocate", "--train.lr", "1e-6",
-                "--vllm.gpu_memory_utilization", "0.3", "--no-vllm.enforce_eager", "--fsdp.param_dtype", "bfloat16",
+                "--vllm.gpu_memory_utilization", "0.4", "--no-vllm.enforce_eager", "--fsdp.param_dtype", "bfloat16",
                 "--train.max_tokens_per_microbatch", "16384", "--no-fsdp.compile_logprobs", *extra]
         asyncio.run(launch.run_rl(launch.parse_args(argv)))
         rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
@@ -380,10 +390,35 @@ def bench_longtail(model: str, steps: int = 8) -> dict:
                      "dropped_stale": timed[-1]["rollout/dropped_stale"] - first["rollout/dropped_stale"],
                      "mixed_version_rows": sum(r["rollout/mixed_version_rows"] for r in timed),
                      "lag_older": statistics.mean(r["rollout/lag_older"] for r in timed),
+                     # trained episodes' mean length: the first groups to finish are the short ones, so a
+                     # short window that favours them would show here
+                     "tokens_per_episode": sum(r["rollout/action_tokens"] for r in timed)
+                     / sum(r["rollout/episodes"] for r in timed),
                      "mismatch_abs": statistics.median(r["loss/mismatch_abs"] for r in timed)}
     ratio = res["partial"]["loop_tokens_per_s"] / res["drain"]["loop_tokens_per_s"]
     return report("longtail", **res, ratio=ratio, target=1.3, steps=steps,
                   lengths="lognormal median 256 sigma 1.0 cap 8192 (mean ~422, p90 ~925, p99 ~2,611)")
+
+
+# --- MoE: routing replay on vs off
+
+def bench_moe(steps: int = 6) -> dict:
+    """The loop (K=0, one GPU shared) on a random Qwen3-MoE: the engine without routing capture, with it
+    (the trainer routing live), and with --train.routing_replay: tokens/s and the rollout-trainer mismatch."""
+    from recipes.tiny_model import build_tiny_model
+    model = os.path.join(ROOT, "runs", "qwen3_moe_random")
+    if not os.path.exists(os.path.join(model, "model.safetensors")):
+        build_tiny_model(model, tokenizer="chars", alphabet="0123456789copy \n", dtype="bfloat16", moe=True,
+                         experts=32, experts_per_token=4, hidden=512, layers=8, heads=8, kv_heads=4,
+                         intermediate=1024, head_dim=128)
+    res = {}
+    for mode, extra in (("plain", ()), ("recorded", ("--vllm.return_routed_experts",)),
+                        ("replay", ("--vllm.return_routed_experts", "--train.routing_replay"))):
+        m = bench_loop(model, f"moe_{mode}", "--launch.colocate", *extra, steps=steps)
+        res[mode] = {k: m[k] for k in ("loop_tokens_per_s", "train_tokens_per_s", "rollout_phase_tokens_per_s",
+                                       "step_s", "mismatch_abs", "mismatch_k3", "replayed_frac")}
+    return report("moe", **res, replay_over_live_mismatch=res["replay"]["mismatch_abs"] / res["recorded"]["mismatch_abs"],
+                  model="Qwen3-MoE random, 32 experts top-4, 8 layers, hidden 512, bf16", steps=steps)
 
 
 def main() -> None:
@@ -391,8 +426,8 @@ def main() -> None:
         print("bench_gpu: not run: needs CUDA (on the GPU machine: make bench-gpu)")
         return
     import ray
-    sections = sys.argv[1:] or ["logprobs", "trainer", "generator", "refit", "loop1", "loop2", "smollm2", "longtail"]
-    model = model_dir() if set(sections) - {"logprobs", "smollm2"} else None
+    sections = sys.argv[1:] or ["logprobs", "trainer", "generator", "refit", "loop1", "loop2", "smollm2", "smollm2_k1", "longtail", "moe"]
+    model = model_dir() if set(sections) - {"logprobs", "smollm2", "smollm2_k1", "moe"} else None
     ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     for s in sections:
         print(f"== {s}", flush=True)
@@ -422,8 +457,12 @@ def main() -> None:
                    target=0.85)
         elif s == "smollm2":
             bench_smollm2()
+        elif s == "smollm2_k1":
+            bench_smollm2(k=1)
         elif s == "longtail":
             bench_longtail(model)
+        elif s == "moe":
+            bench_moe()
     ray.shutdown()
 
 

@@ -8,6 +8,7 @@ import functools
 import os
 import shutil
 
+import numpy as np
 import pytest
 import ray
 import torch
@@ -149,6 +150,19 @@ def test_segment_check_accepts_a_consistent_row_and_names_each_violation():
                            ({"routed_experts": [[[0, 1]]]}, "routed_experts has 1 rows")]:
         with pytest.raises(ValueError, match=match):
             row(**changes).check()
+
+
+def test_segment_routing_keeps_the_rows_the_engine_ran_and_marks_the_rest():
+    from generator import segment_routing
+    # a 3-token prompt and 2 sampled tokens: vLLM ran 3 + 2 - 1 = 4 tokens, so it returns 4 rows (2 layers,
+    # top-2, uint8 as vLLM stores them); the segment has 5 tokens, the last one never ran: -1 (routed live)
+    ran = np.arange(16, dtype=np.uint8).reshape(4, 2, 2)
+    r = segment_routing(ran, 5)
+    assert r.dtype == np.int16 and r.shape == (5, 2, 2)
+    assert r[:4].tolist() == ran.tolist() and (r[4] == -1).all()
+    # an Env episode that ended on an observation never sent: 2 more rows beyond the call's, both -1
+    r = segment_routing(ran, 7)
+    assert r[:4].tolist() == ran.tolist() and (r[4:] == -1).all()
 
 
 def test_pick_engine_is_crc32_so_every_process_agrees():

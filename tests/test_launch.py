@@ -116,7 +116,11 @@ def test_async_without_importance_correction_is_refused(capsys):
 
 def test_bad_flag_values_are_refused_naming_the_flag(capsys):
     for argv, named in ((["--estimator.gamma", "2"], "--estimator.gamma"), (["--rollout.top_p", "0.9", "--loss.is_level", "token"], "top_p"),
-                        (["--launch.steps", "0"], "--launch.steps"), ([], "--launch.model")):
+                        (["--launch.steps", "0"], "--launch.steps"), ([], "--launch.model"),
+                        (["--launch.in_flight", "1", "--train.batch_prompts", "2"], "--launch.in_flight"),
+                        (["--launch.in_flight", "9", "--train.batch_prompts", "2", "--train.max_staleness", "1",
+                          "--loss.is_level", "token"], "--train.partial_rollout"),
+                        (["--train.routing_replay"], "--vllm.return_routed_experts")):
         with pytest.raises(SystemExit):
             launch.parse_args((["--launch.model", "m"] if named != "--launch.model" else []) + argv)
         assert named in capsys.readouterr().err
@@ -163,9 +167,12 @@ def test_async_loop_with_partial_rollouts_records_mixed_versions_and_corrects_th
     agent = write_agent(tmp_path, TWO_TURN_ENV.replace("SLEEP", "4.0"), "two_turns.py")
     out = str(tmp_path / "async")
     run(flags(copy_model, out, agent, "--launch.steps", "3", "--train.max_staleness", "1", "--train.partial_rollout",
-              "--loss.is_level", "token", "--agent.max_turns", "2"))
+              "--loss.is_level", "token", "--agent.max_turns", "2", "--launch.in_flight", "6"))
     rows = read_metrics(out)
     assert all(r["audit/token_mismatch"] == 0.0 for r in rows)
+    # --launch.in_flight 6 with batches of 2: when a batch is taken, the other 4 groups are still going
+    # (K=1 alone would keep 2 x 2 - 2 = 2)
+    assert [r["launch/groups_in_flight"] for r in rows] == [4.0, 4.0, 4.0]
     # Groups launched at the start run their second turn after the first refit: their rows mix v0 and v1.
     assert max(r["rollout/mixed_version_rows"] for r in rows) > 0
     assert max(r["rollout/lag_1"] for r in rows) > 0  # stale tokens were trained...

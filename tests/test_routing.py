@@ -195,6 +195,20 @@ def test_routing_that_does_not_fit_the_model_is_refused_naming_the_segment(rank,
         rank.install_replay(AutoModelForCausalLM.from_pretrained(tiny_chars_model))
 
 
+def test_a_row_sampled_across_a_refit_routes_live(rank, segments, other_selection):
+    # segment 1's action tokens carry versions 0 and 1 (a partial rollout across a refit): no recorded
+    # selection reproduces both samplers, so the whole row is -1 (live); the others keep their routing
+    mixed = with_routing(segments, other_selection)
+    v = mixed[1].versions
+    first = mixed[1].action_mask.index(True)
+    mixed[1].versions = v[:first + 1] + [1 if m else -1 for m in mixed[1].action_mask[first + 1:]]
+    routed = collate(mixed, rank.moe)["routed"]
+    assert (routed[1] == -1).all()
+    for i in (0, 2):
+        T = len(segments[i].token_ids)
+        assert routed[i, :T].tolist() == other_selection[i].tolist() and (routed[i, T:] == -1).all()
+
+
 def test_train_step_with_replay_logs_the_replayed_share(rank, segments, other_selection):
     routing = []
     for seg, sel in zip(segments, other_selection):
