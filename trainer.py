@@ -434,6 +434,11 @@ class TrainerRank:
         self.model = self.build(AutoModelForCausalLM)
         if self.train.routing_replay:
             self.moe = self.install_replay(self.model)
+        # transformers keeps some weights in another layout than its checkpoints (each MoE layer's experts fused
+        # into one tensor); these names go through its own reverse conversion (save_pretrained's) on export
+        from transformers.core_model_loading import revert_weight_conversion
+        meta = {export_name(n): torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in self.model.named_parameters()}
+        self.fused = set(meta) - set(revert_weight_conversion(self.model, meta))
         # NeMo does not call fully_shard with one data-parallel rank, so its mixed-precision cast never happens: autocast instead.
         self.autocast = compute_dtype != torch.float32 and not isinstance(self.model, FSDPModule)
         # fused: one kernel per step over all tensors (foreach, torch's default, makes ~a dozen passes); lr: set before each step
@@ -649,10 +654,13 @@ class TrainerRank:
     # --- refit export: full tensors under HF names, in buckets
 
     def full_params(self, params: list[tuple[str, torch.nn.Parameter]]):
-        """(HF name, whole tensor) of each parameter in turn; every rank must iterate (the gathers are collective).
-        named_parameters() lists a tied lm_head.weight once, as model.embed_tokens.weight (the name vLLM loads)."""
+        """(checkpoint name, whole tensor) of each parameter in turn, as save_pretrained writes them (what vLLM
+        loads); every rank must iterate (the gathers are collective). named_parameters() lists a tied
+        lm_head.weight once, as model.embed_tokens.weight; fused experts become one tensor per expert."""
+        from transformers.core_model_loading import revert_weight_conversion
         for name, param in params:
-            yield export_name(name), (param.detach().full_tensor() if isinstance(param, DTensor) else param.detach())
+            name, full = export_name(name), (param.detach().full_tensor() if isinstance(param, DTensor) else param.detach())
+            yield from revert_weight_conversion(self.model, {name: full}).items() if name in self.fused else [(name, full)]
 
     def export_bucket(self, index: int, bucket_mb: float, dtype: torch.dtype | None) -> tuple[list | None, int]:
         """Bucket `index` of [(HF name, full CPU tensor)] on rank 0 (None elsewhere), and the number of buckets."""

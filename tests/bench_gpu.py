@@ -33,8 +33,8 @@ built locally. Each section measures ours and its baseline side by side in one r
   longtail   partial rollouts vs draining: the loop at K=1 on one GPU shared, a ChatAgent asking for lognormal
              completion lengths (recipes/longtail_agent.py: median 256, capped at 8,192), with and without
              --train.partial_rollout: loop tokens/s, the engine's tokens/s and idle share. Target >= 1.3x.
-  moe        the loop (K=0, one GPU shared) on a random Qwen3-MoE (32 experts, top-4, 8 layers): the engine
-             without routing capture, with it, and with --train.routing_replay: tokens/s and mismatch.
+  moe        the loop (K=0, one GPU shared) on a random Qwen3-MoE (32 experts, top-4, 8 layers), routing
+             recorded: the trainer routing live vs --train.routing_replay: tokens/s and mismatch.
 Peak memory: trainer (torch max allocated) and engine (GPU memory taken by its start) are reported.
 
     python tests/bench_gpu.py [logprobs] [trainer] [generator] [refit] [loop1] [loop2] [smollm2] [smollm2_k1] [longtail] [moe]
@@ -370,13 +370,13 @@ def bench_longtail(model: str, steps: int = 8) -> dict:
     agent, res = os.path.join(ROOT, "recipes", "longtail_agent.py"), {}
     # draining at its best window (more groups would only lengthen each drain); partial rollouts with four
     # batches' worth of groups in flight: a long episode keeps sampling across refits and never goes stale
-    for mode, extra in (("drain", ()), ("partial", ("--train.partial_rollout", "--launch.in_flight", "64"))):
+    for mode, extra in (("drain", ()), ("partial", ("--train.partial_rollout", "--launch.in_flight", "48"))):
         out_dir = os.path.join(ROOT, "runs", f"bench_longtail_{mode}")
         argv = ["--launch.model", model, "--launch.out_dir", out_dir, "--launch.steps", str(steps),
                 "--agent.path", agent, "--data.path", agent, "--train.batch_prompts", "16",
                 "--rollout.samples_per_prompt", "8", "--rollout.max_new_tokens", "8192", "--vllm.max_model_len", "8448",
                 "--train.max_staleness", "1", "--loss.is_level", "token", "--launch.colocate", "--train.lr", "1e-6",
-                "--vllm.gpu_memory_utilization", "0.4", "--no-vllm.enforce_eager", "--fsdp.param_dtype", "bfloat16",
+                "--vllm.gpu_memory_utilization", "0.3", "--no-vllm.enforce_eager", "--fsdp.param_dtype", "bfloat16",
                 "--train.max_tokens_per_microbatch", "16384", "--no-fsdp.compile_logprobs", *extra]
         asyncio.run(launch.run_rl(launch.parse_args(argv)))
         rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
@@ -402,9 +402,9 @@ def bench_longtail(model: str, steps: int = 8) -> dict:
 
 # --- MoE: routing replay on vs off
 
-def bench_moe(steps: int = 6) -> dict:
-    """The loop (K=0, one GPU shared) on a random Qwen3-MoE: the engine without routing capture, with it
-    (the trainer routing live), and with --train.routing_replay: tokens/s and the rollout-trainer mismatch."""
+def bench_moe(steps: int = 5) -> dict:
+    """The loop (K=0, one GPU shared) on a random Qwen3-MoE, the engine recording routing: the trainer routing
+    live, and with --train.routing_replay: tokens/s and the rollout-trainer mismatch."""
     from recipes.tiny_model import build_tiny_model
     model = os.path.join(ROOT, "runs", "qwen3_moe_random")
     if not os.path.exists(os.path.join(model, "model.safetensors")):
@@ -412,7 +412,7 @@ def bench_moe(steps: int = 6) -> dict:
                          experts=32, experts_per_token=4, hidden=512, layers=8, heads=8, kv_heads=4,
                          intermediate=1024, head_dim=128)
     res = {}
-    for mode, extra in (("plain", ()), ("recorded", ("--vllm.return_routed_experts",)),
+    for mode, extra in (("recorded", ("--vllm.return_routed_experts",)),
                         ("replay", ("--vllm.return_routed_experts", "--train.routing_replay"))):
         m = bench_loop(model, f"moe_{mode}", "--launch.colocate", *extra, steps=steps)
         res[mode] = {k: m[k] for k in ("loop_tokens_per_s", "train_tokens_per_s", "rollout_phase_tokens_per_s",

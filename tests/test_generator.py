@@ -430,3 +430,25 @@ def test_moe_refit_roundtrip_matches_teacher_forcing(moe_generator, tiny_moe_mod
         c = run(moe_generator.generate(prompt, max_new_tokens=24, seed=7, ignore_eos=True))
         assert c.versions == [version] * 24
         assert mean_abs(c.logprobs, reference(model_dir, prompt, c.token_ids, 1.0)) <= 1e-4, version
+
+
+def test_moe_trainer_refit_sends_the_checkpoint_layout(moe_generator, tiny_moe_model, tmp_path):
+    # transformers 5 holds each layer's experts fused (experts.gate_up_proj (E, 2I, H)); the checkpoint and
+    # vLLM name them per expert. After the engine was moved to other weights, a refit from a trainer that
+    # loaded the original checkpoint must bring the engine back to the original model's function.
+    from estimators import EstimatorArgs
+    from losses import LossArgs
+    from trainer import CkptArgs, FsdpArgs, TrainArgs, TrainerGroup
+    original = load_file(os.path.join(tiny_moe_model, "model.safetensors"))
+    run(refit(moe_generator, perturb(original), 5))
+    trainer = TrainerGroup(tiny_moe_model, TrainArgs(lr=0.0), FsdpArgs(), CkptArgs(), LossArgs(), EstimatorArgs(),
+                           temperature=1.0)
+    try:
+        run(moe_generator.pause())
+        trainer.refit(moe_generator)
+        run(moe_generator.resume())
+    finally:
+        trainer.shutdown()
+    prompt = [5, 17, 30, 42, 9]
+    c = run(moe_generator.generate(prompt, max_new_tokens=24, seed=7, ignore_eos=True))
+    assert mean_abs(c.logprobs, reference(tiny_moe_model, prompt, c.token_ids, 1.0)) <= 1e-4
