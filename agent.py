@@ -27,7 +27,7 @@ from generator import Generator, Segment, sampled_digest, segment_routing
 
 @dataclass
 class AgentArgs:
-    path: str = field(default="recipes/copy_agent.py", metadata={"help": "Python file defining make_agent() -> Env or ChatAgent"})
+    path: str = field(default="recipes/copy_agent.py", metadata={"help": "file with make_agent() -> Env or ChatAgent"})
     max_turns: int = field(default=8, metadata={"help": "turns after which an Env episode ends as truncated"})
     max_context: int = field(default=2048, metadata={"help": "tokens after which an Env episode ends as truncated"})
     episode_timeout_s: float = field(default=600.0, metadata={"help": "an episode still running after this is dropped"})
@@ -127,7 +127,8 @@ async def run_env_episode(env: Env, generator: Generator, template: ChatTemplate
     or aborted."""
     state = {"label": row.get("label"), "prompt": row["prompt"], "turn": 0, "finish_reason": ""}
     first = await env.reset(row["prompt"], row.get("label"))
-    messages = ([{"role": "system", "content": env.system_prompt}] if env.system_prompt else []) + [{"role": "user", "content": first}]
+    system = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []
+    messages = system + [{"role": "user", "content": first}]
     ids = template.render_full(messages)
     mask, logps, versions, sampled = [False] * len(ids), [0.0] * len(ids), [-1] * len(ids), []
     result, truncated, routed = None, False, None
@@ -136,7 +137,8 @@ async def run_env_episode(env: Env, generator: Generator, template: ChatTemplate
         if room <= 0 or state["turn"] >= args.max_turns:
             truncated = True
             break
-        out = await generator.generate(ids, max_new_tokens=min(room, generator.rollout.max_new_tokens), affinity=episode_id)
+        out = await generator.generate(ids, max_new_tokens=min(room, generator.rollout.max_new_tokens),
+                                       affinity=episode_id)
         ids += out.token_ids
         mask += [True] * len(out.token_ids)
         logps += out.logprobs
@@ -209,9 +211,11 @@ class AgentWorker:
             run = run_env_episode(agent, self.generator, self.template, row, args=self.args,
                                   episode_id=episode_id, group_id=group_id)
         elif isinstance(agent, ChatAgent):
-            run = run_chat_episode(agent, self.server, row, model=self.model_path, episode_id=episode_id, group_id=group_id)
+            run = run_chat_episode(agent, self.server, row, model=self.model_path,
+                                   episode_id=episode_id, group_id=group_id)
         else:
-            raise ValueError(f"--agent.path {self.args.path}: make_agent() returned {type(agent).__name__}, not an Env or ChatAgent")
+            raise ValueError(f"--agent.path {self.args.path}: make_agent() returned {type(agent).__name__}, "
+                             "not an Env or ChatAgent")
         return await asyncio.wait_for(run, self.args.episode_timeout_s)
 
     async def run_group(self, row: dict, group_id: str, samples: int) -> dict:

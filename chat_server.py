@@ -4,15 +4,13 @@
     ep = server.open_episode()      # Episode(id, api_key, openai_base_url, anthropic_base_url)
     ...an unmodified harness calls a stock SDK with ep.api_key, or with the episode's base URLs...
     segments = server.close_episode(ep.id)   # list[Segment]: token_ids, action_mask, logprobs, versions (T,)
-Every request is parsed into one canonical form, classified against the episode's open segments
-(EXTEND / RETRY / REWRITE / UNRELATED, CHAT_SERVER.md §5.3) and sampled from token ids. An EXTEND
-appends the stored sampled ids, a bridge and the delta tokens of the new messages (mask 0): history
-is never re-rendered. `ChatTemplate` (full render, delta, bridge, start-up check) is public and shared
-with agent.py. Streaming is "fake": one engine call, then a protocol-exact SSE sequence.
-Not here: sampling settings (the generator's --rollout.*; client values are ignored and counted),
-stateful Responses (previous_response_id), non-text content (400), admin HTTP routes (the trainer
-calls open_episode / close_episode in process).
-"""
+Every request is parsed into one canonical form, classified against the episode's open segments (EXTEND / RETRY /
+REWRITE / UNRELATED, CHAT_SERVER.md §5.3) and sampled from token ids. An EXTEND appends the stored sampled ids, a
+bridge and the delta tokens of the new messages (mask 0): history is never re-rendered. `ChatTemplate` (full render,
+delta, bridge, start-up check) is public and shared with agent.py. Streaming is "fake": one engine call, then a
+protocol-exact SSE sequence. Not here: sampling settings (the generator's --rollout.*; client values are ignored and
+counted), stateful Responses (previous_response_id), non-text content (400), admin HTTP routes (the trainer calls
+open_episode / close_episode in process)."""
 import asyncio
 import bisect
 import gc
@@ -40,16 +38,21 @@ APPEND_ROLES = ("tool", "user", "system")
 
 @dataclass
 class ChatArgs:
-    model_name: str = field(default="", metadata={"help": "model id /v1/models lists and --chat.strict_model accepts; empty: the tokenizer directory's name"})
-    strict_model: bool = field(default=False, metadata={"help": "404 for a request naming another model (default: accept any name and echo it)"})
+    model_name: str = field(default="", metadata={
+        "help": "model id /v1/models lists and --chat.strict_model accepts; empty: the tokenizer directory's name"})
+    strict_model: bool = field(default=False, metadata={"help": "404 if a request names another model; False: echo it"})
     max_body_mb: int = field(default=32, metadata={"help": "413 for request bodies larger than this many MiB"})
-    context_window: int | None = field(default=None, metadata={"help": "prompt + completion tokens at most; unset: the generator's --vllm.max_model_len"})
-    default_max_tokens: int | None = field(default=None, metadata={"help": "completion tokens when a request sets none (OpenAI, Responses); unset: the rest of the context window"})
-    max_tokens_cap: int | None = field(default=None, metadata={"help": "upper bound on any request's max_tokens; unset: only the context window"})
-    reject_sampling_changes: bool = field(default=True, metadata={"help": "400 on options that change the sampling distribution (n>1, logit_bias, penalties, guided decoding); False: ignore them, count chat/ignored_params"})
-    append_roles: tuple[str, ...] = field(default=("tool", "user"), metadata={"help": "roles a turn may append to a segment as delta tokens; each must pass the start-up check", "choices": APPEND_ROLES})
-    check_tool_ids: bool = field(default=True, metadata={"help": "400 when a tool result answers a tool call id no earlier assistant message made (as the real APIs do)"})
-    ping_s: float = field(default=10.0, metadata={"help": "seconds between keep-alive frames while a streamed turn generates"})
+    context_window: int | None = field(default=None, metadata={
+        "help": "prompt + completion tokens at most; unset: the generator's --vllm.max_model_len"})
+    default_max_tokens: int | None = field(default=None, metadata={
+        "help": "completion tokens when a request sets none (OpenAI, Responses); unset: the rest of the window"})
+    max_tokens_cap: int | None = field(default=None, metadata={"help": "cap on any request's max_tokens; unset: none"})
+    reject_sampling_changes: bool = field(default=True, metadata={
+        "help": "400 on n>1, logit_bias, penalties, guided decoding; False: ignore them, count chat/ignored_params"})
+    append_roles: tuple[str, ...] = field(default=("tool", "user"), metadata={
+        "help": "roles a turn may append as delta tokens; each must pass the start-up check", "choices": APPEND_ROLES})
+    check_tool_ids: bool = field(default=True, metadata={"help": "400 for a tool result answering an unknown call id"})
+    ping_s: float = field(default=10.0, metadata={"help": "seconds between keep-alive frames during a streamed turn"})
 
     def __post_init__(self):
         self.append_roles = tuple(self.append_roles)
@@ -139,7 +142,8 @@ class ChatRequest:
         return hash(self.msgs[0].key()) if self.msgs else 0
 
 
-TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "an array", dict: "an object"}
+TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "an array",
+              dict: "an object"}
 
 
 def get(obj: dict, key: str, types, path: str = "", required: bool = False):
@@ -214,7 +218,8 @@ def parse_openai(body: dict, prior: tuple = (0, None, ())) -> ChatRequest:
                     raise bad(q[:-1], "expected an object")
                 fn = get(tc, "function", dict, q, required=True)
                 calls.append(Call(get(tc, "id", str, q, required=True),
-                                  get(fn, "name", str, q + "function.", required=True), parse_arguments(fn.get("arguments"))))
+                                  get(fn, "name", str, q + "function.", required=True),
+                                  parse_arguments(fn.get("arguments"))))
             reasoning = m.get("reasoning_content") or m.get("reasoning")
             msgs.append(Msg("assistant", text_of(m.get("content"), p + "content"),
                             reasoning if isinstance(reasoning, str) else "", tuple(calls)))
@@ -348,15 +353,15 @@ CHECK_CONVERSATIONS = [   # each ends in an assistant turn: plain, reasoning, ca
       {"role": "assistant", "content": "héllo 😀", "reasoning_content": "greet ü"}], None),
     ([{"role": "user", "content": "add"}, {"role": "assistant", "content": "", "tool_calls": [CALL]}], CHECK_TOOLS),
     ([{"role": "user", "content": "two"}, {"role": "assistant", "content": "Calling.", "reasoning_content": "r",
-      "tool_calls": [CALL, {**CALL, "id": "call_1", "function": {"name": "g", "arguments": {"é": [1, {"b": "ü"}]}}}]}],
-     None),
+      "tool_calls": [CALL, {**CALL, "id": "call_1",
+                            "function": {"name": "g", "arguments": {"é": [1, {"b": "ü"}]}}}]}], None),
     ([{"role": "user", "content": "u"}, {"role": "assistant", "content": "  \n"}, {"role": "user", "content": "v"},
       {"role": "assistant", "content": "", "tool_calls": [CALL]},
-      {"role": "tool", "tool_call_id": "call_0", "content": "1"}, {"role": "assistant", "content": "done"}], CHECK_TOOLS),
+      {"role": "tool", "tool_call_id": "call_0", "content": "1"}, {"role": "assistant", "content": "done"}],
+     CHECK_TOOLS),
 ]
 CHECK_APPENDS = {"tool": {"role": "tool", "tool_call_id": "call_0", "content": "résultat: 42"},
                  "user": {"role": "user", "content": "next ü"}, "system": {"role": "system", "content": "note"}}
-
 
 RECENT = 256  # full renders ChatTemplate keeps
 
@@ -364,15 +369,13 @@ RECENT = 256  # full renders ChatTemplate keeps
 class ChatTemplate:
     """The model's chat template as token ids; one implementation shared by the chat server and agent.py.
 
-    Messages are chat-template dicts (role, content, reasoning_content, tool_calls, tool_call_id).
-    After a sampled turn, ids + bridge(ids) + render_delta(new messages) continue a segment. The delta is
-    rendered behind a dummy assistant turn and cut at that turn's end, so it never depends on how the
-    template re-renders earlier turns (stock Qwen3 drops their reasoning): an Env can append observations
-    on any template that ends a turn with eos, and a delta that cannot be made raises when first needed.
-    The start-up check (`append_roles`, for the chat server only) proves more: that appending a role keeps
-    the template's full render of the request equal to the segment; a failing role lands in `refused` and
-    the server opens a new segment for such turns instead.
-    """
+    Messages are chat-template dicts (role, content, reasoning_content, tool_calls, tool_call_id). After a sampled turn,
+    ids + bridge(ids) + render_delta(new messages) continue a segment. The delta is rendered behind a dummy assistant
+    turn and cut at that turn's end, so it never depends on how the template re-renders earlier turns (stock Qwen3 drops
+    their reasoning): an Env can append observations on any template that ends a turn with eos, and a delta that cannot
+    be made raises when first needed. The start-up check (`append_roles`, for the chat server only) proves more: that
+    appending a role keeps the template's full render of the request equal to the segment; a failing role lands in
+    `refused` and the server opens a new segment for such turns instead."""
 
     def __init__(self, tokenizer_path: str, append_roles: tuple = ("tool", "user")):
         from transformers import AutoTokenizer
@@ -429,9 +432,8 @@ class ChatTemplate:
         turn = {"role": "assistant", "content": MARK}
         if last_assistant_had_tool_calls:
             turn["tool_calls"] = [{**CALL, "function": {"name": "f", "arguments": {"x": MARK}}}]
-        dummy = [{"role": "user", "content": "u"}, turn]
         try:
-            text = self.render_text(dummy + messages)
+            text = self.render_text([{"role": "user", "content": "u"}, turn] + messages)
         except (TemplateError, TypeError) as e:
             raise refuse(f"the template fails to render them ({e})") from e
         end = text.find(eos, text.rindex(MARK) + len(MARK)) if MARK in text else -1
@@ -619,9 +621,8 @@ class Episode:
 
 
 def to_segment(ep: EpisodeState, t: Track) -> Segment:
-    last = t.turns[-1]
     return Segment(token_ids=t.tokens, action_mask=t.mask, logprobs=t.logprobs, versions=t.versions, episode_id=ep.id,
-                   finish_reason=last.finish, truncated=last.finish == "length", routed_experts=t.experts,
+                   finish_reason=t.turns[-1].finish, truncated=t.turns[-1].finish == "length", routed_experts=t.experts,
                    info={"segment": t.index, "forked_from": t.parent, "sealed_by": t.sealed_by or "close",
                          "turns": [(u.start, u.end) for u in t.turns], "tainted": ep.tainted,
                          "sampled_digest": sampled_digest([i for u in t.turns for i in u.sampled])})
@@ -694,10 +695,9 @@ def responses_body(req: ChatRequest, r: Reply | None, reply_id: str) -> dict:
     output += [{"type": "function_call", "id": f"fc_{c.id}", "call_id": c.id, "name": c.name,
                 "arguments": arguments_json(c), "status": "completed"} for c in (r.calls if r else ())]
     status = "in_progress" if r is None else "incomplete" if r.finish == "length" and not r.calls else "completed"
-    usage = None if r is None else {"input_tokens": r.prompt_tokens, "output_tokens": len(r.ids),
-                                    "total_tokens": r.prompt_tokens + len(r.ids),
-                                    "input_tokens_details": {"cached_tokens": 0},
-                                    "output_tokens_details": {"reasoning_tokens": 0}}
+    usage = None if r is None else {
+        "input_tokens": r.prompt_tokens, "output_tokens": len(r.ids), "total_tokens": r.prompt_tokens + len(r.ids),
+        "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
     return {"id": f"resp_{reply_id}", "object": "response", "created_at": r.created if r else int(time.time()),
             "status": status, "model": req.model, "output": output, "usage": usage, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
@@ -738,8 +738,7 @@ class OpenAIStream:
 
 
 class AnthropicStream:
-    """Named events: message_start, pings while generating, per block a start/delta/stop triple, message_delta,
-    message_stop."""
+    """Named events: message_start, pings while generating, per block start/delta/stop, message_delta, message_stop."""
     ping = sse("ping", {"type": "ping"})
 
     def __init__(self, req: ChatRequest, plan: Plan):
@@ -762,9 +761,9 @@ class AnthropicStream:
             out += [sse("content_block_start", {"type": "content_block_start", "index": i, "content_block": start}),
                     sse("content_block_delta", {"type": "content_block_delta", "index": i, "delta": delta}),
                     sse("content_block_stop", {"type": "content_block_stop", "index": i})]
-        delta = {"stop_reason": anthropic_stop(r), "stop_sequence": r.stop_sequence}
-        out.append(sse("message_delta", {"type": "message_delta", "usage": {"output_tokens": len(r.ids)}, "delta": delta}))
-        return out + [sse("message_stop", {"type": "message_stop"})]
+        end = {"type": "message_delta", "usage": {"output_tokens": len(r.ids)},
+               "delta": {"stop_reason": anthropic_stop(r), "stop_sequence": r.stop_sequence}}
+        return out + [sse("message_delta", end), sse("message_stop", {"type": "message_stop"})]
 
     def error(self, e: ApiError) -> str:
         return sse("error", error_body("anthropic", e, ""))
@@ -821,13 +820,11 @@ class ChatServer:
         self.window = args.context_window or engine_window
         self.model_name = args.model_name or tokenizer_path.rstrip("/").rsplit("/", 1)[-1]
         self.template = ChatTemplate(tokenizer_path, args.append_roles)
-        self.episodes, self.keys = {}, {}
         self.closed = OrderedDict()           # recently closed ids and keys -> True, for a clear 400
-        self.counts, self.overheads_ms = Counter(), deque(maxlen=100_000)
-        self.tasks, self.base_url, self._uvicorn, self._serving = set(), "", None, None
-        self.created = int(time.time())
-        routes = [("POST", "/v1/chat/completions", self.turn, "openai"), ("POST", "/chat/completions", self.turn, "openai"),
-                  ("POST", "/v1/messages", self.turn, "anthropic"),
+        self.episodes, self.keys, self.counts, self.overheads_ms = {}, {}, Counter(), deque(maxlen=100_000)
+        self.tasks, self.base_url, self._uvicorn, self._serving, self.created = set(), "", None, None, int(time.time())
+        routes = [("POST", "/v1/chat/completions", self.turn, "openai"),
+                  ("POST", "/chat/completions", self.turn, "openai"), ("POST", "/v1/messages", self.turn, "anthropic"),
                   ("POST", "/v1/messages/count_tokens", self.count_tokens, "anthropic"),
                   ("POST", "/v1/responses", self.turn, "responses"), ("POST", "/responses", self.turn, "responses"),
                   ("GET", "/v1/models", self.models, None), ("GET", "/models", self.models, None),
@@ -840,9 +837,8 @@ class ChatServer:
 
     async def start(self) -> str:
         """Serve on 127.0.0.1 at an OS-assigned port inside the running event loop; returns the base URL."""
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", access_log=False,
-                                lifespan="off")
-        self._uvicorn = uvicorn.Server(config)
+        self._uvicorn = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
+                                                      access_log=False, lifespan="off"))
         self._serving = asyncio.create_task(self._uvicorn.serve())
         while not self._uvicorn.started:
             if self._serving.done():
@@ -947,9 +943,11 @@ class ChatServer:
 
     def commit(self, ep: EpisodeState, req: ChatRequest, plan: Plan, c: Completion) -> Reply:
         """Record the sampled ids on the planned segment (or a fork of it) and build the reply."""
-        ids, logprobs, versions, finish, stop = list(c.token_ids), list(c.logprobs), list(c.versions), c.finish_reason, None
+        ids, logprobs, versions = list(c.token_ids), list(c.logprobs), list(c.versions)
+        finish, stop = c.finish_reason, None
         if not ids or not len(ids) == len(logprobs) == len(versions):
-            raise RuntimeError(f"generator returned {len(ids)} ids, {len(logprobs)} log-probs, {len(versions)} versions")
+            raise RuntimeError(f"generator returned {len(ids)} ids, {len(logprobs)} log-probs, "
+                               f"{len(versions)} versions")
         text = self.template.decode(ids[:-1] if finish == "stop" and ids[-1] in self.template.special_ids else ids)
         cut = cut_at_stop(self.template, ids, req.stop) if req.stop else None
         if cut:
@@ -1098,7 +1096,8 @@ class ChatServer:
         if not req.msgs and req.system is None:
             raise bad("messages", "at least one message is required")
         if req.msgs and req.msgs[-1].role == "assistant":
-            raise bad("messages", "the last message is the assistant's: continuing (prefilling) a turn is not supported")
+            raise bad("messages", "the last message is the assistant's: "
+                                  "continuing (prefilling) a turn is not supported")
         seen = set()
         for m in req.msgs if self.args.check_tool_ids else ():
             seen.update(c.id for c in m.calls)

@@ -22,12 +22,12 @@ ESTIMATORS = ("reinforce", "reinforce_baseline", "grpo", "dr_grpo", "rloo", "gae
 
 @dataclass
 class EstimatorArgs:
-    name: str = field(default="grpo", metadata={"help": "advantage estimator: the function of that name", "choices": ESTIMATORS})
+    name: str = field(default="grpo", metadata={"help": "advantage estimator (function name)", "choices": ESTIMATORS})
     gamma: float = field(default=1.0, metadata={"help": "discount per action token (reinforce, gae)"})
-    lam: float = field(default=1.0, metadata={"help": "GAE lambda: 1 = return minus value, 0 = one-step TD error (gae)"})
-    std_eps: float = field(default=1e-6, metadata={"help": "added to every std we divide by (grpo group std, whitening)"})
-    whiten: bool = field(default=True, metadata={"help": "whiten advantages over the batch's action tokens (reinforce, reinforce_baseline, gae)"})
-    kl_coef: float = field(default=0.0, metadata={"help": "weight of the -kl reward on every action token (reinforce, gae)"})
+    lam: float = field(default=1.0, metadata={"help": "GAE lambda: 1 = return - value, 0 = one-step TD error (gae)"})
+    std_eps: float = field(default=1e-6, metadata={"help": "added to every std we divide by (grpo std, whitening)"})
+    whiten: bool = field(default=True, metadata={"help": "whiten over the batch (reinforce, reinforce_baseline, gae)"})
+    kl_coef: float = field(default=0.0, metadata={"help": "weight of the -kl reward per action token (reinforce, gae)"})
 
     def __post_init__(self):
         if self.name not in ESTIMATORS:
@@ -41,11 +41,12 @@ class EstimatorArgs:
         if not self.kl_coef >= 0.0:
             raise ValueError(f"--estimator.kl_coef {self.kl_coef}: must be >= 0, it is a penalty")
         if self.kl_coef > 0.0 and self.name not in ("reinforce", "gae"):
-            raise ValueError(f"--estimator.kl_coef with --estimator.name {self.name}: a per-token KL reward needs per-token "
-                             "returns, which only reinforce and gae compute; set --estimator.kl_coef 0 and use --loss.kl_coef")
+            raise ValueError(f"--estimator.kl_coef with --estimator.name {self.name}: a per-token KL reward needs "
+                             "per-token returns, which only reinforce and gae compute; set --estimator.kl_coef 0 and "
+                             "use --loss.kl_coef")
         if self.gamma < 1.0 and self.name not in ("reinforce", "gae"):
-            raise ValueError(f"--estimator.gamma with --estimator.name {self.name}: it gives one advantage per episode, so "
-                             "nothing is discounted; set --estimator.gamma 1 or use reinforce or gae")
+            raise ValueError(f"--estimator.gamma with --estimator.name {self.name}: it gives one advantage per "
+                             "episode, so nothing is discounted; set --estimator.gamma 1 or use reinforce or gae")
         if self.lam < 1.0 and self.name != "gae":
             raise ValueError(f"--estimator.lam with --estimator.name {self.name}: lambda only exists in gae; "
                              "set --estimator.lam 1 or --estimator.name gae")

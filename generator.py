@@ -36,19 +36,19 @@ import torch
 
 @dataclass
 class VllmArgs:
-    dtype: str = field(default="auto", metadata={"help": "engine dtype; auto = the checkpoint's (vLLM's auto downcasts fp32)",
+    dtype: str = field(default="auto", metadata={"help": "dtype; auto = the checkpoint's (vLLM's auto downcasts fp32)",
                                                  "choices": ("auto", "float32", "bfloat16", "float16")})
     max_model_len: int = field(default=2048, metadata={"help": "longest prompt + completion, in tokens"})
     gpu_memory_utilization: float = field(default=0.5, metadata={"help": "GPU only: GPU memory share for weights + KV"})
     kv_cache_gb: float = field(default=1.0, metadata={"help": "CPU only: KV cache GiB (else vLLM takes most RAM)"})
     tensor_parallel_size: int = field(default=1, metadata={"help": "GPUs per engine (tensor parallel)"})
     enable_expert_parallel: bool = field(default=False, metadata={"help": "MoE: whole experts per GPU, not slices"})
-    enable_prefix_caching: bool = field(default=False, metadata={"help": "reuse KV of shared prefixes (reset every refit)"})
-    max_num_seqs: int = field(default=512, metadata={"help": "sequences decoded together (AsyncLLM's own default: 128)"})
-    max_num_batched_tokens: int = field(default=8192, metadata={"help": "tokens per engine step, prefill chunks + decodes"})
+    enable_prefix_caching: bool = field(default=False, metadata={"help": "reuse shared-prefix KV (reset every refit)"})
+    max_num_seqs: int = field(default=512, metadata={"help": "sequences decoded together (AsyncLLM's default: 128)"})
+    max_num_batched_tokens: int = field(default=8192, metadata={"help": "tokens per step, prefill chunks + decodes"})
     enforce_eager: bool = field(default=True, metadata={"help": "no CUDA graphs/compile: fast start (GPU: False)"})
     num_speculative_tokens: int = field(default=0, metadata={"help": "MTP speculative decoding: drafts/step (0 = off)"})
-    return_routed_experts: bool = field(default=False, metadata={"help": "MoE: record each token's experts (routing replay)"})
+    return_routed_experts: bool = field(default=False, metadata={"help": "MoE: record token experts (routing replay)"})
     num_engines: int = field(default=1, metadata={"help": "independent vLLM engines, one Ray actor each"})
     refit_bucket_mb: int = field(default=256, metadata={"help": "MiB of weights per refit message"})
     seed: int = field(default=0, metadata={"help": "engine seed, for requests without their own seed"})
@@ -642,7 +642,8 @@ class Generator:
     async def _load(self, bucket: list, first: bool, last: bool) -> tuple[tuple[list, float], str]:
         """One bucket into every engine, over the transport its device calls for; (engine 0's report, transport)."""
         device = bucket[0][1].device
-        ipc = device.type == "cuda" and self._gpus == [str(torch.cuda.get_device_properties(device).uuid)] * len(self._gpus)
+        ipc = (device.type == "cuda"
+               and self._gpus == [str(torch.cuda.get_device_properties(device).uuid)] * len(self._gpus))
         need = packed_layout(bucket)[1] if ipc else 0
         if ipc and (self._ipc is None or self._ipc[0].numel() < need):
             # CUDA IPC through one buffer kept across buckets and refits: the workers open its handle once

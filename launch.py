@@ -5,12 +5,12 @@
 
 The loop: agent workers turn prompt groups into Segments (generator.py directly for an Env agent,
 through chat_server.py for a ChatAgent) and keep up to `--train.max_staleness + 1` batches in
-flight (with partial rollouts, `--launch.in_flight` groups); the trainer takes a batch, trains one step, and every engine is refit (pause → load → resume)
-with the new policy version. K=0 is strictly on-policy: sampling waits for the refit. Every step
-writes a line to metrics.jsonl (and TensorBoard / W&B when asked), audits that each trained row holds
-exactly the ids the generator returned, and checkpoints when due. `--launch.mode sft` trains the
-same actor on chat data instead. Not here: the math (estimators.py, losses.py, trainer.py) and the
-token capture (generator.py, chat_server.py).
+flight (with partial rollouts, `--launch.in_flight` groups); the trainer takes a batch, trains one step,
+and every engine is refit (pause → load → resume) with the new policy version. K=0 is strictly
+on-policy: sampling waits for the refit. Every step writes a line to metrics.jsonl (and TensorBoard /
+W&B when asked), audits that each trained row holds exactly the ids the generator returned, and
+checkpoints when due. `--launch.mode sft` trains the same actor on chat data instead. Not here: the math
+(estimators.py, losses.py, trainer.py) and the token capture (generator.py, chat_server.py).
 """
 import argparse
 import asyncio
@@ -37,28 +37,32 @@ from trainer import CkptArgs, FsdpArgs, TrainArgs, TrainerGroup, checkpoint_dirs
 
 @dataclass
 class LaunchArgs:
-    mode: str = field(default="rl", metadata={"help": "rl: the agent loop; sft: supervised training on --data.path chat JSONL", "choices": ("rl", "sft")})
+    mode: str = field(default="rl", metadata={"help": "rl: the agent loop; sft: train on --data.path chat JSONL",
+                                              "choices": ("rl", "sft")})
     model: str = field(default="", metadata={"help": "Hugging Face model directory or hub id (required)"})
     out_dir: str = field(default="runs/default", metadata={"help": "metrics.jsonl, reward.png and checkpoints go here"})
     steps: int = field(default=20, metadata={"help": "optimizer steps to run"})
-    ray_address: str | None = field(default=None, metadata={"help": "Ray cluster to join; None starts a local instance"})
+    ray_address: str | None = field(default=None, metadata={"help": "Ray cluster to join; None starts a local one"})
     tensorboard: bool = field(default=False, metadata={"help": "also write TensorBoard events to out_dir/tb"})
-    wandb_project: str | None = field(default=None, metadata={"help": "also log to this Weights & Biases project (needs wandb installed)"})
+    wandb_project: str | None = field(default=None, metadata={"help": "also log to this W&B project (needs wandb)"})
     seed: int = field(default=0, metadata={"help": "seed of data order and sampling"})
-    colocate: bool = field(default=False, metadata={"help": "GPU: the trainer and the engine share one GPU (half each; refit over CUDA IPC); else each takes its own (refit over NCCL)"})
+    colocate: bool = field(default=False, metadata={
+        "help": "GPU: trainer and engine share one GPU (half each, CUDA IPC refit); else one GPU each (NCCL refit)"})
     in_flight: int = field(default=0, metadata={
         "help": "prompt groups sampling or waiting at once; 0 = --train.batch_prompts x (--train.max_staleness + 1). "
                 "More keeps the engines full on long-tail rollouts; needs --train.partial_rollout"})
 
     def __post_init__(self):
         if self.steps < 1 or self.in_flight < 0:
-            raise ValueError(f"--launch.steps {self.steps} / --launch.in_flight {self.in_flight}: need steps >= 1, in_flight >= 0")
+            raise ValueError(f"--launch.steps {self.steps} / --launch.in_flight {self.in_flight}: "
+                             "need steps >= 1, in_flight >= 0")
 
 
 @dataclass
 class DataArgs:
-    path: str = field(default="", metadata={"help": "prompts: JSONL or parquet rows with prompt and label, or a .py file defining rows(split)"})
-    filter_range: tuple[float, float] | None = field(default=None, metadata={"help": "LO HI: drop groups whose mean reward is outside [LO, HI] and sample more"})
+    path: str = field(default="", metadata={"help": "JSONL/parquet rows (prompt, label) or a .py defining rows(split)"})
+    filter_range: tuple[float, float] | None = field(default=None, metadata={
+        "help": "LO HI: drop groups whose mean reward is outside [LO, HI] and sample more"})
 
     def __post_init__(self):
         if self.filter_range is not None and not self.filter_range[0] <= self.filter_range[1]:
@@ -69,11 +73,13 @@ class DataArgs:
 class EvalArgs:
     every: int = field(default=0, metadata={"help": "evaluate on the held-out split every N steps; 0 = never"})
     prompts: int = field(default=64, metadata={"help": "held-out prompts per evaluation (one sample each)"})
-    before: bool = field(default=True, metadata={"help": "with --eval.every: also evaluate the loaded weights before the first step (eval/before_reward_mean)"})
+    before: bool = field(default=True, metadata={
+        "help": "with --eval.every: also evaluate the loaded weights before the first step (eval/before_reward_mean)"})
 
     def __post_init__(self):
         if self.every < 0 or self.prompts < 1:
-            raise ValueError(f"--eval.every {self.every} / --eval.prompts {self.prompts}: need every >= 0 and prompts >= 1")
+            raise ValueError(f"--eval.every {self.every} / --eval.prompts {self.prompts}: "
+                             "need every >= 0 and prompts >= 1")
 
 
 SECTIONS = {"launch": LaunchArgs, "data": DataArgs, "eval": EvalArgs, "agent": AgentArgs, "chat": ChatArgs,
@@ -101,7 +107,7 @@ def add_flag(group, prefix: str, f: dataclasses.Field) -> None:
         extra["action"] = argparse.BooleanOptionalAction
     elif typing.get_origin(kind) is tuple:  # tuple[float, float]: exactly 2 values; tuple[str, ...]: 1 or more
         inner = typing.get_args(kind)
-        extra.update(nargs="+" if inner[-1] is Ellipsis else len(inner), type=none_or(inner[0]) if optional else inner[0])
+        extra.update(nargs="+" if inner[-1] is ... else len(inner), type=none_or(inner[0]) if optional else inner[0])
     else:
         extra["type"] = none_or(kind) if optional else kind
     if "choices" in meta:
@@ -138,20 +144,23 @@ def check_cross_flags(cfg: dict) -> None:
     train, loss, rollout = cfg["train"], cfg["loss"], cfg["rollout"]
     corrected = loss.is_level != "off"
     if (train.max_staleness > 0 or train.partial_rollout) and not corrected:
-        raise ValueError(f"--train.max_staleness {train.max_staleness} / --train.partial_rollout with --loss.is_level off: "
-                         "stale or mixed-version tokens need an importance correction; set --loss.is_level token (or seq, geo)")
+        raise ValueError(f"--train.max_staleness {train.max_staleness} / --train.partial_rollout with --loss.is_level "
+                         "off: stale or mixed-version tokens need an importance correction; set --loss.is_level token "
+                         "(or seq, geo)")
     in_flight, window = cfg["launch"].in_flight, train.batch_prompts * (train.max_staleness + 1)
     if in_flight and not (train.batch_prompts <= in_flight and (in_flight <= window or train.partial_rollout)):
-        raise ValueError(f"--launch.in_flight {in_flight}: needs >= --train.batch_prompts {train.batch_prompts}, and above "
-                         f"--train.batch_prompts x (--train.max_staleness + 1) = {window} only with --train.partial_rollout "
-                         "(without it every refit waits for all of them, and the groups they finish go stale)")
+        raise ValueError(f"--launch.in_flight {in_flight}: needs >= --train.batch_prompts {train.batch_prompts}, "
+                         f"and above --train.batch_prompts x (--train.max_staleness + 1) = {window} only with "
+                         "--train.partial_rollout (without it every refit waits for all of them, and the groups they "
+                         "finish go stale)")
     if train.routing_replay and not cfg["vllm"].return_routed_experts:
         raise ValueError("--train.routing_replay without --vllm.return_routed_experts: the engine records no "
                          "routing to replay; set --vllm.return_routed_experts")
     rollout.check_logprobs_usable(importance_correction=corrected,
                                   kl_to_rollout=loss.kl_coef > 0 and loss.kl_ref == "rollout")
     if not cfg["launch"].model:
-        raise ValueError("--launch.model is required: a Hugging Face model directory (recipes/tiny_model.py builds one)")
+        raise ValueError("--launch.model is required: a Hugging Face model directory "
+                         "(recipes/tiny_model.py builds one)")
 
 
 # --- data
@@ -202,8 +211,9 @@ class MetricsLog:
         bar = "#" * int(20 * done / self.total)
         shown = (f"reward {metrics['rollout/reward_mean']:.3f}" if "rollout/reward_mean" in metrics
                  else f"nll {metrics.get('loss/sft_nll', float('nan')):.3f}")
-        print(f"\rstep {done:>4}/{self.total} [{bar:<20}] {shown} "
-              f"tok/s {metrics.get('launch/tokens_per_s', metrics.get('train/tokens_per_s', 0.0)):7.1f} eta {eta:5.0f}s", end="\n" if done == self.total else "", flush=True)
+        tok_s = metrics.get("launch/tokens_per_s", metrics.get("train/tokens_per_s", 0.0))
+        print(f"\rstep {done:>4}/{self.total} [{bar:<20}] {shown} tok/s {tok_s:7.1f} eta {eta:5.0f}s",
+              end="\n" if done == self.total else "", flush=True)
 
     def plot(self, path: str) -> None:
         import matplotlib
@@ -365,7 +375,8 @@ def gpu_shares(launch: LaunchArgs, train: TrainArgs, vllm: VllmArgs) -> tuple[di
     return None, (1.0 if gpus else None)  # by the cluster, not this driver: it may have no GPU
 
 
-async def probe_mismatch(generator: Generator, trainer: TrainerGroup, segments: list, count: int = 8, tokens: int = 32) -> dict:
+async def probe_mismatch(generator: Generator, trainer: TrainerGroup, segments: list,
+                         count: int = 8, tokens: int = 32) -> dict:
     """Forward consistency for a step whose batch held no token of the trainer's version (asynchronous
     steps, where every token lags): sample a few short continuations of the batch's prompts at once with
     the weights just refit, and compare those sampling log-probs with the trainer's recompute."""
@@ -373,7 +384,8 @@ async def probe_mismatch(generator: Generator, trainer: TrainerGroup, segments: 
     tokens = min(tokens, generator.rollout.max_new_tokens)
     outs = await asyncio.gather(*(generator.generate(p, max_new_tokens=tokens, affinity="probe") for p in prompts))
     probes = [Segment(token_ids=p + o.token_ids, action_mask=[False] * len(p) + [True] * len(o.token_ids),
-                      logprobs=[0.0] * len(p) + o.logprobs, versions=[-1] * len(p) + o.versions) for p, o in zip(prompts, outs)]
+                      logprobs=[0.0] * len(p) + o.logprobs, versions=[-1] * len(p) + o.versions)
+              for p, o in zip(prompts, outs)]
     recomputed = await asyncio.to_thread(trainer.logprobs, probes)
     rollout = torch.nn.utils.rnn.pad_sequence([torch.tensor(p.logprobs) for p in probes], batch_first=True)  # (B, T)
     mask = torch.nn.utils.rnn.pad_sequence([torch.tensor(p.action_mask) for p in probes], batch_first=True)  # (B, T)
@@ -393,15 +405,17 @@ async def run_rl(cfg: dict) -> dict:
     rows = load_rows(data.path, "train")
     held_out = load_rows(data.path, "test") if cfg["eval"].every else []
     engine_gpus, rank_gpus = gpu_shares(launch, train, cfg["vllm"])
-    generator = Generator(launch.model, cfg["vllm"], rollout, actor_options=engine_gpus)  # first: vLLM sizes its KV cache
+    generator = Generator(launch.model, cfg["vllm"], rollout, actor_options=engine_gpus)  # first: it sizes its KV cache
     trainer = TrainerGroup(launch.model, train, cfg["fsdp"], cfg["ckpt"], cfg["loss"], cfg["estimator"],
                            temperature=rollout.temperature, gpus_per_rank=rank_gpus)
     if trainer.version != generator.version:  # resumed: the engines start from the checkpoint's weights
         await refit(generator, trainer)
     worker_class = ray.remote(num_cpus=0)(AgentWorker)
-    workers = [worker_class.remote(cfg["agent"], cfg["chat"], generator, launch.model) for _ in range(cfg["agent"].workers)]
+    workers = [worker_class.remote(cfg["agent"], cfg["chat"], generator, launch.model)
+               for _ in range(cfg["agent"].workers)]
     await asyncio.gather(*(w.start.remote() for w in workers))
-    queue = GroupQueue(workers, rows, rollout.samples_per_prompt, trainer.data_position or {"epoch": 0, "index": 0}, launch.seed)
+    queue = GroupQueue(workers, rows, rollout.samples_per_prompt,
+                       trainer.data_position or {"epoch": 0, "index": 0}, launch.seed)
     log = MetricsLog(launch, {p: dataclasses.asdict(a) for p, a in cfg.items()})
     # K=0: nothing is sampled while training; with partial rollouts --launch.in_flight may keep more groups going
     capacity = launch.in_flight or train.batch_prompts * (train.max_staleness + 1)
@@ -422,9 +436,10 @@ async def run_rl(cfg: dict) -> dict:
         # --- audit: every trained row holds exactly the ids the generator returned
         mismatched = audit(segments)
         if mismatched:
-            raise RuntimeError(f"audit/token_mismatch: {mismatched} rows differ from the ids the generator returned; stopping")
+            raise RuntimeError(f"audit/token_mismatch: {mismatched} rows differ from the ids the generator returned; "
+                               "stopping")
         metrics = rollout_metrics(segments, trainer.version, train.max_staleness)
-        metrics["rollout/group_s"] = sorted(g["seconds"] for g in groups)[len(groups) // 2]  # median launch-to-finish time
+        metrics["rollout/group_s"] = sorted(g["seconds"] for g in groups)[len(groups) // 2]  # median launch-to-finish
         # --- train one step (in a thread: finished groups keep arriving meanwhile)
         t1 = time.perf_counter()
         metrics.update(await asyncio.to_thread(trainer.train_step, segments, data_position=dict(queue.position)))
@@ -449,7 +464,8 @@ async def run_rl(cfg: dict) -> dict:
         before = {}
         counters = {**(await generator.metrics()), **(await workers[0].metrics.remote())}  # chat/*: worker 0's server
         step_s = time.perf_counter() - t0  # the whole cycle: the next step starts now
-        metrics.update({"audit/token_mismatch": float(mismatched), "launch/step_s": step_s, "launch/rollout_wait_s": wait_s,
+        metrics.update({"audit/token_mismatch": float(mismatched), "launch/step_s": step_s,
+                        "launch/rollout_wait_s": wait_s,
                         "launch/since_refit_s": since_refit_s,  # K=0: the whole rollout phase
                         "launch/groups_in_flight": float(in_flight),
                         "launch/train_s": train_s, "launch/refit_s": refit_s, "launch/trainer_idle_s": wait_s + refit_s,

@@ -30,49 +30,59 @@ LOG_CLAMP = 20.0  # |log-ratio| bound before exp: e^20 is finite in bf16/fp32, e
 
 @dataclass
 class LossArgs:
-    surrogate: str = field(default="ppo", metadata={"help": "policy surrogate; each is the function of that name in losses.py", "choices": SURROGATES})
-    clip_low: float = field(default=0.2, metadata={"help": "ratio floor 1-clip_low (ppo, gspo); CISPO's IS-weight floor (its paper uses none: set 1)"})
-    clip_high: float = field(default=0.2, metadata={"help": "ratio ceiling 1+clip_high (ppo, gspo); CISPO's IS-weight ceiling (its paper uses a large one)"})
-    dual_clip: float | None = field(default=None, metadata={"help": "dual-clip c > 1: a negative-advantage token's loss is at most -c*A (ppo, gspo); None = off"})
-    is_level: str = field(default="off", metadata={"help": "importance weight old/rollout per token, per sequence (product), or geo (per-token weight gated by the sequence's geometric mean)", "choices": IS_LEVELS})
-    is_mode: str = field(default="trunc", metadata={"help": "what the is_band does to a weight: trunc min(w, HIGH) (TIS), mask zero outside (IcePop), clip clamp into it", "choices": IS_MODES})
-    is_band: tuple[float, float] = field(default=(0.5, 5.0), metadata={"help": "LOW HIGH of the importance weight, 0 < LOW < 1 < HIGH"})
-    max_token_lag: int | None = field(default=None, metadata={"help": "drop action tokens sampled more than this many policy versions ago; None keeps all"})
-    kl_coef: float = field(default=0.0, metadata={"help": "coefficient of the KL-to-reference penalty in the loss; loss/kl is logged either way"})
-    kl_estimator: str = field(default="k3", metadata={"help": "per-token KL estimator (k1 only as a metric, with kl_coef 0)", "choices": KL_ESTIMATORS})
-    kl_ref: str = field(default="rollout", metadata={"help": "KL reference: the rollout's sampling log-probs, or a frozen reference model's (the trainer passes ref_logp)", "choices": KL_REFS})
-    entropy_coef: float = field(default=0.0, metadata={"help": "entropy bonus: loss -= entropy_coef * aggregated entropy"})
-    agg: str = field(default="token_mean", metadata={"help": "how per-token policy losses become one number (global denominators)", "choices": AGGS})
-    value_clip: float | None = field(default=0.2, metadata={"help": "PPO value clip: a value may move this far from old_values before its error stops counting; None = plain squared error"})
+    surrogate: str = field(default="ppo", metadata={"help": "policy surrogate (see losses.py)", "choices": SURROGATES})
+    clip_low: float = field(default=0.2, metadata={"help": "floor 1-clip_low: ppo/gspo ratio, CISPO weight (1 = none)"})
+    clip_high: float = field(default=0.2, metadata={"help": "ceiling 1+clip_high: ppo/gspo ratio, CISPO weight"})
+    dual_clip: float | None = field(default=None, metadata={"help": "c > 1 caps loss at -c*A where A < 0; None = off"})
+    is_level: str = field(default="off", metadata={
+        "help": "IS weight old/rollout: per token, seq (product), or geo (seq geo-mean gate)", "choices": IS_LEVELS})
+    is_mode: str = field(default="trunc", metadata={"help": "trunc=TIS, mask=IcePop, clip=clamp", "choices": IS_MODES})
+    is_band: tuple[float, float] = field(default=(0.5, 5.0), metadata={"help": "IS weight band 0 < LOW < 1 < HIGH"})
+    max_token_lag: int | None = field(default=None, metadata={"help": "max version lag of a kept token; None = any"})
+    kl_coef: float = field(default=0.0, metadata={"help": "KL-to-reference penalty coefficient; loss/kl logged anyway"})
+    kl_estimator: str = field(default="k3", metadata={"help": "KL estimator, k1 metric only", "choices": KL_ESTIMATORS})
+    kl_ref: str = field(default="rollout", metadata={"help": "KL to the rollout or a frozen model", "choices": KL_REFS})
+    entropy_coef: float = field(default=0.0, metadata={"help": "entropy bonus: loss -= coef * aggregated entropy"})
+    agg: str = field(default="token_mean", metadata={"help": "how per-token losses become one number", "choices": AGGS})
+    value_clip: float | None = field(default=0.2, metadata={"help": "PPO value clip around old_values; None = off"})
 
     def __post_init__(self):
-        for flag, value, choices in (("surrogate", self.surrogate, SURROGATES), ("is_level", self.is_level, IS_LEVELS), ("is_mode", self.is_mode, IS_MODES),
-                                     ("kl_estimator", self.kl_estimator, KL_ESTIMATORS), ("kl_ref", self.kl_ref, KL_REFS), ("agg", self.agg, AGGS)):
-            if value not in choices:
+        for flag, choices in (("surrogate", SURROGATES), ("is_level", IS_LEVELS), ("is_mode", IS_MODES),
+                              ("kl_estimator", KL_ESTIMATORS), ("kl_ref", KL_REFS), ("agg", AGGS)):
+            if (value := getattr(self, flag)) not in choices:
                 raise ValueError(f"--loss.{flag} {value!r}: unknown; choose one of {', '.join(choices)}")
         if not 0.0 <= self.clip_low <= 1.0:
             raise ValueError(f"--loss.clip_low {self.clip_low}: must be in [0, 1], the floor 1-clip_low is a ratio")
         if not self.clip_high >= 0.0:
             raise ValueError(f"--loss.clip_high {self.clip_high}: must be >= 0")
         if self.dual_clip is not None and not self.dual_clip > 1.0:
-            raise ValueError(f"--loss.dual_clip {self.dual_clip}: must be > 1 (the bound -c*A must lie above the unclipped loss -A at ratio 1)")
+            raise ValueError(f"--loss.dual_clip {self.dual_clip}: must be > 1 (the bound -c*A must lie above the "
+                             "unclipped loss -A at ratio 1)")
         low, high = self.is_band
         if not 0.0 < low < 1.0 < high:
-            raise ValueError(f"--loss.is_band {low} {high}: need 0 < LOW < 1 < HIGH, so that on-policy weight 1 is inside the band")
+            raise ValueError(f"--loss.is_band {low} {high}: need 0 < LOW < 1 < HIGH, so that on-policy weight 1 is "
+                             "inside the band")
         if self.max_token_lag is not None and self.max_token_lag < 0:
-            raise ValueError(f"--loss.max_token_lag {self.max_token_lag}: must be >= 0 (0 keeps only tokens of the current version) or None")
+            raise ValueError(f"--loss.max_token_lag {self.max_token_lag}: must be >= 0 (0 keeps only tokens of the "
+                             "current version) or None")
         if not self.kl_coef >= 0.0:
             raise ValueError(f"--loss.kl_coef {self.kl_coef}: must be >= 0, it is a penalty")
         if self.value_clip is not None and not self.value_clip > 0.0:
             raise ValueError(f"--loss.value_clip {self.value_clip}: must be > 0, or None for no clipping")
         if self.dual_clip is not None and self.surrogate == "cispo":
-            raise ValueError("--loss.dual_clip with --loss.surrogate cispo: CISPO's weight is already capped at 1+clip_high; unset --loss.dual_clip")
+            raise ValueError("--loss.dual_clip with --loss.surrogate cispo: CISPO's weight is already capped at "
+                             "1+clip_high; unset --loss.dual_clip")
         if self.is_level == "geo" and self.is_mode != "mask":
-            raise ValueError(f"--loss.is_level geo with --loss.is_mode {self.is_mode}: geo is a gate that keeps or zeroes whole sequences, there is nothing to truncate or clip; set --loss.is_mode mask, or --loss.is_level token for TIS")
+            raise ValueError(f"--loss.is_level geo with --loss.is_mode {self.is_mode}: geo is a gate that keeps or "
+                             "zeroes whole sequences, there is nothing to truncate or clip; set --loss.is_mode mask, "
+                             "or --loss.is_level token for TIS")
         if self.is_level == "seq" and self.is_mode == "clip":
-            raise ValueError("--loss.is_level seq with --loss.is_mode clip: a product over a sequence spans orders of magnitude, and raising tiny ones to LOW up-weights the sequences the trainer would not sample; set --loss.is_mode trunc (seq-TIS) or mask")
+            raise ValueError("--loss.is_level seq with --loss.is_mode clip: a product over a sequence spans orders of "
+                             "magnitude, and raising tiny ones to LOW up-weights the sequences the trainer would not "
+                             "sample; set --loss.is_mode trunc (seq-TIS) or mask")
         if self.kl_estimator == "k1" and self.kl_coef > 0.0:
-            raise ValueError("--loss.kl_estimator k1 with --loss.kl_coef > 0: k1 = logp - ref has gradient grad(logp), zero in expectation, so as a loss it penalises nothing; set --loss.kl_estimator k2 or k3")
+            raise ValueError("--loss.kl_estimator k1 with --loss.kl_coef > 0: k1 = logp - ref has gradient grad(logp), "
+                             "zero in expectation, so as a loss it penalises nothing; set --loss.kl_estimator k2 or k3")
 
 
 @dataclass
@@ -104,7 +114,8 @@ def masked_mean(x: Tensor, mask: Tensor) -> float:
 # --- policy surrogates: (logp, old_logp, adv, mask) -> per-token loss (B, T), clipped (B, T) bool
 
 
-def clipped_surrogate(log_ratio: Tensor, adv: Tensor, mask: Tensor, *, clip_low: float, clip_high: float, dual_clip: float | None) -> tuple[Tensor, Tensor]:
+def clipped_surrogate(log_ratio: Tensor, adv: Tensor, mask: Tensor, *, clip_low: float, clip_high: float,
+                      dual_clip: float | None) -> tuple[Tensor, Tensor]:
     """PPO's pessimistic clipped loss per token; `clipped` marks tokens whose gradient a clip zeroed."""
     ratio = log_ratio.clamp(-LOG_CLAMP, LOG_CLAMP).exp()  # (B, T)
     loss_unclipped = -ratio * adv  # (B, T)
@@ -118,27 +129,30 @@ def clipped_surrogate(log_ratio: Tensor, adv: Tensor, mask: Tensor, *, clip_low:
     return torch.where(mask, loss, 0.0), clipped & mask
 
 
-def ppo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_low: float, clip_high: float, dual_clip: float | None) -> tuple[Tensor, Tensor]:
+def ppo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_low: float, clip_high: float,
+        dual_clip: float | None) -> tuple[Tensor, Tensor]:
     """PPO, https://arxiv.org/abs/1707.06347: -min(r*A, clip(r, 1-eps_low, 1+eps_high)*A), r = exp(logp - old_logp).
     With dual_clip c (https://arxiv.org/abs/1912.09729), for A < 0 the loss is also capped at -c*A."""
-    log_ratio = torch.where(mask, logp - old_logp, 0.0)  # (B, T)
-    return clipped_surrogate(log_ratio, torch.where(mask, adv, 0.0), mask, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
+    log_ratio, adv = torch.where(mask, logp - old_logp, 0.0), torch.where(mask, adv, 0.0)  # (B, T)
+    return clipped_surrogate(log_ratio, adv, mask, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
 
 
-def gspo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_low: float, clip_high: float, dual_clip: float | None) -> tuple[Tensor, Tensor]:
-    """GSPO, https://arxiv.org/abs/2507.18071: PPO's clip on s = exp(mean_t(logp_t - old_logp_t)), one ratio per sequence.
+def gspo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_low: float, clip_high: float,
+         dual_clip: float | None) -> tuple[Tensor, Tensor]:
+    """GSPO, https://arxiv.org/abs/2507.18071: PPO's clip on s = exp(mean_t(logp_t - old_logp_t)), one ratio per row.
     Token form s_t = sg(s) * exp(logp_t - sg(logp_t)): value s, gradient s * grad(logp_t) on every token.
     The advantage is the row's mean advantage over its action tokens (constant rows keep theirs)."""
     logp = torch.where(mask, logp, 0.0)  # (B, T)
     n = mask.sum(-1, keepdim=True).clamp(min=1)  # (B, 1)
     log_seq = torch.where(mask, logp - old_logp, 0.0).sum(-1, keepdim=True) / n  # (B, 1)
     log_ratio = log_seq.detach() + logp - logp.detach()  # (B, T)
-    adv_seq = torch.where(mask, adv, 0.0).sum(-1, keepdim=True) / n  # (B, 1)
-    return clipped_surrogate(log_ratio, adv_seq.expand_as(logp), mask, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
+    adv_seq = (torch.where(mask, adv, 0.0).sum(-1, keepdim=True) / n).expand_as(logp)  # (B, T)
+    return clipped_surrogate(log_ratio, adv_seq, mask, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
 
 
-def cispo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_low: float, clip_high: float) -> tuple[Tensor, Tensor]:
-    """CISPO, https://arxiv.org/abs/2506.13585: -sg(clip(r, 1-eps_low, 1+eps_high)) * A * logp, r = exp(logp - old_logp).
+def cispo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_low: float,
+          clip_high: float) -> tuple[Tensor, Tensor]:
+    """CISPO, https://arxiv.org/abs/2506.13585: -sg(clip(r, 1-eps_low, 1+eps_high))*A*logp, r = exp(logp - old_logp).
     The clipped weight is a constant, so every token keeps a gradient and it flows only through logp."""
     logp = torch.where(mask, logp, 0.0)  # (B, T)
     ratio = torch.where(mask, logp - old_logp, 0.0).detach().clamp(-LOG_CLAMP, LOG_CLAMP).exp()  # (B, T)
@@ -149,7 +163,8 @@ def cispo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_low
 # --- importance correction: the trainer's proximal policy (old_logp) over the rollout's behaviour policy
 
 
-def importance_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, *, level: str, mode: str, band: tuple[float, float]) -> tuple[Tensor, Tensor]:
+def importance_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, *, level: str, mode: str,
+                       band: tuple[float, float]) -> tuple[Tensor, Tensor]:
     """Detached weight (B, T) that multiplies the per-token loss, and the bool (B, T) of tokens the band changed.
     level token: w_t = exp(old_t - rollout_t); seq: every token gets exp(sum_t log w_t); geo: w_t times a
     gate 1[LOW <= exp(mean_t log w_t) <= HIGH] that zeroes a whole sequence (mode must be mask).
@@ -202,10 +217,11 @@ def check_versions(versions: Tensor, mask: Tensor, *, current_version: int, is_l
     if (action_versions < 0).any():
         raise ValueError("versions: an action token has no policy version (-1); the rollout record is broken")
     if (action_versions > current_version).any():
-        raise ValueError(f"versions: an action token is newer ({int(action_versions.max())}) than the trainer's current_version {current_version}")
+        raise ValueError(f"versions: an action token is newer ({int(action_versions.max())}) than the trainer's "
+                         f"current_version {current_version}")
     if is_level == "off" and (action_versions != current_version).any():
-        found = sorted(set(action_versions.tolist()))
-        raise ValueError(f"versions: stale/mixed policy versions {found} on action tokens, the trainer holds {current_version}, and there is no importance correction; "
+        raise ValueError(f"versions: stale/mixed policy versions {sorted(set(action_versions.tolist()))} on action "
+                         f"tokens, the trainer holds {current_version}, and there is no importance correction; "
                          "set --loss.is_level token|seq|geo, or --loss.max_token_lag 0 to drop every stale token")
 
 
@@ -226,7 +242,8 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, mask: Tensor, *, estimator: str) 
         raise ValueError(f"estimator {estimator!r}: unknown; choose one of {', '.join(KL_ESTIMATORS)}")
 
 
-def aggregate(per_token: Tensor, mask: Tensor, *, agg: str, denoms: Denoms, group_tokens: Tensor | None = None) -> Tensor:
+def aggregate(per_token: Tensor, mask: Tensor, *, agg: str, denoms: Denoms,
+              group_tokens: Tensor | None = None) -> Tensor:
     """This microbatch's share () of the step's loss; the shares of all microbatches sum to the full-batch value.
     group_tokens (B,): action tokens of the row's prompt group over the whole step (prompt_mean_token_mean)."""
     x = torch.where(mask, per_token, 0.0)  # (B, T)
@@ -238,7 +255,8 @@ def aggregate(per_token: Tensor, mask: Tensor, *, agg: str, denoms: Denoms, grou
         return x.sum() / max(denoms.num_seqs, 1.0)
     elif agg == "prompt_mean_token_mean":
         if group_tokens is None or group_tokens.shape != mask.shape[:1]:
-            raise ValueError(f"group_tokens: agg prompt_mean_token_mean needs a (B,) = ({mask.shape[0]},) tensor, got {None if group_tokens is None else tuple(group_tokens.shape)}")
+            raise ValueError(f"group_tokens: agg prompt_mean_token_mean needs a (B,) = ({mask.shape[0]},) tensor, "
+                             f"got {None if group_tokens is None else tuple(group_tokens.shape)}")
         return (x.sum(-1) / group_tokens.clamp(min=1)).sum() / max(denoms.num_prompts, 1.0)
     else:
         raise ValueError(f"agg {agg!r}: unknown; choose one of {', '.join(AGGS)}")
@@ -247,7 +265,8 @@ def aggregate(per_token: Tensor, mask: Tensor, *, agg: str, denoms: Denoms, grou
 # --- value, SFT and mismatch: the other losses and the forward-consistency measure
 
 
-def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *, clip: float | None, denoms: Denoms) -> tuple[Tensor, dict[str, float]]:
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *, clip: float | None,
+               denoms: Denoms) -> tuple[Tensor, dict[str, float]]:
     """PPO value loss, 1/2 max((v - R)^2, (old + clip(v - old, -c, c) - R)^2), summed over the step's
     num_tokens (the critic always takes a token mean; --loss.agg shapes the policy loss only)."""
     check_shapes(mask, values=values, old_values=old_values, returns=returns)
@@ -277,40 +296,41 @@ def mismatch_metrics(rollout_logp: Tensor, trainer_logp: Tensor, mask: Tensor) -
     check_shapes(mask, rollout_logp=rollout_logp, trainer_logp=trainer_logp)
     # float64 and expm1: a k3 of 1e-12 (Delta ~ 1e-6) vanishes in float32's exp(Delta) - 1.
     delta = torch.where(mask, trainer_logp - rollout_logp, 0.0).detach().double().clamp(-LOG_CLAMP, LOG_CLAMP)  # (B, T)
-    return {
-        "loss/vllm_kl": masked_mean(-delta, mask),
-        "loss/mismatch_k3": masked_mean(torch.expm1(delta) - delta, mask),
-        "loss/mismatch_abs": masked_mean(delta.abs(), mask),
-        "loss/mismatch_max_abs": float(delta.abs().max()) if mask.any() else 0.0,
-        "loss/mismatch_frac": masked_mean(delta.abs() > 1e-6, mask),
-    }
+    return {"loss/vllm_kl": masked_mean(-delta, mask), "loss/mismatch_k3": masked_mean(delta.expm1() - delta, mask),
+            "loss/mismatch_abs": masked_mean(delta.abs(), mask),
+            "loss/mismatch_max_abs": float(delta.abs().max()) if mask.any() else 0.0,
+            "loss/mismatch_frac": masked_mean(delta.abs() > 1e-6, mask)}
 
 
 # --- the two entry points: read the flags, dispatch, pass values down
 
 
-def compute_policy_loss(args: LossArgs, logp: Tensor, old_logp: Tensor, rollout_logp: Tensor, adv: Tensor, mask: Tensor, *, versions: Tensor,
-                        current_version: int, denoms: Denoms, group_tokens: Tensor | None = None, ref_logp: Tensor | None = None,
+def compute_policy_loss(args: LossArgs, logp: Tensor, old_logp: Tensor, rollout_logp: Tensor, adv: Tensor, mask: Tensor,
+                        *, versions: Tensor, current_version: int, denoms: Denoms, group_tokens: Tensor | None = None,
+                        ref_logp: Tensor | None = None,
                         entropy: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
     """The policy loss () of one microbatch and its metrics. group_tokens (B,) only for agg
     prompt_mean_token_mean; ref_logp only for kl_ref model; entropy (B, T) when entropy_coef > 0 or to log it."""
     # --- inputs, then which tokens train: drop those past the lag bound, refuse uncorrected stale data
-    check_shapes(mask, logp=logp, old_logp=old_logp, rollout_logp=rollout_logp, adv=adv, versions=versions, ref_logp=ref_logp, entropy=entropy)
+    check_shapes(mask, logp=logp, old_logp=old_logp, rollout_logp=rollout_logp, adv=adv, versions=versions,
+                 ref_logp=ref_logp, entropy=entropy)
     kept = stale_mask(versions, mask, current_version=current_version, max_lag=args.max_token_lag)  # (B, T)
     check_versions(versions, kept, current_version=current_version, is_level=args.is_level)
 
     # --- surrogate per token
+    clip = dict(clip_low=args.clip_low, clip_high=args.clip_high)
     if args.surrogate == "ppo":
-        per_token, clipped = ppo(logp, old_logp, adv, kept, clip_low=args.clip_low, clip_high=args.clip_high, dual_clip=args.dual_clip)
+        per_token, clipped = ppo(logp, old_logp, adv, kept, **clip, dual_clip=args.dual_clip)
     elif args.surrogate == "gspo":
-        per_token, clipped = gspo(logp, old_logp, adv, kept, clip_low=args.clip_low, clip_high=args.clip_high, dual_clip=args.dual_clip)
+        per_token, clipped = gspo(logp, old_logp, adv, kept, **clip, dual_clip=args.dual_clip)
     elif args.surrogate == "cispo":
-        per_token, clipped = cispo(logp, old_logp, adv, kept, clip_low=args.clip_low, clip_high=args.clip_high)
+        per_token, clipped = cispo(logp, old_logp, adv, kept, **clip)
     else:
         raise ValueError(f"--loss.surrogate {args.surrogate!r}: unknown; choose one of {', '.join(SURROGATES)}")
 
     # --- importance correction (a detached factor; with cispo it multiplies CISPO's own weight), aggregation
-    weight, cut = importance_weights(old_logp, rollout_logp, kept, level=args.is_level, mode=args.is_mode, band=args.is_band)
+    weight, cut = importance_weights(old_logp, rollout_logp, kept, level=args.is_level, mode=args.is_mode,
+                                     band=args.is_band)
     per_token = weight * per_token  # (B, T)
     loss = aggregate(per_token, mask, agg=args.agg, denoms=denoms, group_tokens=group_tokens)
     metrics = {"loss/pg": masked_mean(per_token, kept), "loss/clip_frac": masked_mean(clipped, kept),
@@ -320,11 +340,13 @@ def compute_policy_loss(args: LossArgs, logp: Tensor, old_logp: Tensor, rollout_
     # --- KL to the reference: always measured when a reference exists, in the loss when kl_coef > 0
     if args.kl_ref == "rollout":
         if ref_logp is not None:
-            raise ValueError("ref_logp: given, but --loss.kl_ref rollout uses rollout_logp; pass None or set --loss.kl_ref model")
+            raise ValueError("ref_logp: given, but --loss.kl_ref rollout uses rollout_logp; pass None or set "
+                             "--loss.kl_ref model")
         reference = rollout_logp
     elif args.kl_ref == "model":
         if ref_logp is None and args.kl_coef > 0.0:
-            raise ValueError("ref_logp: --loss.kl_ref model with --loss.kl_coef > 0 needs the reference model's log-probs (B, T)")
+            raise ValueError("ref_logp: --loss.kl_ref model with --loss.kl_coef > 0 needs the reference model's "
+                             "log-probs (B, T)")
         reference = ref_logp
     else:
         raise ValueError(f"--loss.kl_ref {args.kl_ref!r}: unknown; choose one of {', '.join(KL_REFS)}")
@@ -336,11 +358,13 @@ def compute_policy_loss(args: LossArgs, logp: Tensor, old_logp: Tensor, rollout_
 
     # --- entropy bonus
     if entropy is None and args.entropy_coef != 0.0:
-        raise ValueError("entropy: --loss.entropy_coef != 0 needs the per-token entropy (B, T); pass it or set --loss.entropy_coef 0")
+        raise ValueError("entropy: --loss.entropy_coef != 0 needs the per-token entropy (B, T); pass it or set "
+                         "--loss.entropy_coef 0")
     if entropy is not None:
         metrics["loss/entropy"] = masked_mean(entropy, kept)
         if args.entropy_coef != 0.0:
-            loss = loss - args.entropy_coef * aggregate(torch.where(kept, entropy, 0.0), mask, agg=args.agg, denoms=denoms, group_tokens=group_tokens)
+            loss = loss - args.entropy_coef * aggregate(torch.where(kept, entropy, 0.0), mask, agg=args.agg,
+                                                        denoms=denoms, group_tokens=group_tokens)
 
     # --- forward consistency, only on tokens the trainer's current weights sampled (lag is not mismatch);
     # a batch with none (asynchronous steps) reports no mismatch keys rather than a false zero
@@ -350,6 +374,7 @@ def compute_policy_loss(args: LossArgs, logp: Tensor, old_logp: Tensor, rollout_
     return loss, metrics
 
 
-def compute_value_loss(args: LossArgs, values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *, denoms: Denoms) -> tuple[Tensor, dict[str, float]]:
+def compute_value_loss(args: LossArgs, values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *,
+                       denoms: Denoms) -> tuple[Tensor, dict[str, float]]:
     """The critic's loss () of one microbatch; the one reader of --loss.value_clip."""
     return value_loss(values, old_values, returns, mask, clip=args.value_clip, denoms=denoms)

@@ -1,15 +1,14 @@
 """Trainer: the one FSDP2 policy actor. Load, shard, recompute log-probs, train, export for refit, checkpoint.
 
 Shapes: B rows (segments), T tokens (the longest row of the batch or microbatch), V vocabulary.
-Contract: TrainerGroup(model_path, train, fsdp, ckpt, loss, estimator, temperature=...) starts
---train.world_size Ray actors, one rank each, in one process group (gloo on CPU, NCCL on GPU).
-train_step(segments) -> metrics runs one RL step; sft_step(segments) trains token NLL on the action
-tokens; logprobs(segments) -> [(T,)] recomputes log-probs of logits / temperature;
-export_weights(bucket_mb) yields lists of (HF name, full tensor); refit(generator) loads the current
-weights into a paused Generator straight from rank 0 (on GPU they never leave it); save/load/--ckpt.resume use
-torch.distributed.checkpoint. Every rank receives the whole batch and derives the same plan,
-advantages and loss denominators from it; besides the model's own collectives, ranks only
-all-reduce the no-grad pass's per-row results (a gather) and each step's loss (a metric).
+Contract: TrainerGroup(model_path, train, fsdp, ckpt, loss, estimator, temperature=...) starts --train.world_size Ray
+actors, one rank each, in one process group (gloo on CPU, NCCL on GPU). train_step(segments) -> metrics runs one RL
+step; sft_step(segments) trains token NLL on the action tokens; logprobs(segments) -> [(T,)] recomputes log-probs of
+logits / temperature; export_weights(bucket_mb) yields lists of (HF name, full tensor); refit(generator) loads the
+current weights into a paused Generator straight from rank 0 (on GPU they never leave it); save/load/--ckpt.resume use
+torch.distributed.checkpoint. Every rank receives the whole batch and derives the same plan, advantages and loss
+denominators from it; besides the model's own collectives, ranks only all-reduce the no-grad pass's per-row results
+(a gather) and each step's loss (a metric).
 --train.routing_replay (Qwen3-MoE): the forward routes each (token, MoE layer) to the experts the
 segment's routed_experts (T, layers, top_k) recorded (-1 = live top-k); the gate still gets gradient.
 Not here: sampling and the refit transport (generator.py), advantage and loss math (estimators.py,
@@ -53,92 +52,112 @@ WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt)$|.*\.safetensors\.index\.js
 @dataclass
 class TrainArgs:
     lr: float = field(default=1e-5, metadata={"help": "AdamW peak learning rate of the policy"})
-    warmup_steps: int = field(default=0, metadata={"help": "optimizer steps of linear warmup from lr/warmup_steps to lr"})
+    warmup_steps: int = field(default=0, metadata={"help": "optimizer steps of linear warmup: lr/warmup_steps to lr"})
     schedule: str = field(default="constant", metadata={"help": "learning rate after warmup", "choices": SCHEDULES})
-    total_steps: int | None = field(default=None, metadata={"help": "optimizer steps at which cosine reaches 0 (needed by --train.schedule cosine)"})
+    total_steps: int | None = field(default=None, metadata={"help": "step at which --train.schedule cosine reaches 0"})
     betas: tuple[float, float] = field(default=(0.9, 0.999), metadata={"help": "AdamW beta1 beta2"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW decoupled weight decay"})
-    grad_clip: float | None = field(default=1.0, metadata={"help": "clip the global gradient norm to this; None = no clip (the norm is logged either way)"})
+    grad_clip: float | None = field(default=1.0, metadata={"help": "clip the global grad norm to this; None = no clip"})
     epochs: int = field(default=1, metadata={"help": "passes over each batch (PPO-style reuse)"})
-    minibatches: int = field(default=1, metadata={"help": "optimizer steps per pass: the batch is cut into this many slices"})
-    max_tokens_per_microbatch: int = field(default=4096, metadata={"help": "padded tokens (rows x longest row) per forward; bounds activation memory"})
+    minibatches: int = field(default=1, metadata={"help": "optimizer steps per pass, one per slice of the batch"})
+    max_tokens_per_microbatch: int = field(default=4096, metadata={"help": "per-forward bound on rows x longest row"})
     world_size: int = field(default=1, metadata={"help": "trainer ranks (Ray actors), one process group"})
-    critic_lr: float | None = field(default=None, metadata={"help": "AdamW learning rate of the critic (a value head on a copy of the model); set iff --estimator.name gae"})
-    batch_prompts: int = field(default=8, metadata={"help": "prompt groups per train step (read by launch.py's loop; SFT: examples per step)"})
-    max_staleness: int = field(default=0, metadata={"help": "policy versions a batch may lag the trainer (read by launch.py's loop); 0 = strictly on-policy"})
+    critic_lr: float | None = field(default=None, metadata={
+        "help": "AdamW lr of the critic (a value head on a model copy); set iff --estimator.name gae"})
+    batch_prompts: int = field(default=8, metadata={"help": "prompt groups per step (for launch.py; SFT: examples)"})
+    max_staleness: int = field(default=0, metadata={"help": "policy versions a batch may lag; 0 = strictly on-policy"})
     partial_rollout: bool = field(default=False, metadata={
-        "help": "keep in-flight requests across a refit (a row can mix versions; a group is as fresh as its newest "
-                "token; read by launch.py)"})
-    routing_replay: bool = field(default=False, metadata={"help": "MoE (Qwen3-MoE): route each token to the experts the engine recorded (Segment.routed_experts) in every policy forward"})
+        "help": "keep in-flight requests across a refit (rows mix versions; a group is as fresh as its newest token)"})
+    routing_replay: bool = field(default=False, metadata={"help": "Qwen3-MoE: forwards replay Segment.routed_experts"})
     seed: int = field(default=0, metadata={"help": "torch / python / numpy seed of every rank"})
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
             raise ValueError(f"--train.schedule {self.schedule!r}: unknown; choose one of {', '.join(SCHEDULES)}")
         if not self.lr >= 0.0 or (self.critic_lr is not None and not self.critic_lr > 0.0):
-            raise ValueError(f"--train.lr {self.lr} / --train.critic_lr {self.critic_lr}: lr must be >= 0 and critic_lr > 0 (or None)")
+            raise ValueError(f"--train.lr {self.lr} / --train.critic_lr {self.critic_lr}: "
+                             "lr must be >= 0 and critic_lr > 0 (or None)")
         if self.schedule == "cosine" and (self.total_steps is None or self.total_steps <= self.warmup_steps):
-            raise ValueError(f"--train.schedule cosine with --train.total_steps {self.total_steps}: cosine decays to 0 at total_steps, which must exceed --train.warmup_steps {self.warmup_steps}; set it")
+            raise ValueError(f"--train.schedule cosine with --train.total_steps {self.total_steps}: cosine decays to 0 "
+                             f"at total_steps, which must exceed --train.warmup_steps {self.warmup_steps}; set it")
         if self.schedule == "constant" and self.total_steps is not None:
-            raise ValueError("--train.total_steps with --train.schedule constant: only cosine reads it; unset it or set --train.schedule cosine")
+            raise ValueError("--train.total_steps with --train.schedule constant: only cosine reads it; "
+                             "unset it or set --train.schedule cosine")
         if not all(0.0 <= b < 1.0 for b in self.betas) or self.weight_decay < 0.0:
-            raise ValueError(f"--train.betas {self.betas} / --train.weight_decay {self.weight_decay}: betas must be in [0, 1), weight_decay >= 0")
+            raise ValueError(f"--train.betas {self.betas} / --train.weight_decay {self.weight_decay}: "
+                             "betas must be in [0, 1), weight_decay >= 0")
         if self.grad_clip is not None and not self.grad_clip > 0.0:
             raise ValueError(f"--train.grad_clip {self.grad_clip}: must be > 0, or None for no clipping")
-        if min(self.epochs, self.minibatches, self.max_tokens_per_microbatch, self.world_size, self.batch_prompts) < 1 or min(self.warmup_steps, self.max_staleness) < 0:
-            raise ValueError("--train.epochs, --train.minibatches, --train.max_tokens_per_microbatch, --train.world_size, --train.batch_prompts must be >= 1; --train.warmup_steps, --train.max_staleness >= 0")
+        if (min(self.epochs, self.minibatches, self.max_tokens_per_microbatch, self.world_size, self.batch_prompts) < 1
+                or min(self.warmup_steps, self.max_staleness) < 0):
+            raise ValueError("--train.epochs, --train.minibatches, --train.max_tokens_per_microbatch, "
+                             "--train.world_size, --train.batch_prompts must be >= 1; "
+                             "--train.warmup_steps, --train.max_staleness >= 0")
 
 
 @dataclass
 class FsdpArgs:
-    tp_size: int = field(default=1, metadata={"help": "tensor-parallel ranks (not supported yet: NeMo's TP plan for HF Qwen3 mis-reduces q_norm/k_norm gradients)"})
-    cp_size: int = field(default=1, metadata={"help": "context-parallel ranks (not supported yet: needs sequence-sharded inputs)"})
-    ep_size: int = field(default=1, metadata={"help": "expert-parallel ranks for MoE (not supported yet: needs NeMo's own MoE classes)"})
-    offload: str = field(default="none", metadata={"help": "optimizer: FSDP2 CPUOffloadPolicy keeps sharded params, grads and AdamW state in host memory (GPU only)", "choices": OFFLOADS})
-    param_dtype: str = field(default="float32", metadata={"help": "compute dtype of the forward/backward; master weights and AdamW state stay float32", "choices": PARAM_DTYPES})
-    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute each decoder layer's activations in backward (NeMo's activation checkpointing)"})
-    compile_logprobs: bool = field(default=True, metadata={"help": "GPU: the log-prob path (fp32 log-softmax over the vocabulary) compiled by Inductor: ~3x faster, half the memory of eager"})
+    tp_size: int = field(default=1, metadata={"help": "tensor-parallel ranks (unsupported: wrong q_norm/k_norm grads)"})
+    cp_size: int = field(default=1, metadata={"help": "context-parallel ranks (unsupported: needs sharded sequences)"})
+    ep_size: int = field(default=1, metadata={"help": "expert-parallel ranks (unsupported: needs NeMo's MoE classes)"})
+    offload: str = field(default="none", metadata={
+        "help": "optimizer: FSDP2 CPUOffloadPolicy: params, grads, AdamW in host memory (GPU)", "choices": OFFLOADS})
+    param_dtype: str = field(default="float32", metadata={
+        "help": "forward/backward dtype; master weights and AdamW state stay float32", "choices": PARAM_DTYPES})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute layer activations in backward"})
+    compile_logprobs: bool = field(default=True, metadata={"help": "GPU: compile log-probs: ~3x faster, half memory"})
 
     def __post_init__(self):
         if self.offload not in OFFLOADS or self.param_dtype not in PARAM_DTYPES:
-            raise ValueError(f"--fsdp.offload {self.offload!r} / --fsdp.param_dtype {self.param_dtype!r}: choose from {OFFLOADS} / {PARAM_DTYPES}")
+            raise ValueError(f"--fsdp.offload {self.offload!r} / --fsdp.param_dtype {self.param_dtype!r}: "
+                             f"choose from {OFFLOADS} / {PARAM_DTYPES}")
         if min(self.tp_size, self.cp_size, self.ep_size) < 1:
             raise ValueError("--fsdp.tp_size, --fsdp.cp_size, --fsdp.ep_size must be >= 1")
         if self.tp_size > 1:
-            raise ValueError("--fsdp.tp_size > 1: with NeMo AutoModel 0.7.0's TP plan, HF Qwen3's q_norm/k_norm weights get gradients from their own heads only (measured: they leave the world-size-1 step by a full lr); set 1")
+            raise ValueError("--fsdp.tp_size > 1: with NeMo AutoModel 0.7.0's TP plan, HF Qwen3's q_norm/k_norm "
+                             "weights get gradients from their own heads only (measured: they leave the world-size-1 "
+                             "step by a full lr); set 1")
         if self.cp_size > 1:
-            raise ValueError("--fsdp.cp_size > 1: context parallelism needs sequence-sharded inputs, which trainer.py does not build yet; set 1")
+            raise ValueError("--fsdp.cp_size > 1: context parallelism needs sequence-sharded inputs, "
+                             "which trainer.py does not build yet; set 1")
         if self.ep_size > 1:
-            raise ValueError("--fsdp.ep_size > 1: NeMo's expert parallelism needs its own MoE classes, whose parameter names differ from the HF names refit uses; set 1")
+            raise ValueError("--fsdp.ep_size > 1: NeMo's expert parallelism needs its own MoE classes, "
+                             "whose parameter names differ from the HF names refit uses; set 1")
 
 
 @dataclass
 class CkptArgs:
-    dir: str | None = field(default=None, metadata={"help": "checkpoint root: step_NNNNNN/ directories are written here"})
+    dir: str | None = field(default=None, metadata={"help": "checkpoint root: step_NNNNNN/ directories go here"})
     every: int = field(default=0, metadata={"help": "save after every N train steps; 0 = only when the caller asks"})
     keep: int = field(default=2, metadata={"help": "keep the newest K checkpoints, delete older ones"})
     resume: bool = field(default=False, metadata={"help": "start from the newest complete checkpoint under --ckpt.dir"})
-    save_hf: bool = field(default=False, metadata={"help": "also write an HF safetensors directory (hf/) into every checkpoint"})
+    save_hf: bool = field(default=False, metadata={"help": "also save an HF safetensors directory hf/ per checkpoint"})
 
     def __post_init__(self):
         if self.every < 0 or self.keep < 1:
             raise ValueError(f"--ckpt.every {self.every} / --ckpt.keep {self.keep}: need every >= 0 and keep >= 1")
         if self.dir is None and (self.every > 0 or self.resume or self.save_hf):
-            raise ValueError("--ckpt.every / --ckpt.resume / --ckpt.save_hf without --ckpt.dir: there is nowhere to write or read; set --ckpt.dir")
+            raise ValueError("--ckpt.every / --ckpt.resume / --ckpt.save_hf without --ckpt.dir: "
+                             "there is nowhere to write or read; set --ckpt.dir")
 
 
 def check_args(train: TrainArgs, fsdp: FsdpArgs, loss: LossArgs, estimator: EstimatorArgs, *, cuda: bool) -> None:
     """Rules that span files or depend on the machine; checked before any actor starts."""
     if not cuda and fsdp.param_dtype != "float32":
-        raise ValueError("--fsdp.param_dtype bfloat16 on CPU: the CPU path trains in float32 (and vLLM-CPU samples in float32); set --fsdp.param_dtype float32")
+        raise ValueError("--fsdp.param_dtype bfloat16 on CPU: the CPU path trains in float32 "
+                         "(and vLLM-CPU samples in float32); set --fsdp.param_dtype float32")
     if not cuda and fsdp.offload != "none":
-        raise ValueError("--fsdp.offload optimizer on CPU: the weights already live in host memory; set --fsdp.offload none")
+        raise ValueError("--fsdp.offload optimizer on CPU: the weights already live in host memory; "
+                         "set --fsdp.offload none")
     if fsdp.offload != "none" and train.world_size == 1:
-        raise ValueError("--fsdp.offload optimizer with one data-parallel rank: NeMo's FSDP2 does not shard (nor offload) then; set --fsdp.offload none or raise --train.world_size")
+        raise ValueError("--fsdp.offload optimizer with one data-parallel rank: NeMo's FSDP2 does not shard "
+                         "(nor offload) then; set --fsdp.offload none or raise --train.world_size")
     if (estimator.name == "gae") != (train.critic_lr is not None):
-        raise ValueError(f"--estimator.name {estimator.name} with --train.critic_lr {train.critic_lr}: gae needs a critic and only gae uses one; set both or neither")
+        raise ValueError(f"--estimator.name {estimator.name} with --train.critic_lr {train.critic_lr}: "
+                         "gae needs a critic and only gae uses one; set both or neither")
     if estimator.kl_coef > 0.0 and loss.kl_ref != "model":
-        raise ValueError("--estimator.kl_coef > 0 with --loss.kl_ref rollout: the per-token KL reward is measured against a frozen reference model; set --loss.kl_ref model")
+        raise ValueError("--estimator.kl_coef > 0 with --loss.kl_ref rollout: the per-token KL reward is measured "
+                         "against a frozen reference model; set --loss.kl_ref model")
 
 
 # --- pure functions: batch layout, log-probs, schedule, gradient norm, SFT rows
@@ -155,7 +174,8 @@ def collate(segments: list[Segment], moe: tuple[int, int, int] | None = None) ->
         except ValueError as e:
             raise ValueError(f"segment {i}: {e}") from None
         if not seg.token_ids or seg.action_mask[0]:
-            raise ValueError(f"segment {i} ({seg.episode_id!r}): empty, or its first token is an action (nothing precedes it to predict it from)")
+            raise ValueError(f"segment {i} ({seg.episode_id!r}): empty, or its first token is an action "
+                             "(nothing precedes it to predict it from)")
         if not math.isfinite(seg.reward):
             raise ValueError(f"segment {i} ({seg.episode_id!r}): reward {seg.reward} is not finite")
     if not any(any(seg.action_mask) for seg in segments):
@@ -165,11 +185,12 @@ def collate(segments: list[Segment], moe: tuple[int, int, int] | None = None) ->
     rollout_logp, versions = np.zeros((B, T), dtype=np.float32), np.full((B, T), -1, dtype=np.int64)  # (B, T)
     for i, seg in enumerate(segments):  # numpy reads Python lists ~5x faster than torch.tensor does
         n = len(seg.token_ids)
-        ids[i, :n], mask[i, :n], rollout_logp[i, :n], versions[i, :n] = seg.token_ids, seg.action_mask, seg.logprobs, seg.versions
+        ids[i, :n], mask[i, :n] = seg.token_ids, seg.action_mask
+        rollout_logp[i, :n], versions[i, :n] = seg.logprobs, seg.versions
     group_index = {g: k for k, g in enumerate(dict.fromkeys(seg.group_id for seg in segments))}
     episode_index = {e: k for k, e in enumerate(dict.fromkeys(seg.episode_id for seg in segments))}
-    batch = {"ids": torch.from_numpy(ids), "mask": torch.from_numpy(mask), "rollout_logp": torch.from_numpy(rollout_logp),
-             "versions": torch.from_numpy(versions),
+    batch = {"ids": torch.from_numpy(ids), "mask": torch.from_numpy(mask),
+             "rollout_logp": torch.from_numpy(rollout_logp), "versions": torch.from_numpy(versions),
              "rewards": torch.tensor([float(seg.reward) for seg in segments]),  # (B,)
              "group_ids": torch.tensor([group_index[seg.group_id] for seg in segments]),  # (B,)
              "episode_ids": torch.tensor([episode_index[seg.episode_id] for seg in segments]),  # (B,)
@@ -216,15 +237,15 @@ def replayed_routing(logits: torch.Tensor, live_ids: torch.Tensor, replay: torch
 
 
 def plan_step(lengths: list[int], *, minibatches: int, dp_size: int, max_tokens: int) -> list[list[list[list[int]]]]:
-    """Row indices as [minibatch][dp rank][microbatch]. Minibatches are contiguous slices of the batch; a
-    minibatch's rows go longest first to the least-loaded rank; a rank's rows fill microbatches of at most
-    max_tokens padded tokens (rows x longest row). Short ranks get empty microbatches, because every FSDP
-    rank must run every forward."""
+    """Row indices as [minibatch][dp rank][microbatch]. Minibatches are contiguous slices of the batch; a minibatch's
+    rows go longest first to the least-loaded rank; a rank's rows fill microbatches of at most max_tokens padded tokens
+    (rows x longest row). Short ranks get empty microbatches, because every FSDP rank must run every forward."""
     if len(lengths) < minibatches:
         raise ValueError(f"--train.minibatches {minibatches}: the batch has only {len(lengths)} segments")
     for i, n in enumerate(lengths):
         if n > max_tokens:
-            raise ValueError(f"segment {i}: {n} tokens > --train.max_tokens_per_microbatch {max_tokens}; raise the flag or cap the episode length")
+            raise ValueError(f"segment {i}: {n} tokens > --train.max_tokens_per_microbatch {max_tokens}; "
+                             "raise the flag or cap the episode length")
     plan = []
     for chunk in torch.arange(len(lengths)).tensor_split(minibatches):
         rows = sorted(chunk.tolist(), key=lambda i: -lengths[i])  # stable: ties keep batch order
@@ -347,7 +368,8 @@ def sft_batch(examples: list[dict], tokenizer, *, end_token: str = "<|im_end|>")
     and every prefix must be a token prefix of the full rendering, else ValueError. SFT rows carry version 0."""
     end_id = tokenizer.convert_tokens_to_ids(end_token)
     if end_id is None or end_id == tokenizer.unk_token_id:
-        raise ValueError(f"end_token {end_token!r}: not a single token of this tokenizer; pass the template's end-of-turn token")
+        raise ValueError(f"end_token {end_token!r}: not a single token of this tokenizer; "
+                         "pass the template's end-of-turn token")
     segments = []
     for i, example in enumerate(examples):
         messages = example["messages"]
@@ -358,15 +380,17 @@ def sft_batch(examples: list[dict], tokenizer, *, end_token: str = "<|im_end|>")
                 continue
             if turn == 0:
                 raise ValueError(f"example {i}: starts with an assistant turn; nothing precedes it to condition on")
-            start = len(before := tokenizer.apply_chat_template(messages[:turn], tokenize=True, add_generation_prompt=True, return_dict=False))
+            start = len(before := tokenizer.apply_chat_template(messages[:turn], tokenize=True,
+                                                                add_generation_prompt=True, return_dict=False))
             upto = tokenizer.apply_chat_template(messages[:turn + 1], tokenize=True, return_dict=False)
             if ids[:start] != before or ids[:len(upto)] != upto or end_id not in upto[start:]:
-                raise ValueError(f"example {i}, message {turn}: the chat template does not render this prefix as a token prefix of the conversation (or the turn lacks {end_token}); SFT masks would be misplaced")
+                raise ValueError(f"example {i}, message {turn}: the chat template does not render this prefix as a "
+                                 f"token prefix of the conversation (or the turn lacks {end_token}); "
+                                 "SFT masks would be misplaced")
             stop = len(upto) - upto[::-1].index(end_id)  # one past the turn's last end_token
             mask[start:stop] = [True] * (stop - start)
-        segments.append(Segment(token_ids=ids, action_mask=mask, logprobs=[0.0] * len(ids),
-                                versions=[0 if m else -1 for m in mask], episode_id=f"sft-{i}", group_id=f"sft-{i}",
-                                finish_reason="stop"))
+        segments.append(Segment(token_ids=ids, action_mask=mask, logprobs=[0.0] * len(ids), finish_reason="stop",
+                                versions=[0 if m else -1 for m in mask], episode_id=f"sft-{i}", group_id=f"sft-{i}"))
     return segments
 
 
@@ -421,28 +445,30 @@ class TrainerRank:
         torch.manual_seed(self.train.seed)
         random.seed(self.train.seed)
         np.random.seed(self.train.seed)
-        from nemo_automodel.components.distributed.config import DistributedSetup, FSDP2Config  # rank-only: ~10 s of imports
+        from nemo_automodel.components.distributed.config import DistributedSetup, FSDP2Config  # rank-only: ~10 s
         from nemo_automodel.components.distributed.mesh import ParallelismSizes
         compute_dtype = torch.bfloat16 if self.fsdp.param_dtype == "bfloat16" else torch.float32
         self.dist_setup = DistributedSetup.build(
             FSDP2Config(mp_policy=MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32),
                         offload_policy=CPUOffloadPolicy() if self.fsdp.offload == "optimizer" else None),
-            parallelism_sizes=ParallelismSizes(tp_size=self.fsdp.tp_size, cp_size=self.fsdp.cp_size, ep_size=self.fsdp.ep_size),
+            parallelism_sizes=ParallelismSizes(tp_size=self.fsdp.tp_size, cp_size=self.fsdp.cp_size,
+                                               ep_size=self.fsdp.ep_size),
             activation_checkpointing=self.fsdp.gradient_checkpointing, world_size=self.world_size)
         dp_mesh = self.dist_setup.mesh_context.device_mesh["dp"]
         self.dp_rank, self.dp_size, self.dp_group = dp_mesh.get_local_rank(), dp_mesh.size(), dp_mesh.get_group()
         self.model = self.build(AutoModelForCausalLM)
         if self.train.routing_replay:
             self.moe = self.install_replay(self.model)
-        # transformers keeps some weights in another layout than its checkpoints (each MoE layer's experts fused
-        # into one tensor); these names go through its own reverse conversion (save_pretrained's) on export
+        # names transformers keeps fused (an MoE layer's experts in one tensor): export reverts them as save_pretrained
         from transformers.core_model_loading import revert_weight_conversion
-        meta = {export_name(n): torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in self.model.named_parameters()}
+        meta = {export_name(n): torch.empty(p.shape, dtype=p.dtype, device="meta")
+                for n, p in self.model.named_parameters()}
         self.fused = set(meta) - set(revert_weight_conversion(self.model, meta))
-        # NeMo does not call fully_shard with one data-parallel rank, so its mixed-precision cast never happens: autocast instead.
+        # with one dp rank NeMo skips fully_shard, so its mixed-precision cast never happens: autocast instead
         self.autocast = compute_dtype != torch.float32 and not isinstance(self.model, FSDPModule)
-        # fused: one kernel per step over all tensors (foreach, torch's default, makes ~a dozen passes); lr: set before each step
-        adamw = lambda params: torch.optim.AdamW(params, lr=0.0, betas=self.train.betas, weight_decay=self.train.weight_decay, fused=True)
+        # fused: one kernel per step over all tensors (the default foreach makes ~a dozen passes); lr: set each step
+        adamw = lambda params: torch.optim.AdamW(params, lr=0.0, betas=self.train.betas,
+                                                 weight_decay=self.train.weight_decay, fused=True)
         self.optimizer = adamw(self.model.parameters())
         self.entropy_grad = self.loss.entropy_coef != 0.0  # entropy is logged always; it needs a graph only in the loss
         self.ref = self.critic = self.critic_optimizer = None
@@ -455,12 +481,14 @@ class TrainerRank:
     def build(self, auto_class, **kwargs) -> torch.nn.Module:
         """Load model_path in float32 (master weights) and shard it with NeMo AutoModel's FSDP2 parallelizer."""
         if self.cuda:
-            import nemo_automodel
-            nemo_class = {AutoModelForCausalLM: nemo_automodel.NeMoAutoModelForCausalLM, AutoModelForTokenClassification: nemo_automodel.NeMoAutoModelForTokenClassification}[auto_class]
-            # force_hf: HF classes keep HF parameter names (refit, export); no Liger kernels: the same math as the engine
-            model = nemo_class.from_pretrained(self.model_path, dtype=torch.float32, force_hf=True, use_liger_kernel=False, **kwargs)
-        else:
-            model = auto_class.from_pretrained(self.model_path, dtype=torch.float32, **kwargs)  # NeMo's loader hard-codes CUDA
+            from nemo_automodel import NeMoAutoModelForCausalLM, NeMoAutoModelForTokenClassification
+            nemo_class = {AutoModelForCausalLM: NeMoAutoModelForCausalLM,
+                          AutoModelForTokenClassification: NeMoAutoModelForTokenClassification}[auto_class]
+            # force_hf: HF classes keep HF parameter names (refit, export); no Liger kernels: same math as the engine
+            model = nemo_class.from_pretrained(self.model_path, dtype=torch.float32, force_hf=True,
+                                               use_liger_kernel=False, **kwargs)
+        else:  # NeMo's loader hard-codes CUDA
+            model = auto_class.from_pretrained(self.model_path, dtype=torch.float32, **kwargs)
         if auto_class is AutoModelForTokenClassification:
             with torch.no_grad():  # the value head starts at V = 0, the same on every rank
                 model.score.weight.zero_()
@@ -495,11 +523,11 @@ class TrainerRank:
 
     def plan(self, batch: dict, minibatches: int) -> list:
         """plan_step for this batch on this trainer's dp ranks and microbatch bound."""
-        return plan_step(batch["lengths"].tolist(), minibatches=minibatches, dp_size=self.dp_size, max_tokens=self.train.max_tokens_per_microbatch)
+        return plan_step(batch["lengths"].tolist(), minibatches=minibatches, dp_size=self.dp_size,
+                         max_tokens=self.train.max_tokens_per_microbatch)
 
     def microbatch(self, batch: dict, rows: list[int]) -> dict[str, torch.Tensor]:
-        """The rows' tensors cropped to their longest row, on this rank's device; no rows give one masked pad
-        token (routed live: -1)."""
+        """The rows' tensors cropped to their longest row, on this rank's device; no rows give one masked pad token."""
         if not rows:
             return {k: torch.full_like(v[:1, :1] if v.ndim >= 2 else v[:1], -1 if k == "routed" else 0).to(self.device)
                     for k, v in batch.items()}
@@ -524,8 +552,7 @@ class TrainerRank:
 
     @torch.no_grad()
     def forward_rows(self, fn, batch: dict, plan: list) -> torch.Tensor:
-        """fn(microbatch) -> (b, t) over this rank's rows of the plan, assembled into the whole batch's (B, T) on
-        every rank."""
+        """fn(microbatch) -> (b, t) over this rank's planned rows, assembled into the batch's (B, T) on every rank."""
         out = torch.zeros(batch["ids"].shape, device=self.device)  # (B, T)
         for minibatch in plan:
             for rows in minibatch[self.dp_rank]:
@@ -551,19 +578,23 @@ class TrainerRank:
 
         # --- no-grad pass: old log-probs (the proximal policy), reference log-probs, critic values.
         # Exactly on-policy with one optimizer step per batch, old = new.detach() and the pass is skipped.
-        on_policy = self.train.epochs == 1 and self.train.minibatches == 1 and bool((batch["versions"][mask] == self.version).all())
+        on_policy = (self.train.epochs == 1 and self.train.minibatches == 1
+                     and bool((batch["versions"][mask] == self.version).all()))
         kl = None
         if not on_policy or self.ref is not None:
             policy = lambda x: self.policy_logprobs(self.model, x["ids"], self.temperature, routed=x.get("routed"))[0]
             batch["old_logp"] = self.forward_rows(policy, batch, plan)
         if self.ref is not None:
-            batch["ref_logp"] = self.forward_rows(lambda x: self.policy_logprobs(self.ref, x["ids"], self.temperature)[0], batch, plan)
-            kl = torch.where(mask, batch["old_logp"] - batch["ref_logp"], 0.0)  # (B, T) k1, for a KL reward in the estimator
+            ref = lambda x: self.policy_logprobs(self.ref, x["ids"], self.temperature)[0]
+            batch["ref_logp"] = self.forward_rows(ref, batch, plan)
+            kl = torch.where(mask, batch["old_logp"] - batch["ref_logp"], 0.0)  # (B, T) k1: the estimator's KL reward
         if self.critic is not None:
             batch["values"] = self.forward_rows(lambda x: self.critic_values(x["ids"]), batch, plan)
 
         # --- advantages over the whole batch (estimators.py); gae turns the critic's values into returns
-        batch["adv"], returns, metrics = compute_advantages(self.estimator, batch["rewards"], batch["group_ids"], batch["episode_ids"], mask, values=batch.get("values"), kl=kl)
+        batch["adv"], returns, metrics = compute_advantages(self.estimator, batch["rewards"],
+                                                            batch["group_ids"], batch["episode_ids"], mask,
+                                                            values=batch.get("values"), kl=kl)
         if returns is not None:
             batch["returns"] = returns
         records.append((1.0, metrics))
@@ -576,31 +607,33 @@ class TrainerRank:
                 live = mask[rows].any(1)  # (b,) rows with an action token
                 denoms = Denoms(num_tokens=float(mask[rows].sum()), num_seqs=float(live.sum()),
                                 num_prompts=float(len(set(batch["group_ids"][rows][live].tolist()))))
-                group_tokens = torch.zeros(len(segments)).index_add_(0, batch["group_ids"][rows], mask[rows].sum(1).float())  # (P,)
+                group_tokens = torch.zeros(len(segments)).index_add_(0, batch["group_ids"][rows],
+                                                                     mask[rows].sum(1).float())  # (P,)
                 step_loss = torch.zeros((), device=self.device)
                 for micro in minibatch[self.dp_rank]:
                     x = self.microbatch(batch, micro)
-                    # new log-probs with gradient, then this microbatch's share of the policy loss (losses.py)
                     logp, entropy = self.policy_logprobs(self.model, x["ids"], self.temperature, entropy=True,
                                                          routed=x.get("routed"))
                     loss, loss_metrics = compute_policy_loss(
                         self.loss, logp, x.get("old_logp", logp.detach()), x["rollout_logp"], x["adv"], x["mask"],
-                        versions=x["versions"], current_version=start_version, denoms=denoms,
-                        group_tokens=group_tokens.to(self.device)[x["group_ids"]], ref_logp=x.get("ref_logp"), entropy=entropy)
+                        versions=x["versions"], current_version=start_version, denoms=denoms, entropy=entropy,
+                        group_tokens=group_tokens.to(self.device)[x["group_ids"]], ref_logp=x.get("ref_logp"))
                     # FSDP averages gradients over dp ranks; the shares already sum to the batch loss, so undo it
                     (loss * self.dp_size).backward()
                     step_loss += loss.detach()
                     if self.critic is not None:  # the critic regresses the returns on the same tokens (losses.py)
                         v = self.critic_values(x["ids"])  # (b, t)
-                        value_loss, value_metrics = compute_value_loss(self.loss, v, x["values"], x["returns"], x["mask"], denoms=denoms)
+                        value_loss, value_metrics = compute_value_loss(self.loss, v, x["values"], x["returns"],
+                                                                       x["mask"], denoms=denoms)
                         (value_loss * self.dp_size).backward()
                         loss_metrics.update(value_metrics)
-                        loss_metrics["train/value_mean"] = float((v.detach() * x["mask"]).sum() / x["mask"].sum().clamp(min=1))
+                        value_mean = (v.detach() * x["mask"]).sum() / x["mask"].sum().clamp(min=1)
+                        loss_metrics["train/value_mean"] = float(value_mean)
                     records.append((float(x["mask"].sum()) if micro else 0.0, loss_metrics))
-                # --- optimizer steps: the critic's, then the policy's (its version advances)
                 step_metrics = {}
                 if self.critic is not None:
-                    step_metrics["train/critic_grad_norm"], _ = self.optimizer_step(self.critic, self.critic_optimizer, self.train.critic_lr)
+                    step_metrics["train/critic_grad_norm"], _ = self.optimizer_step(self.critic, self.critic_optimizer,
+                                                                                    self.train.critic_lr)
                 step_metrics.update(self.policy_step(step_loss))
                 records.append((1.0, step_metrics))
         self.step += 1
@@ -609,7 +642,8 @@ class TrainerRank:
     def optimizer_step(self, model, optimizer, base_lr: float) -> tuple[float, float]:
         """Clip model's gradients, take one AdamW step at the scheduled lr; -> (gradient norm before clipping, lr)."""
         grad_norm = clip_grad_norm(list(model.parameters()), self.train.grad_clip)
-        lr = lr_at(self.version, lr=base_lr, warmup_steps=self.train.warmup_steps, schedule=self.train.schedule, total_steps=self.train.total_steps)
+        lr = lr_at(self.version, lr=base_lr, warmup_steps=self.train.warmup_steps, schedule=self.train.schedule,
+                   total_steps=self.train.total_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.step()
@@ -630,7 +664,8 @@ class TrainerRank:
         batch = collate(segments)
         mask, records = batch["mask"], []
         plan = self.plan(batch, 1)
-        denoms = Denoms(num_tokens=float(mask.sum()), num_seqs=float(mask.any(1).sum()), num_prompts=float(mask.any(1).sum()))
+        denoms = Denoms(num_tokens=float(mask.sum()), num_seqs=float(mask.any(1).sum()),
+                        num_prompts=float(mask.any(1).sum()))
         step_loss = torch.zeros((), device=self.device)
         for micro in plan[0][self.dp_rank]:
             x = self.microbatch(batch, micro)
@@ -659,8 +694,10 @@ class TrainerRank:
         lm_head.weight once, as model.embed_tokens.weight; fused experts become one tensor per expert."""
         from transformers.core_model_loading import revert_weight_conversion
         for name, param in params:
-            name, full = export_name(name), (param.detach().full_tensor() if isinstance(param, DTensor) else param.detach())
-            yield from revert_weight_conversion(self.model, {name: full}).items() if name in self.fused else [(name, full)]
+            name, full = export_name(name), (param.detach().full_tensor() if isinstance(param, DTensor)
+                                             else param.detach())
+            yield from (revert_weight_conversion(self.model, {name: full}).items() if name in self.fused
+                        else [(name, full)])
 
     def export_bucket(self, index: int, bucket_mb: float, dtype: torch.dtype | None) -> tuple[list | None, int]:
         """Bucket `index` of [(HF name, full CPU tensor)] on rank 0 (None elsewhere), and the number of buckets."""
@@ -703,7 +740,8 @@ class TrainerRank:
             index += 1
         if self.rank == 0:
             os.makedirs(path, exist_ok=True)
-            save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+            save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"),
+                      metadata={"format": "pt"})
             for name in os.listdir(self.model_path):
                 if os.path.isfile(os.path.join(self.model_path, name)) and not WEIGHT_FILES.fullmatch(name):
                     shutil.copy(os.path.join(self.model_path, name), path)
@@ -734,7 +772,8 @@ class TrainerRank:
             self.write_hf(os.path.join(tmp, "hf"))
         if self.rank == 0:
             with open(os.path.join(tmp, "meta.json"), "w") as f:
-                json.dump({"step": self.step, "version": self.version, "world_size": self.world_size, "data_position": data_position}, f)
+                json.dump({"step": self.step, "version": self.version, "world_size": self.world_size,
+                           "data_position": data_position}, f)
         dist.barrier()
         if self.rank == 0:
             shutil.rmtree(final, ignore_errors=True)
@@ -749,12 +788,14 @@ class TrainerRank:
         with open(os.path.join(path, "meta.json")) as f:
             meta = json.load(f)
         if meta["world_size"] != self.world_size:
-            raise ValueError(f"checkpoint {path}: written by {meta['world_size']} ranks, this trainer has --train.world_size {self.world_size} (the RNG state is per rank)")
+            raise ValueError(f"checkpoint {path}: written by {meta['world_size']} ranks, this trainer has "
+                             f"--train.world_size {self.world_size} (the RNG state is per rank)")
         state = self.state()
         dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         if self.critic is not None:
-            set_state_dict(self.critic, self.critic_optimizer, model_state_dict=state["critic"], optim_state_dict=state["critic_optim"])
+            set_state_dict(self.critic, self.critic_optimizer, model_state_dict=state["critic"],
+                           optim_state_dict=state["critic_optim"])
         rng = torch.load(os.path.join(path, f"rng_rank{self.rank}.pt"), weights_only=False)
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
@@ -782,7 +823,8 @@ class TrainerGroup:
             raise ValueError(f"temperature {temperature}: must be > 0, the rollout's --rollout.temperature")
         self.ckpt = ckpt
         actor_class = ray.remote(num_cpus=0, num_gpus=gpus)(TrainerRank)
-        self.actors = [actor_class.remote(r, train.world_size, model_path, train, fsdp, ckpt, loss, estimator, temperature) for r in range(train.world_size)]
+        self.actors = [actor_class.remote(r, train.world_size, model_path, train, fsdp, ckpt, loss, estimator,
+                                          temperature) for r in range(train.world_size)]
         try:
             addr, port = ray.get(self.actors[0].address.remote())
             ray.get([a.setup.remote(addr, port) for a in self.actors])
@@ -794,7 +836,8 @@ class TrainerGroup:
         if ckpt.resume:
             found = checkpoint_dirs(ckpt.dir)
             if not found:
-                raise ValueError(f"--ckpt.resume: no complete checkpoint under --ckpt.dir {ckpt.dir}; drop --ckpt.resume to start fresh")
+                raise ValueError(f"--ckpt.resume: no complete checkpoint under --ckpt.dir {ckpt.dir}; "
+                                 "drop --ckpt.resume to start fresh")
             self.data_position = self.load(found[-1])
 
     def run_step(self, method: str, segments: list[Segment], data_position: dict | None) -> dict[str, float]:
