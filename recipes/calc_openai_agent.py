@@ -41,14 +41,16 @@ class CalculatorAgent(ChatAgent):
         client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key)
         messages, reply = list(ctx.messages), ""
         for _ in range(MAX_TURNS):
-            response = await client.chat.completions.create(model=ctx.model, messages=messages, tools=ctx.tools, max_tokens=48)
+            response = await client.chat.completions.create(model=ctx.model, messages=messages, tools=ctx.tools,
+                                                            max_tokens=48)
             message = response.choices[0].message
             messages.append(message.model_dump(exclude_none=True))
             reply = message.content or ""
             if not message.tool_calls:
                 break
             for call in message.tool_calls:
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": calculate(call.function.arguments)})
+                messages.append({"role": "tool", "tool_call_id": call.id,
+                                 "content": calculate(call.function.arguments)})
         return Result(reward=float(str(ctx.label) in reply))
 
 

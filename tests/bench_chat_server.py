@@ -27,7 +27,8 @@ from recipes.tiny_model import build_tiny_model  # noqa: E402
 
 EPISODES, TURNS, LONG_TURNS, REPEATS, MAX_RATIO = 64, 8, 50, 9, 1.5
 TOOLS = [{"type": "function", "function": {"name": "calc", "description": "evaluates arithmetic",
-                                           "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}]
+                                           "parameters": {"type": "object",
+                                                          "properties": {"expression": {"type": "string"}}}}}]
 
 
 async def episode(base_url: str, api_key: str, turns: int, http) -> None:
@@ -37,7 +38,8 @@ async def episode(base_url: str, api_key: str, turns: int, http) -> None:
             {"role": "user", "content": "What is 123 * 456 + 789?"}]
     for turn in range(turns):
         out = await client.chat.completions.create(model="m", messages=msgs, tools=TOOLS, max_tokens=2)
-        msgs += [out.choices[0].message.model_dump(), {"role": "tool", "tool_call_id": f"call_{turn}", "content": str(turn * 7)}]
+        msgs += [out.choices[0].message.model_dump(),
+                 {"role": "tool", "tool_call_id": f"call_{turn}", "content": str(turn * 7)}]
 
 
 def clients(conn) -> None:
@@ -75,7 +77,8 @@ async def main(model_path: str, conn) -> int:
     cpu_ms = (time.process_time() - cpu) * 1000 / len(ms)
     p50, p99 = ms[len(ms) // 2], ms[len(ms) * 99 // 100]
     print(f"{EPISODES} concurrent episodes x {TURNS} turns ({len(ms)} requests): "
-          f"overhead per request p50 {p50:.2f} ms, p99 {p99:.2f} ms (generation excluded; queueing in the loop included); "
+          f"overhead per request p50 {p50:.2f} ms, p99 {p99:.2f} ms "
+          f"(generation excluded; queueing in the loop included); "
           f"server process CPU {cpu_ms:.2f} ms per request (HTTP, Ray submission and ours)")
 
     per_turn = [await run_episodes(server, conn, 1, LONG_TURNS) for _ in range(REPEATS)]

@@ -60,7 +60,8 @@ def check_same_result():
     ours, _ = gae(rewards, values, mask, gamma=GAMMA, lam=LAM, whiten=False)
     loop = torch.tensor(gae_python_loop(rewards.tolist(), values.tolist(), mask.tolist(), GAMMA, LAM), dtype=ours.dtype)
     if not torch.allclose(ours, loop, rtol=1e-9, atol=1e-9):
-        sys.exit(f"bench_estimators: gae disagrees with the Python loop, max abs diff {(ours - loop).abs().max().item():.3g}")
+        sys.exit(f"bench_estimators: gae disagrees with the Python loop, "
+                 f"max abs diff {(ours - loop).abs().max().item():.3g}")
 
 
 def best_of(repeats, fn, *args):
@@ -91,7 +92,8 @@ def main():
     gap_share = 1 - mask.float().mean().item()
     ours, loop = time_ours(rewards, values, mask), time_loop(rewards, values, mask)
     print(f"bench_estimators: gae B={B} T={T} ({gap_share:.0%} non-action tokens) ours {ours:.3f} s, "
-          f"python loop {loop:.2f} s (est.: {LOOP_ROWS} rows timed, scaled x{B // LOOP_ROWS}), speedup {loop / ours:.0f}x")
+          f"python loop {loop:.2f} s (est.: {LOOP_ROWS} rows timed, scaled x{B // LOOP_ROWS}), "
+          f"speedup {loop / ours:.0f}x")
     if ours >= loop:
         sys.exit("bench_estimators: ours is not faster than the Python loop")
 

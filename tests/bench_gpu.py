@@ -7,8 +7,8 @@ built locally. Each section measures ours and its baseline side by side in one r
              upcast + cross_entropy).
   trainer    TrainerGroup (NeMo AutoModel + FSDP2, bf16 autocast over fp32 masters, activation
              checkpointing, fused AdamW) vs plain transformers training of the same model and the same
-             numerics (torch's default AdamW), one 16,384-token sequence per step, one after the other (both do not fit at
-             once). Target >= 1.0x.
+             numerics (torch's default AdamW), one 16,384-token sequence per step, one after the other
+             (both do not fit at once). Target >= 1.0x.
   generator  Generator vs a raw vLLM AsyncLLM built from the same engine arguments, both alive on one
              GPU, 256 prompts x 256 sampled tokens, 6 alternating rounds (ratio: the median of each round of
              ours over the raw round before it). Target >= 0.95x. Each round also runs the loop's rollout
@@ -37,8 +37,8 @@ built locally. Each section measures ours and its baseline side by side in one r
              recorded: the trainer routing live vs --train.routing_replay: tokens/s and mismatch.
 Peak memory: trainer (torch max allocated) and engine (GPU memory taken by its start) are reported.
 
-    python tests/bench_gpu.py [logprobs] [trainer] [generator] [refit] [loop1] [loop2] [smollm2] [smollm2_k1] [longtail] [moe]
-                                                                        # default: all;
+    python tests/bench_gpu.py [logprobs] [trainer] [generator] [refit] [loop1] [loop2]
+                              [smollm2] [smollm2_k1] [longtail] [moe]   # default: all;
                                                                         # results also appended to $BENCH_OUT
 """
 import asyncio
@@ -87,10 +87,12 @@ def bench_logprobs(seq: int = 16384, vocab: int = 151936, repeats: int = 5) -> d
     import torch.nn.functional as F
 
     from trainer import token_logprobs
-    logits = torch.randn(1, seq, vocab, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(0))
+    logits = torch.randn(1, seq, vocab, device="cuda", dtype=torch.bfloat16,
+                         generator=torch.Generator("cuda").manual_seed(0))
     ids = torch.randint(0, vocab, (1, seq), device="cuda")
     runs = {"ours": lambda z: token_logprobs(z, ids, 1.0, entropy=False, entropy_grad=False, compiled=True)[0][:, 1:],
-            "ours_entropy": lambda z: token_logprobs(z, ids, 1.0, entropy=True, entropy_grad=False, compiled=True)[0][:, 1:],
+            "ours_entropy": lambda z: token_logprobs(z, ids, 1.0, entropy=True, entropy_grad=False,
+                                                     compiled=True)[0][:, 1:],
             "ours_eager": lambda z: token_logprobs(z, ids, 1.0, entropy=False, entropy_grad=False)[0][:, 1:],
             "hf_cross_entropy": lambda z: -F.cross_entropy(z.float()[0, :-1], ids[0, 1:], reduction="none")}
     out = {}
@@ -105,7 +107,8 @@ def bench_logprobs(seq: int = 16384, vocab: int = 151936, repeats: int = 5) -> d
             torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
         out[f"{name}_ms"] = 1000 * statistics.median(times)
-        out[f"{name}_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30  # above logits and grad-less inputs
+        # above logits and grad-less inputs
+        out[f"{name}_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
         del z
     return report("logprobs", **out, ratio=out["hf_cross_entropy_ms"] / out["ours_ms"], seq=seq, vocab=vocab)
 
@@ -175,7 +178,8 @@ async def bench_generator(model: str, n: int = 256, new: int = 256, rounds: int 
     from chat_server import ChatArgs
     from generator import Generator, RolloutArgs, VllmArgs, build_engine_args, build_sampling_params
     from recipes.copy_agent import rows
-    vllm, rollout = VllmArgs(enforce_eager=False, gpu_memory_utilization=0.3, max_model_len=1024), RolloutArgs(max_new_tokens=new)
+    vllm, rollout = (VllmArgs(enforce_eager=False, gpu_memory_utilization=0.3, max_model_len=1024),
+                     RolloutArgs(max_new_tokens=new))
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 151936, (64,), generator=g).tolist() for _ in range(n)]
     free0 = torch.cuda.mem_get_info()[0]
@@ -197,7 +201,8 @@ async def bench_generator(model: str, n: int = 256, new: int = 256, rounds: int 
         if name == "raw":
             counts = await asyncio.gather(*(raw_one(i, p, f"r{r}") for i, p in enumerate(prompts)))
         elif name == "agents":
-            groups = await asyncio.gather(*(worker.run_group.remote(row, f"r{r}g{k}", 8) for k, row in enumerate(rows("train")[:n // 8])))
+            groups = await asyncio.gather(*(worker.run_group.remote(row, f"r{r}g{k}", 8)
+                                            for k, row in enumerate(rows("train")[:n // 8])))
             counts = [sum(s.action_mask) for grp in groups for s in grp["segments"]]
         else:
             counts = [len(c.token_ids) for c in await asyncio.gather(
@@ -216,9 +221,9 @@ async def bench_generator(model: str, n: int = 256, new: int = 256, rounds: int 
     # round just before it, so a slow spell of the host counts against both sides
     paired = lambda a, b: statistics.median(x / y for x, y in zip(rates[a], rates[b]))
     out = report("generator", ours_tokens_per_s=med["ours"], raw_vllm_tokens_per_s=med["raw"],
-                 ratio=paired("ours", "raw"), ratio_of_medians=med["ours"] / med["raw"], target=0.95, engine_gib=engine_gib,
-                 prompts=n, new_tokens=new, agents_tokens_per_s=med["agents"], agents_to_ours=paired("agents", "ours"),
-                 rounds=rates)
+                 ratio=paired("ours", "raw"), ratio_of_medians=med["ours"] / med["raw"], target=0.95,
+                 engine_gib=engine_gib, prompts=n, new_tokens=new, agents_tokens_per_s=med["agents"],
+                 agents_to_ours=paired("agents", "ours"), rounds=rates)
 
     # refit: the trainer on this GPU (IPC), then one on the other GPU (NCCL) when there is one
     for rank_gpus in [0.5] + ([1.0] if torch.cuda.device_count() > 1 else []):
@@ -249,9 +254,9 @@ async def time_refits(gen, model: str, rank_gpus: float, bucket_mb: int, count: 
     c = await gen.generate([5] * 16, max_new_tokens=8)
     assert c.versions == [trainer.version] * len(c.versions)
     trainer.shutdown()
-    return report("refit", transport=rep["transport"], refit_s=statistics.median(loads[1:]), worker_s=statistics.median(workers[1:]),
-                  pause_refit_resume_s=statistics.median(cycles[1:]), target_s=0.15, buckets=len(rep["applied"]),
-                  bucket_mb=bucket_mb)
+    return report("refit", transport=rep["transport"], refit_s=statistics.median(loads[1:]),
+                  worker_s=statistics.median(workers[1:]), pause_refit_resume_s=statistics.median(cycles[1:]),
+                  target_s=0.15, buckets=len(rep["applied"]), bucket_mb=bucket_mb)
 
 
 async def bench_refit(model: str, bucket_mb: int = 1024) -> None:
@@ -278,11 +283,14 @@ def bench_loop(model: str, section: str, *extra: str, steps: int = 6) -> dict:
     rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))][2:]  # steps 0-1 warm up
     med = lambda key: statistics.median(r[key] for r in rows)
     tokens = med("rollout/action_tokens")
-    idle = [b["launch/engine_idle_s"] - a["launch/engine_idle_s"] for a, b in zip(rows, rows[1:])]  # the metric is cumulative
-    return {"loop_tokens_per_s": tokens / med("launch/step_s"), "rollout_phase_tokens_per_s": tokens / med("launch/rollout_wait_s"),
+    # the metric is cumulative
+    idle = [b["launch/engine_idle_s"] - a["launch/engine_idle_s"] for a, b in zip(rows, rows[1:])]
+    return {"loop_tokens_per_s": tokens / med("launch/step_s"),
+            "rollout_phase_tokens_per_s": tokens / med("launch/rollout_wait_s"),
             "train_tokens_per_s": tokens / med("launch/train_s"), "refit_s": med("launch/refit_s"),
-            "step_s": med("launch/step_s"), "rollout_wait_s": med("launch/rollout_wait_s"), "train_s": med("launch/train_s"),
-            "engine_idle_per_step_s": statistics.median(idle), "group_s": med("rollout/group_s"), "trainer_peak_gib": max(r["train/peak_gib"] for r in rows),
+            "step_s": med("launch/step_s"), "rollout_wait_s": med("launch/rollout_wait_s"),
+            "train_s": med("launch/train_s"), "engine_idle_per_step_s": statistics.median(idle),
+            "group_s": med("rollout/group_s"), "trainer_peak_gib": max(r["train/peak_gib"] for r in rows),
             "action_tokens_per_step": tokens, "mismatch_abs": med("loss/mismatch_abs"),
             "mismatch_k3": med("loss/mismatch_k3"), "replayed_frac": rows[-1].get("train/replayed_frac", 0.0)}
 
@@ -295,7 +303,8 @@ SMOLLM2_LOOP = ("--train.batch_prompts", "128", "--rollout.samples_per_prompt", 
 
 
 async def raw_vllm_rate(model: str, prompts: list[list[int]], samples: int, vllm, rollout, rounds: int = 3) -> float:
-    """Sampled tokens/s of a raw AsyncLLM on these prompts, `samples` requests each, stopping at eos as the loop does."""
+    """Sampled tokens/s of a raw AsyncLLM on these prompts, `samples` requests each,
+    stopping at eos as the loop does."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from generator import build_engine_args, build_sampling_params
@@ -333,7 +342,8 @@ def bench_smollm2(steps: int = 20, lr: str = "2e-5", k: int = 0) -> dict:
     cfg = launch.parse_args(argv)
     asyncio.run(launch.run_rl(cfg))
     rows_ = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
-    curve = [(r["step"] + 1, round(r["rollout/reward_mean"], 3), round(r.get("eval/reward_mean", -1), 3)) for r in rows_]
+    curve = [(r["step"] + 1, round(r["rollout/reward_mean"], 3), round(r.get("eval/reward_mean", -1), 3))
+             for r in rows_]
     # steps 0-1 compile; an eval step also samples the 200 held-out prompts (and the next step's rollout started
     # behind it): the loop's rate is over the others.
     # Sums, not medians: completions shorten and lengthen as the policy learns, and so does each step's work.
@@ -348,7 +358,8 @@ def bench_smollm2(steps: int = 20, lr: str = "2e-5", k: int = 0) -> dict:
     train, loop = tokens / total("launch/train_s"), tokens / total("launch/step_s")
     bound = 1 / (1 / gen + 1 / train)
     wall = sum(r["rollout/action_tokens"] for r in rows_[3:]) / (rows_[-1]["time"] - rows_[2]["time"])  # evals too
-    return report("smollm2" if k == 0 else f"smollm2_k{k}", max_staleness=k, held_out_before=rows_[0].get("eval/before_reward_mean"),
+    return report("smollm2" if k == 0 else f"smollm2_k{k}", max_staleness=k,
+                  held_out_before=rows_[0].get("eval/before_reward_mean"),
                   held_out_after=[r["eval/reward_mean"] for r in rows_ if "eval/reward_mean" in r][-1],
                   loop_tokens_per_s=loop, gen_tokens_per_s=gen, train_tokens_per_s=train, sync_bound_tokens_per_s=bound,
                   ratio=loop / bound, target=0.9, wall_tokens_per_s_with_evals=wall,
@@ -417,7 +428,8 @@ def bench_moe(steps: int = 5) -> dict:
         m = bench_loop(model, f"moe_{mode}", "--launch.colocate", *extra, steps=steps)
         res[mode] = {k: m[k] for k in ("loop_tokens_per_s", "train_tokens_per_s", "rollout_phase_tokens_per_s",
                                        "step_s", "mismatch_abs", "mismatch_k3", "replayed_frac")}
-    return report("moe", **res, replay_over_live_mismatch=res["replay"]["mismatch_abs"] / res["recorded"]["mismatch_abs"],
+    return report("moe", **res,
+                  replay_over_live_mismatch=res["replay"]["mismatch_abs"] / res["recorded"]["mismatch_abs"],
                   model="Qwen3-MoE random, 32 experts top-4, 8 layers, hidden 512, bf16", steps=steps)
 
 
@@ -426,7 +438,8 @@ def main() -> None:
         print("bench_gpu: not run: needs CUDA (on the GPU machine: make bench-gpu)")
         return
     import ray
-    sections = sys.argv[1:] or ["logprobs", "trainer", "generator", "refit", "loop1", "loop2", "smollm2", "smollm2_k1", "longtail", "moe"]
+    sections = sys.argv[1:] or ["logprobs", "trainer", "generator", "refit", "loop1", "loop2", "smollm2", "smollm2_k1",
+                                "longtail", "moe"]
     model = model_dir() if set(sections) - {"logprobs", "smollm2", "smollm2_k1", "moe"} else None
     ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     for s in sections:
@@ -453,8 +466,8 @@ def main() -> None:
                 continue
             m = bench_loop(model, "loop2", "--train.max_staleness", "1", "--loss.is_level", "token")
             alone, at = earlier("generator", "raw_vllm_tokens_per_s")
-            report("loop2", **m, vllm_alone_tokens_per_s=alone, vllm_alone_measured_at=at, ratio=m["loop_tokens_per_s"] / alone if alone else None,
-                   target=0.85)
+            report("loop2", **m, vllm_alone_tokens_per_s=alone, vllm_alone_measured_at=at,
+                   ratio=m["loop_tokens_per_s"] / alone if alone else None, target=0.85)
         elif s == "smollm2":
             bench_smollm2()
         elif s == "smollm2_k1":

@@ -38,7 +38,8 @@ def main() -> int:
                                             "--train.batch_prompts", "16", "--train.lr", "3e-3"]))
     sync = asyncio.run(launch.run_rl(launch.parse_args(rl_flags(sft["hf"], os.path.join(root, "k0"), 12))))
     rows0 = read_rows(sync["out_dir"])[2:]  # the first steps include warm-up
-    k1 = asyncio.run(launch.run_rl(launch.parse_args(rl_flags(sft["hf"], os.path.join(root, "k1"), 40, "--train.max_staleness", "1",
+    k1 = asyncio.run(launch.run_rl(launch.parse_args(rl_flags(sft["hf"], os.path.join(root, "k1"), 40,
+                                                              "--train.max_staleness", "1",
                                                               "--loss.is_level", "token"))))
     rows1 = read_rows(k1["out_dir"])
     ray.shutdown()

@@ -49,16 +49,18 @@ def make_batch(vocab: int, rows: int, tokens: int, *, version: int, seed: int) -
             prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
         completion = [rng.randrange(3, vocab) for _ in range(tokens - prompt_len)]
         mask = [False] * prompt_len + [True] * len(completion)
-        segments.append(Segment(token_ids=prompt + completion, action_mask=mask, logprobs=[-3.0 if m else 0.0 for m in mask],
-                                versions=[version if m else -1 for m in mask], reward=rng.random(), episode_id=f"e{r}", group_id=f"g{r // 4}"))
+        segments.append(Segment(token_ids=prompt + completion, action_mask=mask,
+                                logprobs=[-3.0 if m else 0.0 for m in mask],
+                                versions=[version if m else -1 for m in mask], reward=rng.random(),
+                                episode_id=f"e{r}", group_id=f"g{r // 4}"))
     return segments
 
 
 def bench(name: str, path: str, world_size: int, rows: int, tokens: int, steps: int) -> None:
     vocab = json.load(open(f"{path}/config.json"))["vocab_size"]
     start = time.perf_counter()
-    group = TrainerGroup(path, TrainArgs(lr=1e-4, world_size=world_size, max_tokens_per_microbatch=rows * tokens), FsdpArgs(),
-                         CkptArgs(), LossArgs(), EstimatorArgs(), temperature=1.0, gpus_per_rank=0)
+    group = TrainerGroup(path, TrainArgs(lr=1e-4, world_size=world_size, max_tokens_per_microbatch=rows * tokens),
+                         FsdpArgs(), CkptArgs(), LossArgs(), EstimatorArgs(), temperature=1.0, gpus_per_rank=0)
     started = time.perf_counter() - start
     try:
         group.train_step(make_batch(vocab, rows, tokens, version=0, seed=0))  # warm-up
@@ -77,7 +79,8 @@ def bench(name: str, path: str, world_size: int, rows: int, tokens: int, steps: 
     print(f"trainer {name} ({n_params / 1e6:.1f}M params) world_size={world_size}: "
           f"{sum(rates) / len(rates):,.0f} train tokens/s (mean of {steps} steps of {rows}x{tokens} tokens, "
           f"{sum(step_s) / len(step_s):.2f} s/step; start-up {started:.1f} s)", flush=True)
-    print(f"refit export {name} world_size={world_size}: {len(tensors)} tensors, {mbytes:.1f} MiB in {export_s:.3f} s", flush=True)
+    print(f"refit export {name} world_size={world_size}: {len(tensors)} tensors, "
+          f"{mbytes:.1f} MiB in {export_s:.3f} s", flush=True)
 
 
 def bench_against_plain(path: str, rows: int = 8, tokens: int = 128, steps: int = 5) -> float:

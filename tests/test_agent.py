@@ -64,14 +64,16 @@ def test_multiturn_episode_trains_on_exact_sampled_ids(tiny_generator, template)
     gen = Recording(tiny_generator)
     (seg,) = run(Echo(turns=3), gen, template)
     c1, c2, c3 = gen.completions
-    # Built by hand from the contract: first render once, then sampled ids verbatim, then bridge + delta per observation.
+    # Built by hand from the contract: first render once, then sampled ids verbatim,
+    # then bridge + delta per observation.
     expected = template.render_full([{"role": "system", "content": "be brief"}, {"role": "user", "content": "start p"}])
     actions = []
     for k, c in enumerate((c1, c2, c3)):
         actions.append((len(expected), len(expected) + len(c.token_ids)))
         expected = expected + c.token_ids
         if k < 2:
-            expected = expected + template.bridge(c.token_ids) + template.render_delta([{"role": "user", "content": f"observation {k + 1}"}])
+            expected = (expected + template.bridge(c.token_ids)
+                        + template.render_delta([{"role": "user", "content": f"observation {k + 1}"}]))
     assert seg.token_ids == expected
     mask = [any(a <= i < b for a, b in actions) for i in range(len(expected))]
     assert seg.action_mask == mask
@@ -92,7 +94,8 @@ def test_turn_limit_ends_episode_as_truncated(tiny_generator, template):
 
 def test_context_limit_ends_episode_as_truncated(tiny_generator, template):
     gen = Recording(tiny_generator)
-    first = len(template.render_full([{"role": "system", "content": "be brief"}, {"role": "user", "content": "start p"}]))
+    first = len(template.render_full([{"role": "system", "content": "be brief"},
+                                      {"role": "user", "content": "start p"}]))
     (seg,) = run(Echo(turns=10), gen, template, max_context=first + 20)
     # No token is sampled past the limit: each call's max_new_tokens is clamped to the room left.
     assert seg.truncated and max(i for i, m in enumerate(seg.action_mask) if m) < first + 20

@@ -143,8 +143,9 @@ def test_canonical_form_is_the_same_for_every_spelling_of_a_conversation():
     b = parse_anthropic({"model": "m", "max_tokens": 5, "system": [{"type": "text", "text": "sys"}], "messages": [
         {"role": "user", "content": "hi\nthere"},
         {"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "calc", "input": {"a": 1, "b": 2}}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": [{"type": "text", "text": "3"}],
-                                      "is_error": True}, {"type": "text", "text": "and?"}]}]})
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1",
+                                      "content": [{"type": "text", "text": "3"}], "is_error": True},
+                                     {"type": "text", "text": "and?"}]}]})
     c = parse_responses({"model": "m", "instructions": "sys", "input": [
         {"role": "user", "content": [{"type": "input_text", "text": "hi"}, {"type": "input_text", "text": "there"}]},
         {"type": "function_call", "call_id": "c1", "name": "calc", "arguments": '{"a":1,"b":2}'},
@@ -163,7 +164,8 @@ def test_memoised_parse_of_a_resent_history_equals_a_fresh_parse(tiny_model):
     state = server.episodes[ep.id]
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
     for k in range(3):
-        body = {"model": "m", "messages": json.loads(json.dumps(msgs)), "tools": TOOLS}   # fresh objects, as from the wire
+        # fresh objects, as from the wire
+        body = {"model": "m", "messages": json.loads(json.dumps(msgs)), "tools": TOOLS}
         memoised, fresh = server.parse("openai", body, state), server.parse("openai", body)
         assert memoised.msgs == fresh.msgs and memoised.hashes == fresh.hashes and memoised.system == "s"
         msgs += [{"role": "assistant", "content": f"a{k}"}, {"role": "tool", "tool_call_id": "t", "content": str(k)}]
@@ -329,7 +331,8 @@ def test_side_request_opens_an_unrelated_segment_and_the_main_one_stays_open(tin
 
 
 def test_dropped_reasoning_and_reordered_arguments_still_match(tiny_model):
-    sampled = '<think>\nadd them\n</think>\n\n<tool_call>\n{"name": "calc", "arguments": {"b": 2, "a": 1}}\n</tool_call>'
+    sampled = ('<think>\nadd them\n</think>\n\n'
+               '<tool_call>\n{"name": "calc", "arguments": {"b": 2, "a": 1}}\n</tool_call>')
     server, ep = unit_server(tiny_model, [sampled, "3"])
     msgs = [{"role": "user", "content": "1+2"}]
 
@@ -382,7 +385,8 @@ def test_openai_tool_loop_is_one_segment_of_exact_sampled_ids(served, loop):
         assert out.model == "gpt-4o" and out.usage.prompt_tokens == len(prompt)
         assert out.usage.completion_tokens == len(c.token_ids)
         assert out.choices[0].finish_reason in ("stop", "length", "tool_calls")
-        msgs += [out.choices[0].message.model_dump(), {"role": "tool", "tool_call_id": f"call_{turn}", "content": str(turn)}]
+        msgs += [out.choices[0].message.model_dump(),
+                 {"role": "tool", "tool_call_id": f"call_{turn}", "content": str(turn)}]
     [seg] = call(loop, server.close_episode, ep.id)
     assert_exact_replay(seg, recorder.of(ep.id))
     assert server.metrics()["chat/requests_extend"] >= 2
@@ -457,7 +461,8 @@ def test_stream_and_nonstream_produce_identical_segments(served, loop):
             assert_exact_replay(seg, recorder.of(ep.id))
             segments[protocol, stream] = seg
         a, b = segments[protocol, False], segments[protocol, True]
-        assert (a.token_ids, a.action_mask, a.logprobs, a.versions) == (b.token_ids, b.action_mask, b.logprobs, b.versions)
+        assert ((a.token_ids, a.action_mask, a.logprobs, a.versions)
+                == (b.token_ids, b.action_mask, b.logprobs, b.versions))
 
 
 def test_anthropic_raw_stream_has_the_exact_event_order_and_count_tokens_is_exact(served, loop):
@@ -481,7 +486,8 @@ def test_responses_api_stateless_subset_round_trips(served, loop):
     tools = [{"type": "function", "name": "calc", "description": "adds", "parameters": {"type": "object"}}]
     items = [{"role": "user", "content": "What is 2+3?"}]
     out = client.responses.create(model="m", instructions="Add.", input=items, tools=tools, max_output_tokens=6)
-    assert out.usage.output_tokens == len(recorder.of(ep.id)[-1][1].token_ids) and out.status in ("completed", "incomplete")
+    assert (out.usage.output_tokens == len(recorder.of(ep.id)[-1][1].token_ids)
+            and out.status in ("completed", "incomplete"))
     items += [o.model_dump(exclude_none=True) for o in out.output] + [{"role": "user", "content": "Again."}]
     events = list(client.responses.create(model="m", instructions="Add.", input=items, tools=tools,
                                           max_output_tokens=6, stream=True))
@@ -497,8 +503,10 @@ def test_responses_api_stateless_subset_round_trips(served, loop):
 def test_models_list_parses_in_both_sdks_and_paths_attribute(served, loop):
     server, recorder = served
     ep = call(loop, server.open_episode)
-    assert [m.id for m in openai.OpenAI(base_url=server.base_url + "/v1", api_key="x").models.list()] == [server.model_name]
-    assert [m.id for m in anthropic.Anthropic(base_url=server.base_url, api_key="x").models.list()] == [server.model_name]
+    assert ([m.id for m in openai.OpenAI(base_url=server.base_url + "/v1", api_key="x").models.list()]
+            == [server.model_name])
+    assert ([m.id for m in anthropic.Anthropic(base_url=server.base_url, api_key="x").models.list()]
+            == [server.model_name])
     bare = openai.OpenAI(base_url=server.base_url, api_key=ep.api_key, max_retries=0)   # POST /chat/completions
     bare.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert httpx.get(server.base_url + "/health").json() == {"status": "ok"}
@@ -595,7 +603,8 @@ def test_200_concurrent_episodes_do_not_cross_talk(served, loop):
     async def run(i, ep, http):
         marker = f"[ep-{i:03d}]"
         if i % 2:
-            client = anthropic.AsyncAnthropic(base_url=server.base_url, api_key=ep.api_key, max_retries=0, http_client=http)
+            client = anthropic.AsyncAnthropic(base_url=server.base_url, api_key=ep.api_key, max_retries=0,
+                                              http_client=http)
             msgs = [{"role": "user", "content": f"{marker} start"}]
             for turn in range(3):
                 out = await client.messages.create(model="m", messages=msgs, max_tokens=4)
@@ -620,7 +629,8 @@ def test_200_concurrent_episodes_do_not_cross_talk(served, loop):
         assert len(calls) == 3
         assert_exact_replay(seg, calls)
         text = server.template.decode(seg.token_ids)
-        assert text.count("[ep-") == text.count(f"[ep-{i:03d}]") == 3   # only its own marker; the 3rd turn's is not yet sent
+        # only its own marker; the 3rd turn's is not yet sent
+        assert text.count("[ep-") == text.count(f"[ep-{i:03d}]") == 3
 
 
 # --- the error table (CHAT_SERVER.md §5.6): exact status, body shape, and no SDK retry
@@ -674,17 +684,21 @@ def test_every_error_row_has_exact_status_shape_and_no_retry(loop, tiny_generato
     assert "unknown tool call id" in e.message
     # what FastAPI would answer with 422 is a 400 in each protocol's shape
     assert raw("openai", "/v1/chat/completions", 400, {"model": name, "messages": "hi"})["param"] == "messages"
-    assert raw("anthropic", "/v1/messages", 400, {"model": name, "messages": hi, "max_tokens": "8"})["message"].startswith("max_tokens")
+    assert raw("anthropic", "/v1/messages", 400,
+               {"model": name, "messages": hi, "max_tokens": "8"})["message"].startswith("max_tokens")
     # missing max_tokens: an error for Anthropic only
-    assert raw("anthropic", "/v1/messages", 400, {"model": name, "messages": hi})["message"] == "max_tokens: Field required"
+    assert (raw("anthropic", "/v1/messages", 400, {"model": name, "messages": hi})["message"]
+            == "max_tokens: Field required")
     assert create(model=name, messages=hi).usage.completion_tokens >= 1
     # unknown model (strict mode)
     assert sdk_error(openai.NotFoundError, 404, create, model="gpt-4o", messages=hi).code == "model_not_found"
     sdk_error(anthropic.NotFoundError, 404, message, model="claude", max_tokens=4, messages=hi)
     # context overflow, with each API's wording; a prompt that fits is clamped instead
     long = [{"role": "user", "content": "word " * 600}]
-    assert "maximum context length is 512 tokens" in sdk_error(openai.BadRequestError, 400, create, model=name, messages=long).message
-    assert "prompt is too long" in sdk_error(anthropic.BadRequestError, 400, message, model=name, max_tokens=4, messages=long).message
+    assert "maximum context length is 512 tokens" in sdk_error(openai.BadRequestError, 400, create, model=name,
+                                                               messages=long).message
+    assert "prompt is too long" in sdk_error(anthropic.BadRequestError, 400, message, model=name, max_tokens=4,
+                                             messages=long).message
     room = 3
     fits = [{"role": "user", "content": "word " * 600}]
     while len(server.template.render_full([fits[0]])) > 512 - room:
@@ -694,19 +708,23 @@ def test_every_error_row_has_exact_status_shape_and_no_retry(loop, tiny_generato
     assert out.usage.output_tokens == len(c.token_ids) <= 512 - len(prompt) < 100
     assert out.stop_reason == ("end_turn" if c.finish_reason == "stop" else "model_context_window_exceeded")
     # options that change the sampling distribution
-    assert sdk_error(openai.BadRequestError, 400, create, model=name, messages=hi, logit_bias={"5": 3}).body["param"] == "logit_bias"
+    assert sdk_error(openai.BadRequestError, 400, create, model=name, messages=hi,
+                     logit_bias={"5": 3}).body["param"] == "logit_bias"
     sdk_error(openai.BadRequestError, 400, create, model=name, messages=hi, n=2)
     sdk_error(anthropic.BadRequestError, 400, message, model=name, max_tokens=4, messages=hi,
               tools=ANTHROPIC_TOOLS, tool_choice={"type": "any"})
     # unknown key or episode
-    sdk_error(openai.AuthenticationError, 401, oai.with_options(api_key="sk-unknown").chat.completions.create, model=name, messages=hi)
+    sdk_error(openai.AuthenticationError, 401, oai.with_options(api_key="sk-unknown").chat.completions.create,
+              model=name, messages=hi)
     sdk_error(anthropic.AuthenticationError, 401, ant.with_options(api_key="sk-unknown").messages.create, model=name,
               max_tokens=4, messages=hi)
-    assert raw("anthropic", "/e/no-such-episode/v1/messages", 401, {"model": name, "messages": hi, "max_tokens": 4})["type"] == "authentication_error"
+    assert raw("anthropic", "/e/no-such-episode/v1/messages", 401,
+               {"model": name, "messages": hi, "max_tokens": 4})["type"] == "authentication_error"
     # body over --chat.max_body_mb
     big = [{"role": "user", "content": "x" * (1 << 20)}]
     sdk_error(openai.APIStatusError, 413, create, model=name, messages=big)
-    assert raw("anthropic", "/v1/messages", 413, {"model": name, "messages": big, "max_tokens": 4})["type"] == "request_too_large"
+    assert raw("anthropic", "/v1/messages", 413,
+               {"model": name, "messages": big, "max_tokens": 4})["type"] == "request_too_large"
     # unknown path
     assert raw("openai", "/v1/nothing", 404, {})["type"] == "not_found_error"
     assert raw("anthropic", "/v1/nothing", 404, {})["type"] == "not_found_error"
@@ -718,7 +736,8 @@ def test_every_error_row_has_exact_status_shape_and_no_retry(loop, tiny_generato
     # engine down: the only retryable error, 503 (OpenAI) / 529 (Anthropic) with retry-after
     recorder.fault, committed = "down", len(recorder.of(ep.id))
     assert raw("openai", "/v1/chat/completions", 503, {"model": name, "messages": hi})["type"] == "server_error"
-    assert raw("anthropic", "/v1/messages", 529, {"model": name, "messages": hi, "max_tokens": 4})["type"] == "overloaded_error"
+    assert raw("anthropic", "/v1/messages", 529,
+               {"model": name, "messages": hi, "max_tokens": 4})["type"] == "overloaded_error"
     with pytest.raises(anthropic.APIError):   # after the stream opened: an error event
         list(message(model=name, max_tokens=4, messages=hi, stream=True))
     recorder.fault, attempts[:] = "down_once", []   # the SDK's own retry, after retry-after, gets the turn

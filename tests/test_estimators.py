@@ -22,7 +22,8 @@ def ones_mask(b, t):
 def run(name, rewards, group_ids, episode_ids, mask, **kw):
     """compute_advantages with every flag at its default except `name` and what kw overrides."""
     values, kl = kw.pop("values", None), kw.pop("kl", None)
-    return compute_advantages(EstimatorArgs(name=name, **kw), rewards, group_ids, episode_ids, mask, values=values, kl=kl)
+    return compute_advantages(EstimatorArgs(name=name, **kw), rewards, group_ids, episode_ids, mask,
+                              values=values, kl=kl)
 
 
 def close(actual, expected):
@@ -283,7 +284,8 @@ def test_episode_whose_rows_disagree_is_rejected():
     with pytest.raises(ValueError, match="episode_ids"):  # same episode, rewards 1 and 0
         compute_advantages(EstimatorArgs(), **dict(GOOD, episode_ids=ids(5, 5)))
     with pytest.raises(ValueError, match="episode_ids"):  # same episode, groups 0 and 1
-        compute_advantages(EstimatorArgs(), **dict(GOOD, rewards=rows(1, 1), group_ids=ids(0, 1), episode_ids=ids(5, 5)))
+        compute_advantages(EstimatorArgs(), **dict(GOOD, rewards=rows(1, 1), group_ids=ids(0, 1),
+                                                   episode_ids=ids(5, 5)))
 
 
 def test_unknown_name_lists_the_choices():

@@ -200,7 +200,8 @@ def test_pack_keeps_dtype_shape_and_bits_of_every_tensor_at_aligned_offsets():
     buffer = torch.full((2048,), 255, dtype=torch.uint8)
     layout2, flat2 = pack(bucket, buffer)
     assert layout2 == layout and flat2.data_ptr() == buffer.data_ptr() and flat2.numel() == 1024
-    assert all(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)) for (_, a), (_, b) in zip(unpack(layout, flat2), unpack(layout, flat)))
+    assert all(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+               for (_, a), (_, b) in zip(unpack(layout, flat2), unpack(layout, flat)))
     assert bool((buffer[1024:] == 255).all())
 
 

@@ -110,7 +110,8 @@ def test_compiled_logprobs_equal_eager_with_gradients(rows):
             (logp.sum() + h.sum() if entropy_grad else logp.sum()).backward()
             results.append((logp.detach(), h.detach(), x.grad.float()))
     for a, b in ((0, 2), (1, 3)):  # eager vs compiled, without and with the entropy's gradient
-        for u, v, tol in zip(results[a], results[b], (1e-4, 1e-4, 2**-7)):  # the gradient is bf16: one ulp is 2^-8 relative
+        # the gradient is bf16: one ulp is 2^-8 relative
+        for u, v, tol in zip(results[a], results[b], (1e-4, 1e-4, 2**-7)):
             assert torch.allclose(u, v, rtol=tol, atol=1e-5), (rows, (u - v).abs().max())
     assert not torch.equal(results[0][2], results[1][2])  # the entropy's gradient reached the logits only when asked
 
@@ -126,7 +127,8 @@ class TestOneGpuShared:
     def test_refit_over_ipc_loads_trained_weights_and_versions_are_exact(self, colocated, gpu_model):
         gen, trainer = colocated
         from transformers import AutoTokenizer
-        batch = sft_batch([{"messages": [{"role": "user", "content": "copy 123"}, {"role": "assistant", "content": "123"}]}] * 8,
+        batch = sft_batch([{"messages": [{"role": "user", "content": "copy 123"},
+                                         {"role": "assistant", "content": "123"}]}] * 8,
                           AutoTokenizer.from_pretrained(gpu_model))
         before = sample(gen, PROMPTS[:4], max_new_tokens=32)
         for _ in range(3):
@@ -184,7 +186,8 @@ class TestOneGpuShared:
 
 def test_trainer_loads_with_nemo_and_learns_on_gpu(gpu_model, ray_local):
     from transformers import AutoTokenizer
-    batch = sft_batch([{"messages": [{"role": "user", "content": "copy 42"}, {"role": "assistant", "content": "42"}]}] * 4,
+    batch = sft_batch([{"messages": [{"role": "user", "content": "copy 42"},
+                                     {"role": "assistant", "content": "42"}]}] * 4,
                       AutoTokenizer.from_pretrained(gpu_model))
     trainer = make_trainer(gpu_model, 1.0, lr=1e-3)
     try:
@@ -231,7 +234,8 @@ def test_real_model_loads_with_nemo_refits_its_tied_embedding_and_exports(ray_lo
     finally:
         trainer.shutdown()
         run(gen.shutdown())
-    print("before", m_before["loss/mismatch_abs"], "after", m_after["loss/mismatch_abs"], "stale", m_stale["loss/mismatch_abs"])
+    print("before", m_before["loss/mismatch_abs"], "after", m_after["loss/mismatch_abs"],
+          "stale", m_stale["loss/mismatch_abs"])
     assert m_before["loss/mismatch_abs"] < 0.1 and m_after["loss/mismatch_abs"] < 0.1
     assert m_stale["loss/mismatch_abs"] > 2 * m_after["loss/mismatch_abs"]  # the engine follows the trained weights
     assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()  # the export stays tied
@@ -244,7 +248,8 @@ def test_fsdp2_on_two_gpus_takes_the_one_gpu_step(gpu_model, ray_local):
     """Same batch, same seed: world size 2 (one GPU each, NCCL) and world size 1 take the same steps:
     equal losses within bf16 noise (the reduction order differs) at each of three steps."""
     from transformers import AutoTokenizer
-    batch = sft_batch([{"messages": [{"role": "user", "content": f"copy {i}"}, {"role": "assistant", "content": f"{i}"}]}
+    batch = sft_batch([{"messages": [{"role": "user", "content": f"copy {i}"},
+                                     {"role": "assistant", "content": f"{i}"}]}
                        for i in range(8)], AutoTokenizer.from_pretrained(gpu_model))
     nll = {}
     for ws in (1, 2):
@@ -282,7 +287,8 @@ def test_loop_colocated_on_one_gpu_with_lr_0_keeps_mismatch_flat(gpu_model, ray_
 
 @TWO_GPUS
 def test_loop_on_two_gpus_refits_over_nccl(gpu_model, ray_local, tmp_path):
-    check_loop(loop(gpu_model, str(tmp_path), "--train.lr", "0", "--train.max_staleness", "1", "--loss.is_level", "token"))
+    check_loop(loop(gpu_model, str(tmp_path), "--train.lr", "0", "--train.max_staleness", "1",
+                    "--loss.is_level", "token"))
 
 
 # --- MoE: vLLM's recorded routing, replayed by the trainer (--train.routing_replay)

@@ -115,7 +115,8 @@ def test_async_without_importance_correction_is_refused(capsys):
 
 
 def test_bad_flag_values_are_refused_naming_the_flag(capsys):
-    for argv, named in ((["--estimator.gamma", "2"], "--estimator.gamma"), (["--rollout.top_p", "0.9", "--loss.is_level", "token"], "top_p"),
+    for argv, named in ((["--estimator.gamma", "2"], "--estimator.gamma"),
+                        (["--rollout.top_p", "0.9", "--loss.is_level", "token"], "top_p"),
                         (["--launch.steps", "0"], "--launch.steps"), ([], "--launch.model"),
                         (["--launch.in_flight", "1", "--train.batch_prompts", "2"], "--launch.in_flight"),
                         (["--launch.in_flight", "9", "--train.batch_prompts", "2", "--train.max_staleness", "1",
@@ -288,8 +289,8 @@ def test_cpu_default_recipe_runs_sft_then_rl(tmp_path):
 
 def test_smollm2_recipe_evaluates_the_real_model_before_and_after_rl(tmp_path):
     out = str(tmp_path / "smollm2")
-    printed = run_recipe("smollm2_cpu.sh", out, "--train.batch_prompts", "2", "--eval.prompts", "4", "--eval.every", "1",
-                         STEPS="1")
+    printed = run_recipe("smollm2_cpu.sh", out, "--train.batch_prompts", "2", "--eval.prompts", "4",
+                         "--eval.every", "1", STEPS="1")
     (row,) = read_metrics(out)
     assert row["audit/token_mismatch"] == 0.0 and row["rollout/episodes"] == 8.0  # 2 prompts x 4 samples
     assert row["eval/episodes"] == 4.0 and 0.0 <= row["eval/before_reward_mean"] <= 1.0

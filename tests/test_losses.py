@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from losses import (Denoms, LossArgs, aggregate, check_versions, cispo, compute_policy_loss, compute_value_loss, gspo, importance_weights,
-                    kl_penalty, mismatch_metrics, ppo, sft_loss, stale_mask, value_loss)
+from losses import (Denoms, LossArgs, aggregate, check_versions, cispo, compute_policy_loss, compute_value_loss, gspo,
+                    importance_weights, kl_penalty, mismatch_metrics, ppo, sft_loss, stale_mask, value_loss)
 
 LN2 = math.log(2.0)
 
@@ -27,12 +27,14 @@ def one_row(n):
     return Denoms(num_tokens=float(n), num_seqs=1.0, num_prompts=1.0)
 
 
-def policy_loss(args, logp, old_logp, adv, mask, *, rollout_logp=None, versions=None, current_version=0, denoms=None, **kw):
+def policy_loss(args, logp, old_logp, adv, mask, *, rollout_logp=None, versions=None, current_version=0,
+                denoms=None, **kw):
     """compute_policy_loss with on-policy defaults: rollout = old, every token of version current_version."""
     rollout_logp = old_logp.detach() if rollout_logp is None else rollout_logp
     versions = torch.full(mask.shape, current_version) if versions is None else versions
     denoms = Denoms(float(mask.sum()), float(mask.any(-1).sum()), 1.0) if denoms is None else denoms
-    return compute_policy_loss(args, logp, old_logp, rollout_logp, adv, mask, versions=versions, current_version=current_version, denoms=denoms, **kw)
+    return compute_policy_loss(args, logp, old_logp, rollout_logp, adv, mask, versions=versions,
+                               current_version=current_version, denoms=denoms, **kw)
 
 
 # --- masks and robustness
@@ -49,8 +51,10 @@ def test_loss_ignores_masked_tokens(flags):
     # of the same batch with zeros there, and the gradient at masked positions must be exactly 0.
     args = LossArgs(**flags)
     mask = torch.tensor([[True, True, False, False], [True, False, True, False]])
-    garbage = {"logp": [-math.inf, 1e30], "old": [-math.inf, -1e30], "rollout": [math.inf, -math.inf], "adv": [math.inf, math.nan], "ent": [math.nan, math.inf]}
-    clean = {"logp": [-0.7, -1.2, -0.3, -2.0], "old": [-0.9, -1.0, -0.2, -1.5], "rollout": [-1.0, -1.1, -0.4, -1.6], "adv": [1.0, 1.0, -0.5, -0.5], "ent": [1.0, 2.0, 0.5, 0.1]}
+    garbage = {"logp": [-math.inf, 1e30], "old": [-math.inf, -1e30], "rollout": [math.inf, -math.inf],
+               "adv": [math.inf, math.nan], "ent": [math.nan, math.inf]}
+    clean = {"logp": [-0.7, -1.2, -0.3, -2.0], "old": [-0.9, -1.0, -0.2, -1.5], "rollout": [-1.0, -1.1, -0.4, -1.6],
+             "adv": [1.0, 1.0, -0.5, -0.5], "ent": [1.0, 2.0, 0.5, 0.1]}
 
     def build(name, fill):
         x = torch.zeros(2, 4, dtype=torch.float64)
@@ -61,8 +65,10 @@ def test_loss_ignores_masked_tokens(flags):
     results = []
     for fill in (garbage, None):
         logp = build("logp", fill).requires_grad_()
-        loss, metrics = policy_loss(args, logp, build("old", fill), build("adv", fill), mask, rollout_logp=build("rollout", fill), entropy=build("ent", fill),
-                                    denoms=Denoms(num_tokens=4.0, num_seqs=2.0, num_prompts=1.0), group_tokens=t([4.0, 4.0]))
+        loss, metrics = policy_loss(args, logp, build("old", fill), build("adv", fill), mask,
+                                    rollout_logp=build("rollout", fill), entropy=build("ent", fill),
+                                    denoms=Denoms(num_tokens=4.0, num_seqs=2.0, num_prompts=1.0),
+                                    group_tokens=t([4.0, 4.0]))
         loss.backward()
         results.append((loss.detach(), logp.grad, metrics))
     (loss, grad, metrics), (loss_clean, grad_clean, metrics_clean) = results
@@ -79,13 +85,15 @@ def test_empty_mask_gives_zero_loss_zero_metrics_and_a_backward_pass(surrogate):
     args = LossArgs(surrogate=surrogate, is_level="token", kl_coef=0.1, entropy_coef=0.1)
     mask = torch.zeros(2, 3, dtype=torch.bool)
     logp = torch.full((2, 3), -math.inf, dtype=torch.float64, requires_grad=True)
-    loss, metrics = policy_loss(args, logp, torch.full((2, 3), -math.inf, dtype=torch.float64), torch.full((2, 3), math.nan, dtype=torch.float64), mask,
+    loss, metrics = policy_loss(args, logp, torch.full((2, 3), -math.inf, dtype=torch.float64),
+                                torch.full((2, 3), math.nan, dtype=torch.float64), mask,
                                 entropy=torch.zeros(2, 3, dtype=torch.float64), denoms=Denoms(0.0, 0.0, 0.0))
     loss.backward()
     assert loss.item() == 0.0 and (logp.grad == 0).all()
     assert metrics and all(v == 0.0 for v in metrics.values())
     v = leaf([[1.0, 2.0, 3.0]])
-    assert value_loss(v, t([[0.0, 0.0, 0.0]]), t([[9.0, 9.0, 9.0]]), mask[:1], clip=0.2, denoms=Denoms(0.0, 0.0, 0.0))[0].item() == 0.0
+    assert value_loss(v, t([[0.0, 0.0, 0.0]]), t([[9.0, 9.0, 9.0]]), mask[:1], clip=0.2,
+                      denoms=Denoms(0.0, 0.0, 0.0))[0].item() == 0.0
     assert sft_loss(t([[-math.inf] * 3]), mask[:1], denoms=Denoms(0.0, 0.0, 0.0))[0].item() == 0.0
     assert all(v == 0.0 for v in mismatch_metrics(t([[0.0] * 3]), t([[-math.inf] * 3]), mask[:1]).values())
 
@@ -96,7 +104,8 @@ def test_extreme_ratio_stays_finite(surrogate):
     # importance log-weight (old - rollout = -1000) likewise.
     args = LossArgs(surrogate=surrogate, is_level="token", is_mode="clip")
     logp = leaf([[0.0, -1.0]])
-    loss, _ = policy_loss(args, logp, t([[-1000.0, -1.0]]), t([[-1.0, 1.0]]), torch.tensor([[True, True]]), rollout_logp=t([[0.0, -1.0]]))
+    loss, _ = policy_loss(args, logp, t([[-1000.0, -1.0]]), t([[-1.0, 1.0]]), torch.tensor([[True, True]]),
+                          rollout_logp=t([[0.0, -1.0]]))
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
 
@@ -108,7 +117,8 @@ def test_ppo_clip_by_hand():
     # Token 0: r = 1.5, A = +1, eps 0.2 -> max(-1.5, -1.2) = -1.2, clipped, gradient 0.
     # Token 1: r = 1.1 inside the band -> -1.1, gradient -r*A/N = -1.1/2 = -0.55. Loss (-1.2 - 1.1)/2 = -1.15.
     logp = leaf([[math.log(1.5), math.log(1.1)]])
-    loss, metrics = policy_loss(LossArgs(surrogate="ppo"), logp, t([[0.0, 0.0]]), t([[1.0, 1.0]]), torch.tensor([[True, True]]))
+    loss, metrics = policy_loss(LossArgs(surrogate="ppo"), logp, t([[0.0, 0.0]]), t([[1.0, 1.0]]),
+                                torch.tensor([[True, True]]))
     loss.backward()
     assert loss.item() == pytest.approx(-1.15)
     assert close(logp.grad, [[0.0, -0.55]])
@@ -118,7 +128,8 @@ def test_ppo_clip_by_hand():
 def test_dual_clip_bounds_negative_advantage_loss():
     # Token 0: r = 10, A = -1: PPO gives max(-10*-1, -1.2*-1) = 10; dual clip c = 3 caps it at -c*A = 3, gradient 0.
     # Token 1: r = 2, A = -1: PPO gives 2 < 3, so the bound leaves it alone: loss 2, gradient -r*A = 2.
-    logp, old, adv, mask = leaf([[math.log(10.0), math.log(2.0)]]), t([[0.0, 0.0]]), t([[-1.0, -1.0]]), torch.tensor([[True, True]])
+    logp, old, adv, mask = (leaf([[math.log(10.0), math.log(2.0)]]), t([[0.0, 0.0]]), t([[-1.0, -1.0]]),
+                            torch.tensor([[True, True]]))
     plain, _ = ppo(logp, old, adv, mask, clip_low=0.2, clip_high=0.2, dual_clip=None)
     bounded, clipped = ppo(logp, old, adv, mask, clip_low=0.2, clip_high=0.2, dual_clip=3.0)
     bounded.sum().backward()
@@ -134,7 +145,8 @@ def test_gspo_uses_one_sequence_ratio_and_reaches_every_token():
     s = math.exp(-0.1)
     logp = leaf([[0.5, -0.5], [0.1, -0.3]])
     mask = torch.ones(2, 2, dtype=torch.bool)
-    loss, metrics = policy_loss(LossArgs(surrogate="gspo"), logp, t([[0.0, 0.0], [0.0, 0.0]]), t([[1.0, 1.0], [1.0, 3.0]]), mask)
+    loss, metrics = policy_loss(LossArgs(surrogate="gspo"), logp, t([[0.0, 0.0], [0.0, 0.0]]),
+                                t([[1.0, 1.0], [1.0, 3.0]]), mask)
     loss.backward()
     assert loss.item() == pytest.approx((-2.0 - 4.0 * s) / 4.0)
     assert close(logp.grad, [[-0.25, -0.25], [-s / 2.0, -s / 2.0]])
@@ -144,7 +156,8 @@ def test_gspo_uses_one_sequence_ratio_and_reaches_every_token():
 def test_gspo_clips_the_whole_sequence():
     # logp - old = [0.5, 0.5]: s = e^0.5 = 1.65 > 1.2 with A = +1 -> every token -1.2, no gradient.
     logp = leaf([[0.5, 0.5]])
-    per_token, clipped = gspo(logp, t([[0.0, 0.0]]), t([[1.0, 1.0]]), torch.tensor([[True, True]]), clip_low=0.2, clip_high=0.2, dual_clip=None)
+    per_token, clipped = gspo(logp, t([[0.0, 0.0]]), t([[1.0, 1.0]]), torch.tensor([[True, True]]),
+                              clip_low=0.2, clip_high=0.2, dual_clip=None)
     per_token.sum().backward()
     assert close(per_token, [[-1.2, -1.2]])
     assert clipped.all() and (logp.grad == 0).all()
@@ -155,13 +168,15 @@ def test_cispo_gradient_flows_only_through_logp():
     # loss = -(1.5*1*ln0.5 + 0.8*(-2)*ln0.25)/2 = -(-1.5ln2 + 3.2ln2)/2 = -0.85ln2; d/dlogp = -w*A/N = [-0.75, 0.8].
     logp = leaf([[math.log(0.5), math.log(0.25)]])
     old = leaf([[math.log(0.25), math.log(0.5)]])
-    loss, metrics = policy_loss(LossArgs(surrogate="cispo", clip_high=0.5), logp, old, t([[1.0, -2.0]]), torch.tensor([[True, True]]))
+    loss, metrics = policy_loss(LossArgs(surrogate="cispo", clip_high=0.5), logp, old, t([[1.0, -2.0]]),
+                                torch.tensor([[True, True]]))
     loss.backward()
     assert loss.item() == pytest.approx(-0.85 * LN2)
     assert close(logp.grad, [[-0.75, 0.8]])
     assert old.grad is None or (old.grad == 0).all()
     assert metrics["loss/clip_frac"] == 1.0
-    direct, _ = cispo(logp.detach(), old.detach(), t([[1.0, -2.0]]), torch.tensor([[True, True]]), clip_low=0.2, clip_high=0.5)
+    direct, _ = cispo(logp.detach(), old.detach(), t([[1.0, -2.0]]), torch.tensor([[True, True]]),
+                      clip_low=0.2, clip_high=0.5)
     assert close(direct, [[1.5 * LN2, -3.2 * LN2]])
 
 
@@ -193,7 +208,8 @@ def test_clip_mode_clamps_weights_into_the_band():
 
 
 def test_seq_weight_is_the_product_over_the_action_tokens():
-    # Row 0: 2 * 3 = 6 > HIGH 5 -> trunc gives 5 on every token, mask gives 0. Row 1: 2 * 0.5 * (padding 100 ignored) = 1.
+    # Row 0: 2 * 3 = 6 > HIGH 5 -> trunc gives 5 on every token, mask gives 0.
+    # Row 1: 2 * 0.5 * (padding 100 ignored) = 1.
     mask = torch.tensor([[True, True, True], [True, True, False]])
     rows = [[2.0, 3.0, 1.0], [2.0, 0.5, 100.0]]
     w, cut = weights(rows, "seq", "trunc", (0.5, 5.0), mask)
@@ -214,8 +230,9 @@ def test_importance_weight_multiplies_the_loss_as_a_constant():
     # The token is one version stale, which the version guard allows only because is_level is not off.
     logp = leaf([[-1.0]])
     args = LossArgs(is_level="token", is_mode="trunc", is_band=(0.5, 2.0))
-    loss, metrics = policy_loss(args, logp, t([[-1.0]]), t([[1.0]]), torch.tensor([[True]]), rollout_logp=t([[-1.0 - math.log(4.0)]]),
-                                versions=torch.tensor([[4]]), current_version=5)
+    loss, metrics = policy_loss(args, logp, t([[-1.0]]), t([[1.0]]), torch.tensor([[True]]),
+                                rollout_logp=t([[-1.0 - math.log(4.0)]]), versions=torch.tensor([[4]]),
+                                current_version=5)
     loss.backward()
     assert loss.item() == pytest.approx(-2.0) and logp.grad.item() == pytest.approx(-2.0)
     assert metrics["loss/is_weight_mean"] == pytest.approx(2.0) and metrics["loss/is_masked_frac"] == 1.0
@@ -254,11 +271,12 @@ def test_check_versions_refuses_mixed_versions_without_importance_correction():
 def test_max_token_lag_zero_trains_only_current_tokens_without_correction():
     # versions [5, 4], current 5, lag 0: the stale token is dropped, so is_level off is allowed. Token 0: r = 1, A = 1
     # -> -1, entropy bonus 0.1 * 1, KL to the rollout 0. The dropped token still counts in num_tokens = 2 but brings
-    # neither its loss, nor its entropy 5, nor its k2 = (-2 - -3)^2 / 2: loss = (-1 - 0.1) / 2 = -0.55, gradient 0 on it.
+    # neither its loss, nor its entropy 5, nor its k2 = (-2 - -3)^2 / 2: loss = (-1 - 0.1) / 2 = -0.55, grad 0 on it.
     logp = leaf([[-1.0, -2.0]])
     args = LossArgs(max_token_lag=0, entropy_coef=0.1, kl_coef=0.5, kl_estimator="k2")
-    loss, metrics = policy_loss(args, logp, t([[-1.0, -2.0]]), t([[1.0, 1.0]]), torch.tensor([[True, True]]), rollout_logp=t([[-1.0, -3.0]]),
-                                versions=torch.tensor([[5, 4]]), current_version=5, entropy=t([[1.0, 5.0]]))
+    loss, metrics = policy_loss(args, logp, t([[-1.0, -2.0]]), t([[1.0, 1.0]]), torch.tensor([[True, True]]),
+                                rollout_logp=t([[-1.0, -3.0]]), versions=torch.tensor([[5, 4]]), current_version=5,
+                                entropy=t([[1.0, 5.0]]))
     loss.backward()
     assert loss.item() == pytest.approx(-0.55) and close(logp.grad, [[-0.5, 0.0]])
     assert metrics["loss/stale_frac"] == 0.5 and metrics["loss/entropy"] == 1.0 and metrics["loss/kl"] == 0.0
@@ -281,17 +299,18 @@ def test_kl_estimators_by_hand():
 def test_k1_is_refused_as_a_loss_and_kept_as_a_metric():
     with pytest.raises(ValueError, match="--loss.kl_estimator k1"):
         LossArgs(kl_estimator="k1", kl_coef=0.1)
-    # kl_coef 0: k1 against the rollout is logged, logp - rollout = ln2, and the loss is the PPO term alone (A = 0 -> 0).
-    loss, metrics = policy_loss(LossArgs(kl_estimator="k1"), leaf([[math.log(0.5)]]), t([[math.log(0.5)]]), t([[0.0]]), torch.tensor([[True]]),
-                                rollout_logp=t([[math.log(0.25)]]), versions=torch.tensor([[0]]), current_version=0)
+    # kl_coef 0: k1 against the rollout is logged, logp - rollout = ln2; the loss is the PPO term alone (A = 0 -> 0).
+    loss, metrics = policy_loss(LossArgs(kl_estimator="k1"), leaf([[math.log(0.5)]]), t([[math.log(0.5)]]),
+                                t([[0.0]]), torch.tensor([[True]]), rollout_logp=t([[math.log(0.25)]]),
+                                versions=torch.tensor([[0]]), current_version=0)
     assert metrics["loss/kl"] == pytest.approx(LN2) and loss.item() == 0.0
 
 
 def test_kl_to_rollout_enters_loss_with_its_coefficient():
     # A = 0, so the loss is the KL term: 0.5 * k2 = 0.5 * ln2^2 / 2; d/dlogp = 0.5 * (logp - ref) = 0.5 ln2.
     logp = leaf([[math.log(0.5)]])
-    loss, metrics = policy_loss(LossArgs(kl_coef=0.5, kl_estimator="k2", kl_ref="rollout"), logp, t([[math.log(0.5)]]), t([[0.0]]),
-                                torch.tensor([[True]]), rollout_logp=t([[math.log(0.25)]]))
+    loss, metrics = policy_loss(LossArgs(kl_coef=0.5, kl_estimator="k2", kl_ref="rollout"), logp, t([[math.log(0.5)]]),
+                                t([[0.0]]), torch.tensor([[True]]), rollout_logp=t([[math.log(0.25)]]))
     loss.backward()
     assert loss.item() == pytest.approx(0.25 * LN2**2) and logp.grad.item() == pytest.approx(0.5 * LN2)
     assert metrics["loss/kl"] == pytest.approx(LN2**2 / 2)
@@ -335,7 +354,8 @@ AGG_GROUP_TOKENS = t([3.0, 3.0, 3.0])
     ("prompt_mean_token_mean", ((3.0 + 3.0) / 3.0 + 15.0 / 3.0) / 2.0),  # prompt token means 2 and 5 over 2 prompts
 ])
 def test_aggregations_by_hand(agg, expected):
-    assert float(aggregate(AGG_VALUES, AGG_MASK, agg=agg, denoms=AGG_DENOMS, group_tokens=AGG_GROUP_TOKENS)) == pytest.approx(expected)
+    assert float(aggregate(AGG_VALUES, AGG_MASK, agg=agg, denoms=AGG_DENOMS,
+                           group_tokens=AGG_GROUP_TOKENS)) == pytest.approx(expected)
 
 
 def assert_two_microbatches_equal_one_batch(agg):
@@ -344,13 +364,14 @@ def assert_two_microbatches_equal_one_batch(agg):
     args = LossArgs(agg=agg, kl_coef=0.1, entropy_coef=0.01)
     logp = t([[-0.5, -1.0, 0.0], [-0.2, 0.0, 0.0], [-1.0, -0.1, -0.7]])
     old = logp - t([[0.3, -0.3, 0.0], [0.1, 0.0, 0.0], [0.0, 0.05, -0.2]])
-    adv, entropy = t([[1.0, 1.0, 0.0], [-1.0, 0.0, 0.0], [0.5, 0.5, 0.5]]), t([[1.0, 2.0, 0.0], [3.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    adv, entropy = (t([[1.0, 1.0, 0.0], [-1.0, 0.0, 0.0], [0.5, 0.5, 0.5]]),
+                    t([[1.0, 2.0, 0.0], [3.0, 0.0, 0.0], [1.0, 1.0, 1.0]]))
     rollout = old - 0.01
 
     def run(rows):
         x = logp[rows].clone().requires_grad_()
-        loss, _ = policy_loss(args, x, old[rows], adv[rows], AGG_MASK[rows], rollout_logp=rollout[rows], entropy=entropy[rows],
-                              denoms=AGG_DENOMS, group_tokens=AGG_GROUP_TOKENS[rows])
+        loss, _ = policy_loss(args, x, old[rows], adv[rows], AGG_MASK[rows], rollout_logp=rollout[rows],
+                              entropy=entropy[rows], denoms=AGG_DENOMS, group_tokens=AGG_GROUP_TOKENS[rows])
         loss.backward()
         return loss.detach(), x.grad
 
@@ -380,22 +401,25 @@ def test_accumulated_prompt_mean_token_mean_over_two_microbatches_equals_one_bat
 
 
 def test_value_loss_takes_the_larger_of_clipped_and_unclipped_error():
-    # Token 0: v 1.5, old 1, R 2: unclipped (1.5-2)^2 = 0.25, clipped v 1.2 -> 0.64; max 0.64, half 0.32, clipped, grad 0.
-    # Token 1: v 1.1 inside the clip: (1.1-2)^2 = 0.81, half 0.405, grad (v - R)/N = -0.9/2 = -0.45. Loss (0.32+0.405)/2.
+    # Token 0: v 1.5, old 1, R 2: unclipped (1.5-2)^2 = 0.25, clipped 1.2 -> 0.64; max 0.64, half 0.32, clipped, grad 0.
+    # Token 1: v 1.1 inside the clip: (1.1-2)^2 = 0.81, half 0.405, grad (v-R)/N = -0.9/2 = -0.45. Loss (0.32+0.405)/2.
     values = leaf([[1.5, 1.1]])
-    loss, metrics = compute_value_loss(LossArgs(value_clip=0.2), values, t([[1.0, 1.0]]), t([[2.0, 2.0]]), torch.tensor([[True, True]]), denoms=one_row(2))
+    loss, metrics = compute_value_loss(LossArgs(value_clip=0.2), values, t([[1.0, 1.0]]), t([[2.0, 2.0]]),
+                                       torch.tensor([[True, True]]), denoms=one_row(2))
     loss.backward()
     assert loss.item() == pytest.approx(0.3625) and close(values.grad, [[0.0, -0.45]])
     assert metrics["loss/value"] == pytest.approx(0.3625) and metrics["loss/value_clip_frac"] == 0.5
     # No clip: (0.25 + 0.81) / 2 / 2 = 0.265.
-    plain, _ = value_loss(values, t([[1.0, 1.0]]), t([[2.0, 2.0]]), torch.tensor([[True, True]]), clip=None, denoms=one_row(2))
+    plain, _ = value_loss(values, t([[1.0, 1.0]]), t([[2.0, 2.0]]), torch.tensor([[True, True]]), clip=None,
+                          denoms=one_row(2))
     assert plain.item() == pytest.approx(0.265)
 
 
 def test_sft_loss_is_token_nll_over_global_tokens():
     # -ln0.5 - ln0.25 = 3ln2 over the step's 4 tokens (this microbatch holds 2): loss 3ln2/4, local mean nll 1.5ln2.
     logp = leaf([[math.log(0.5), math.log(0.25), -math.inf]])
-    loss, metrics = sft_loss(logp, torch.tensor([[True, True, False]]), denoms=Denoms(num_tokens=4.0, num_seqs=2.0, num_prompts=1.0))
+    loss, metrics = sft_loss(logp, torch.tensor([[True, True, False]]),
+                             denoms=Denoms(num_tokens=4.0, num_seqs=2.0, num_prompts=1.0))
     loss.backward()
     assert loss.item() == pytest.approx(0.75 * LN2) and metrics["loss/sft_nll"] == pytest.approx(1.5 * LN2)
     assert logp.grad.tolist() == [[-0.25, -0.25, 0.0]]
@@ -416,16 +440,18 @@ def test_mismatch_metrics_by_hand():
 
 def test_policy_loss_measures_mismatch_only_on_current_version_tokens():
     # rollout - old = [0.5, 1.0], but the second token is one version stale: its gap is policy lag, not mismatch.
-    _, metrics = policy_loss(LossArgs(is_level="token"), leaf([[-1.0, -1.0]]), t([[-1.0, -1.0]]), t([[1.0, 1.0]]), torch.tensor([[True, True]]),
-                             rollout_logp=t([[-0.5, 0.0]]), versions=torch.tensor([[3, 2]]), current_version=3)
+    _, metrics = policy_loss(LossArgs(is_level="token"), leaf([[-1.0, -1.0]]), t([[-1.0, -1.0]]), t([[1.0, 1.0]]),
+                             torch.tensor([[True, True]]), rollout_logp=t([[-0.5, 0.0]]),
+                             versions=torch.tensor([[3, 2]]), current_version=3)
     assert metrics["loss/mismatch_abs"] == pytest.approx(0.5) and metrics["loss/vllm_kl"] == pytest.approx(0.5)
 
 
 
 def test_policy_loss_reports_no_mismatch_when_no_token_has_the_current_version():
     # Both tokens are one version stale: their gap to the trainer is policy lag, so no mismatch can be measured.
-    _, metrics = policy_loss(LossArgs(is_level="token"), leaf([[-1.0, -1.0]]), t([[-1.0, -1.0]]), t([[1.0, 1.0]]), torch.tensor([[True, True]]),
-                             rollout_logp=t([[-0.5, 0.0]]), versions=torch.tensor([[2, 2]]), current_version=3)
+    _, metrics = policy_loss(LossArgs(is_level="token"), leaf([[-1.0, -1.0]]), t([[-1.0, -1.0]]), t([[1.0, 1.0]]),
+                             torch.tensor([[True, True]]), rollout_logp=t([[-0.5, 0.0]]),
+                             versions=torch.tensor([[2, 2]]), current_version=3)
     assert not any(k.startswith("loss/mismatch") or k == "loss/vllm_kl" for k in metrics)
 
 # --- flags and shapes

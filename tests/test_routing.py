@@ -31,8 +31,9 @@ def make_segments(vocab: int, *, seed: int = 0) -> list[Segment]:
         prompt = [rng.randrange(3, vocab) for _ in range(rng.randrange(3, 6))]
         completion = [rng.randrange(3, vocab) for _ in range(rng.randrange(4, 9))]
         mask = [False] * len(prompt) + [True] * len(completion)
-        segments.append(Segment(token_ids=prompt + completion, action_mask=mask, logprobs=[-4.0 if m else 0.0 for m in mask],
-                                versions=[0 if m else -1 for m in mask], reward=float(k), episode_id=f"e{k}", group_id="g0"))
+        segments.append(Segment(token_ids=prompt + completion, action_mask=mask,
+                                logprobs=[-4.0 if m else 0.0 for m in mask], versions=[0 if m else -1 for m in mask],
+                                reward=float(k), episode_id=f"e{k}", group_id="g0"))
     return segments
 
 
@@ -41,7 +42,8 @@ def hf_selection(model, segments) -> list[np.ndarray]:
     out = []
     with torch.no_grad():
         for seg in segments:
-            logits = model(input_ids=torch.tensor([seg.token_ids]), output_router_logits=True).router_logits  # layers x (T, E)
+            # layers x (T, E)
+            logits = model(input_ids=torch.tensor([seg.token_ids]), output_router_logits=True).router_logits
             out.append(torch.stack([l.topk(TOP_K, dim=-1).indices for l in logits], 1).numpy().astype(np.int16))
     return out
 
@@ -60,8 +62,10 @@ class Observed:
         experts = [m for m in model.modules() if isinstance(m, Qwen3MoeExperts)]
         assert len(routers) == len(experts) == LAYERS
         for layer, (router, expert) in enumerate(zip(routers, experts)):
-            self.handles.append(router.register_forward_pre_hook(lambda m, args, layer=layer: self.calls[layer].append([args[0].detach(), m.weight.detach()])))
-            self.handles.append(expert.register_forward_pre_hook(lambda m, args, layer=layer: self.calls[layer][-1].extend([args[1], args[2].detach()])))
+            self.handles.append(router.register_forward_pre_hook(
+                lambda m, args, layer=layer: self.calls[layer].append([args[0].detach(), m.weight.detach()])))
+            self.handles.append(expert.register_forward_pre_hook(
+                lambda m, args, layer=layer: self.calls[layer][-1].extend([args[1], args[2].detach()])))
 
     def close(self):
         for h in self.handles:
@@ -70,8 +74,8 @@ class Observed:
 
 @pytest.fixture(scope="module")
 def rank(tiny_moe_model):
-    r = TrainerRank(0, 1, tiny_moe_model, TrainArgs(lr=1e-3, routing_replay=True), FsdpArgs(gradient_checkpointing=True),
-                    CkptArgs(), LossArgs(), EstimatorArgs(), 1.0)
+    r = TrainerRank(0, 1, tiny_moe_model, TrainArgs(lr=1e-3, routing_replay=True),
+                    FsdpArgs(gradient_checkpointing=True), CkptArgs(), LossArgs(), EstimatorArgs(), 1.0)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -94,7 +98,8 @@ def own_selection(tiny_moe_model, segments):
 def other_selection(tmp_path_factory, segments, own_selection):
     other = build_tiny_model(str(tmp_path_factory.mktemp("tiny_moe_seed1")), seed=1, tokenizer="chars", moe=True)
     sel = hf_selection(AutoModelForCausalLM.from_pretrained(other, dtype=torch.float32).eval(), segments)
-    assert any((np.sort(a, -1) != np.sort(b, -1)).any() for a, b in zip(sel, own_selection)), "the other weights must route differently somewhere"
+    assert any((np.sort(a, -1) != np.sort(b, -1)).any() for a, b in zip(sel, own_selection)), (
+        "the other weights must route differently somewhere")
     return sel
 
 
@@ -118,7 +123,8 @@ def ids_at(call, B, T) -> torch.Tensor:
     return call[2].view(B, T, TOP_K)
 
 
-def test_replay_runs_the_recorded_experts_in_forward_and_checkpoint_recompute_and_the_gate_gets_gradient(rank, segments, other_selection):
+def test_replay_runs_the_recorded_experts_in_forward_and_checkpoint_recompute_and_the_gate_gets_gradient(
+        rank, segments, other_selection):
     seen, x, _ = forward_observed(rank, with_routing(segments, other_selection), grad=True)
     B, T = x["ids"].shape
     for layer in range(LAYERS):
@@ -128,8 +134,10 @@ def test_replay_runs_the_recorded_experts_in_forward_and_checkpoint_recompute_an
             ids = ids.view(B, T, TOP_K)
             for i, seg in enumerate(segments):
                 n = len(seg.token_ids)
-                assert torch.equal(ids[i, :n], torch.from_numpy(other_selection[i][:, layer]).long())  # 100% of positions
-            # weights: softmax over all 4 experts of the trainer's own gate logits, gathered at the replayed ids, renormalized
+                # 100% of positions
+                assert torch.equal(ids[i, :n], torch.from_numpy(other_selection[i][:, layer]).long())
+            # weights: softmax over all 4 experts of the trainer's own gate logits, gathered at the replayed ids,
+            # renormalized
             p = torch.softmax(h @ w.T, -1).gather(-1, ids.view(-1, TOP_K))  # (N, K)
             assert torch.allclose(weights, p / p.sum(-1, keepdim=True), atol=1e-6)
     for router in [m for m in rank.model.modules() if isinstance(m, Qwen3MoeTopKRouter)]:
@@ -147,7 +155,8 @@ def test_positions_marked_minus_one_route_live(rank, segments, other_selection):
     differs = False
     for layer in range(LAYERS):
         (h, w, ids, _), = seen.calls[layer]
-        live = torch.softmax(h @ w.T, -1).topk(TOP_K, -1).indices.view(B, T, TOP_K)  # the trainer's own top-k in this forward
+        # the trainer's own top-k in this forward
+        live = torch.softmax(h @ w.T, -1).topk(TOP_K, -1).indices.view(B, T, TOP_K)
         ids = ids.view(B, T, TOP_K)
         for i, seg in enumerate(segments):
             n = len(seg.token_ids)
@@ -160,10 +169,12 @@ def test_positions_marked_minus_one_route_live(rank, segments, other_selection):
     assert differs, "replayed positions must differ from live routing somewhere, else this test shows nothing"
 
 
-def test_replaying_the_own_live_choice_leaves_logprobs_unchanged(rank, tiny_moe_model, segments, own_selection, other_selection):
+def test_replaying_the_own_live_choice_leaves_logprobs_unchanged(rank, tiny_moe_model, segments, own_selection,
+                                                                 other_selection):
     ref = AutoModelForCausalLM.from_pretrained(tiny_moe_model, dtype=torch.float32).eval()
     with torch.no_grad():  # reference: a plain transformers forward per row, its own routing
-        expected = [torch.cat([torch.zeros(1), torch.log_softmax(ref(input_ids=torch.tensor([s.token_ids])).logits[0, :-1], -1)
+        expected = [torch.cat([torch.zeros(1),
+                               torch.log_softmax(ref(input_ids=torch.tensor([s.token_ids])).logits[0, :-1], -1)
                                .gather(-1, torch.tensor(s.token_ids[1:])[:, None])[:, 0]]) for s in segments]
     own = rank.logprobs(with_routing(segments, own_selection), 1.0)
     other = rank.logprobs(with_routing(segments, other_selection), 1.0)
@@ -172,7 +183,8 @@ def test_replaying_the_own_live_choice_leaves_logprobs_unchanged(rank, tiny_moe_
     assert max(float((b - e).abs().max()) for e, b in zip(expected, other)) > 1e-3  # replay does change the function
 
 
-def test_routing_that_does_not_fit_the_model_is_refused_naming_the_segment(rank, tiny_chars_model, segments, own_selection):
+def test_routing_that_does_not_fit_the_model_is_refused_naming_the_segment(rank, tiny_chars_model, segments,
+                                                                           own_selection):
     bad = list(own_selection)
     bad[1] = np.concatenate([bad[1], bad[1][:, :, :1]], -1)  # top_k 3 for a top-2 model
     with pytest.raises(ValueError, match=r"segment 1 \('e1'\): routed_experts has shape .*3\), the model needs"):

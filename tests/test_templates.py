@@ -34,7 +34,8 @@ class Hand:
 
 CHATML = Hand(lambda c: f"<|im_start|>user\n{c}<|im_end|>\n", "<|im_start|>assistant\n", "\n", "<|im_end|>\n")
 HAND = {"qwen3": CHATML, "qwen25": CHATML, "smollm2": CHATML,
-        "deepseek_r1": Hand(lambda c: f"<｜User｜>{c}", "<｜Assistant｜><think>\n", "", "<｜end▁of▁sentence｜>"),
+        "deepseek_r1": Hand(lambda c: f"<｜User｜>{c}", "<｜Assistant｜><think>\n", "",
+                            "<｜end▁of▁sentence｜>"),
         "llama31": Hand(lambda c: f"<|start_header_id|>user<|end_header_id|>\n\n{c.strip()}<|eot_id|>",
                         "<|start_header_id|>assistant<|end_header_id|>\n\n", "", "<|eot_id|>")}   # content trimmed
 

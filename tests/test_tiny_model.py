@@ -34,14 +34,17 @@ def test_special_tokens_are_single_ids_in_both_tokenizers(tiny_model, tiny_chars
 def test_template_renders_tools_tool_calls_and_merged_tool_results(tiny_model):
     tok = AutoTokenizer.from_pretrained(tiny_model)
     msgs = [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "", "tool_calls": [CALL]},
-            {"role": "tool", "tool_call_id": "c1", "content": "5"}, {"role": "tool", "tool_call_id": "c2", "content": "6"}]
+            {"role": "tool", "tool_call_id": "c1", "content": "5"},
+            {"role": "tool", "tool_call_id": "c2", "content": "6"}]
     text = tok.apply_chat_template(msgs, tools=TOOLS, tokenize=False, add_generation_prompt=True)
     # Written out by hand from the Hermes format: tools block, one call, both results in one user turn.
     expected = ('<|im_start|>system\n# Tools\n<tools>\n' + json.dumps(TOOLS[0]) + '\n</tools>\n'
                 'Call a tool with <tool_call>\n{"name": NAME, "arguments": ARGS}\n</tool_call><|im_end|>\n'
                 '<|im_start|>user\n2+3?<|im_end|>\n'
-                '<|im_start|>assistant\n<tool_call>\n{"name": "calc", "arguments": {"expression": "2+3"}}\n</tool_call><|im_end|>\n'
-                '<|im_start|>user\n<tool_response>\n5\n</tool_response>\n<tool_response>\n6\n</tool_response><|im_end|>\n'
+                '<|im_start|>assistant\n<tool_call>\n{"name": "calc", "arguments": {"expression": "2+3"}}\n'
+                '</tool_call><|im_end|>\n'
+                '<|im_start|>user\n<tool_response>\n5\n</tool_response>\n'
+                '<tool_response>\n6\n</tool_response><|im_end|>\n'
                 '<|im_start|>assistant\n')
     assert text == expected
 

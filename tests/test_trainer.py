@@ -22,7 +22,8 @@ from trainer import (CkptArgs, FsdpArgs, TrainArgs, TrainerGroup, check_args, lr
 VOCAB = 72  # tiny_chars_model
 
 
-def make_segments(version: int = 0, *, groups: int = 3, per_group: int = 3, seed: int = 0, reward=None) -> list[Segment]:
+def make_segments(version: int = 0, *, groups: int = 3, per_group: int = 3, seed: int = 0,
+                  reward=None) -> list[Segment]:
     """Prompt groups of random ids with random-length completions (ragged rows exercise padding)."""
     rng = random.Random(seed)
     segments = []
@@ -32,15 +33,18 @@ def make_segments(version: int = 0, *, groups: int = 3, per_group: int = 3, seed
             completion = [rng.randrange(3, VOCAB) for _ in range(rng.randrange(2, 10))]
             mask = [False] * len(prompt) + [True] * len(completion)
             segments.append(Segment(token_ids=prompt + completion, action_mask=mask,
-                                    logprobs=[-4.0 if m else 0.0 for m in mask], versions=[version if m else -1 for m in mask],
-                                    reward=rng.random() if reward is None else reward, episode_id=f"e{g}.{k}", group_id=f"g{g}"))
+                                    logprobs=[-4.0 if m else 0.0 for m in mask],
+                                    versions=[version if m else -1 for m in mask],
+                                    reward=rng.random() if reward is None else reward,
+                                    episode_id=f"e{g}.{k}", group_id=f"g{g}"))
     return segments
 
 
-def start_group(model_path, *, world_size=1, ckpt=None, loss=None, estimator=None, temperature=1.0, **train) -> TrainerGroup:
+def start_group(model_path, *, world_size=1, ckpt=None, loss=None, estimator=None, temperature=1.0,
+                **train) -> TrainerGroup:
     train = TrainArgs(**{"lr": 1e-3, "world_size": world_size, **train})
-    return TrainerGroup(model_path, train, FsdpArgs(), ckpt or CkptArgs(), loss or LossArgs(), estimator or EstimatorArgs(),
-                        temperature=temperature, gpus_per_rank=0)
+    return TrainerGroup(model_path, train, FsdpArgs(), ckpt or CkptArgs(), loss or LossArgs(),
+                        estimator or EstimatorArgs(), temperature=temperature, gpus_per_rank=0)
 
 
 def exported(group: TrainerGroup) -> dict[str, torch.Tensor]:
@@ -121,7 +125,8 @@ def test_token_logprobs_shift_by_one_and_scale_by_temperature():
     # t = 0 is 0; row 0: t=1 reads (1/4, 3/4) at id 1, t=2 uniform; row 1: t=1 uniform, t=2 reads (2/3, 1/3) at id 0
     assert torch.allclose(logp, torch.tensor([[0.0, ln(torch.tensor(0.75)), ln(torch.tensor(0.5))],
                                               [0.0, ln(torch.tensor(0.5)), ln(torch.tensor(2 / 3))]]), atol=1e-6)
-    assert torch.allclose(h, torch.tensor([[0.0, H(0.25, 0.75), H(0.5, 0.5)], [0.0, H(0.5, 0.5), H(2 / 3, 1 / 3)]]), atol=1e-6)
+    assert torch.allclose(h, torch.tensor([[0.0, H(0.25, 0.75), H(0.5, 0.5)],
+                                           [0.0, H(0.5, 0.5), H(2 / 3, 1 / 3)]]), atol=1e-6)
     assert logp.requires_grad and not h.requires_grad  # the entropy gets a graph only when the loss uses it
     logp[0, 1].backward()  # d log p_1 / d logits = (onehot(1) - p) / T = ((0 - 1/4) / 2, (1 - 3/4) / 2) at [0, 0]
     expected = torch.zeros(2, 3, 2)
@@ -188,7 +193,8 @@ def test_recomputed_logprobs_equal_hf_forward(ws2, tiny_chars_model):
         expected = hf_logprobs(reference, segments, temperature)
         assert [len(x) for x in ours[temperature]] == [len(s.token_ids) for s in segments]
         for row, (a, b) in enumerate(zip(ours[temperature], expected)):
-            assert torch.allclose(a, b, atol=1e-5, rtol=0), f"row {row} at T={temperature}: max diff {(a - b).abs().max()}"
+            assert torch.allclose(a, b, atol=1e-5, rtol=0), (
+                f"row {row} at T={temperature}: max diff {(a - b).abs().max()}")
     assert (ours[1.0][0] - ours[0.7][0]).abs().max() > 0.1  # the temperature reaches the log-probs
 
 
@@ -242,10 +248,11 @@ def test_accumulated_microbatches_equal_one_batch(ws1_after_one_step, ray_local,
         assert torch.allclose(tensor, params_acc[name], atol=5e-5, rtol=0), name
 
 
-def test_gradient_checkpointing_changes_neither_the_step_nor_the_export_names(ws1_after_one_step, ray_local, tiny_chars_model):
+def test_gradient_checkpointing_changes_neither_the_step_nor_the_export_names(ws1_after_one_step, ray_local,
+                                                                             tiny_chars_model):
     metrics_one, params_one = ws1_after_one_step
-    group = TrainerGroup(tiny_chars_model, TrainArgs(lr=1e-3, world_size=2), FsdpArgs(gradient_checkpointing=True), CkptArgs(),
-                         LossArgs(), EstimatorArgs(), temperature=1.0, gpus_per_rank=0)
+    group = TrainerGroup(tiny_chars_model, TrainArgs(lr=1e-3, world_size=2), FsdpArgs(gradient_checkpointing=True),
+                         CkptArgs(), LossArgs(), EstimatorArgs(), temperature=1.0, gpus_per_rank=0)
     try:
         metrics = group.train_step(make_segments())
         params = exported(group)  # NeMo wraps each layer; the export must still use the HF names
@@ -273,8 +280,10 @@ def test_hf_export_reloads_with_identical_logits(ws1, ws1_after_one_step, tiny_c
     for a, b in zip(ws1.logprobs(segments), hf_logprobs(reloaded, segments, 1.0)):
         assert torch.allclose(a, b, atol=1e-5, rtol=0)
     ws1.export_hf(str(tmp_path / "hf"))  # the same export outside a checkpoint (launch.py's SFT output)
-    standalone, in_checkpoint = load_file(tmp_path / "hf" / "model.safetensors"), load_file(os.path.join(path, "hf", "model.safetensors"))
-    assert standalone.keys() == in_checkpoint.keys() and all(torch.equal(standalone[k], in_checkpoint[k]) for k in standalone)
+    standalone, in_checkpoint = (load_file(tmp_path / "hf" / "model.safetensors"),
+                                 load_file(os.path.join(path, "hf", "model.safetensors")))
+    assert standalone.keys() == in_checkpoint.keys() and all(torch.equal(standalone[k], in_checkpoint[k])
+                                                             for k in standalone)
 
 
 def test_resume_is_bit_exact(ws1, ws1_after_one_step, ray_local, tiny_chars_model):
@@ -339,7 +348,8 @@ def test_bad_batches_are_refused_naming_the_segment(ws1, ws1_after_one_step):
         ws1.train_step([])
     prompt_only = make_segments(ws1.version)[:1]
     prompt_only[0].action_mask = [False] * len(prompt_only[0].token_ids)
-    prompt_only[0].logprobs, prompt_only[0].versions = [0.0] * len(prompt_only[0].token_ids), [-1] * len(prompt_only[0].token_ids)
+    prompt_only[0].logprobs, prompt_only[0].versions = ([0.0] * len(prompt_only[0].token_ids),
+                                                        [-1] * len(prompt_only[0].token_ids))
     with pytest.raises(ValueError, match="no action token"):
         ws1.train_step(prompt_only)
     # the version guard: tokens the trainer's weights did not sample need an importance correction
