@@ -4,7 +4,7 @@ Shapes: B rows (segments), T tokens (the longest row of the batch or microbatch)
 Contract: TrainerGroup(model_path, train, fsdp, ckpt, loss, estimator, temperature=...) starts --train.world_size Ray
 actors, one rank each, in one process group (gloo on CPU, NCCL on GPU). train_step(segments) -> metrics runs one RL
 step; sft_step(segments) trains token NLL on the action tokens; logprobs(segments) -> [(T,)] recomputes log-probs of
-logits / temperature; export_weights(bucket_mb) yields lists of (HF name, full tensor); refit(generator) loads the
+logits / temperature; export_weights(bucket_mb) yields lists of (checkpoint name, tensor); refit(generator) loads the
 current weights into a paused Generator straight from rank 0 (on GPU they never leave it); save/load/--ckpt.resume use
 torch.distributed.checkpoint. Every rank receives the whole batch and derives the same plan, advantages and loss
 denominators from it; besides the model's own collectives, ranks only all-reduce the no-grad pass's per-row results
@@ -871,8 +871,8 @@ class TrainerGroup:
         return ray.get([a.logprobs.remote(ref, temperature) for a in self.actors])[0]
 
     def export_weights(self, bucket_mb: float = 256, *, dtype: torch.dtype | None = None):
-        """Yield lists of (HF name, full CPU tensor), at most bucket_mb each (a larger tensor alone), every
-        parameter exactly once, in its own dtype unless dtype is given."""
+        """Yield lists of (checkpoint name, full CPU tensor), at most bucket_mb each (a larger tensor alone), every
+        parameter exactly once (fused experts as one tensor per expert), in its own dtype unless dtype is given."""
         index, count = 0, 1
         while index < count:
             bucket, count = ray.get([a.export_bucket.remote(index, bucket_mb, dtype) for a in self.actors])[0]
