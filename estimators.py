@@ -167,8 +167,10 @@ def reinforce(rewards: Tensor, mask: Tensor, *, kl: Tensor | None = None, kl_coe
 def reinforce_baseline(rewards: Tensor, group_ids: Tensor, episode_ids: Tensor, mask: Tensor, *,
                        whiten: bool = True, std_eps: float = 1e-6) -> Tensor:
     """REINFORCE++-baseline, https://arxiv.org/abs/2501.03262: A = whiten(R - mean_group(R)).
-    One value per episode (a singleton group's is 0), broadcast to its action tokens, then whitened
-    over the batch's action tokens as in reinforce (so longer rows weigh more in the mean and std)."""
+    One value per episode, broadcast to its action tokens, then whitened over the batch's action tokens
+    as in reinforce (so longer rows weigh more in the mean and std). A singleton group has no baseline
+    and its value is 0, by choice as in grpo (verl keeps its raw score); that 0 enters the batch mean and
+    std, so the choice reaches every row, and the singleton itself ends at -mean/std, not 0."""
     check_inputs(rewards, mask, group_ids=group_ids, episode_ids=episode_ids)
     r, groups, row_episode = to_episodes(rewards, group_ids, episode_ids)  # (E,), (E,), (B,)
     adv = to_tokens(r - group_mean(r, groups)[0], row_episode, mask)  # (B, T)

@@ -26,6 +26,7 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 KL_REFS = ("rollout", "model")
 AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "prompt_mean_token_mean")
 LOG_CLAMP = 20.0  # |log-ratio| bound before exp: e^20 is finite in bf16/fp32, e^89 is not in fp32
+K3_CAP = 10.0  # the k3 KL estimate's ceiling per token, verl's and OpenRLHF's value
 
 
 @dataclass
@@ -139,15 +140,16 @@ def ppo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_low: 
 
 def gspo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_low: float, clip_high: float,
          dual_clip: float | None) -> tuple[Tensor, Tensor]:
-    """GSPO, https://arxiv.org/abs/2507.18071: PPO's clip on s = exp(mean_t(logp_t - old_logp_t)), one ratio per row.
-    Token form s_t = sg(s) * exp(logp_t - sg(logp_t)): value s, gradient s * grad(logp_t) on every token.
-    The advantage is the row's mean advantage over its action tokens (constant rows keep theirs)."""
+    """GSPO-token, https://arxiv.org/abs/2507.18071: PPO's clip on s_t = sg(s) * exp(logp_t - sg(logp_t)), with
+    s = exp(mean_t(logp_t - old_logp_t)) one ratio per row: value s, gradient s * grad(logp_t) on every token.
+    Each token keeps its own advantage A_t (per-token advantages: gae, gamma < 1, a KL reward); with one
+    advantage per row this is GSPO's sequence form."""
     logp = torch.where(mask, logp, 0.0)  # (B, T)
     n = mask.sum(-1, keepdim=True).clamp(min=1)  # (B, 1)
     log_seq = torch.where(mask, logp - old_logp, 0.0).sum(-1, keepdim=True) / n  # (B, 1)
     log_ratio = log_seq.detach() + logp - logp.detach()  # (B, T)
-    adv_seq = (torch.where(mask, adv, 0.0).sum(-1, keepdim=True) / n).expand_as(logp)  # (B, T)
-    return clipped_surrogate(log_ratio, adv_seq, mask, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
+    adv = torch.where(mask, adv, 0.0)  # (B, T)
+    return clipped_surrogate(log_ratio, adv, mask, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
 
 
 def cispo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_low: float,
@@ -230,14 +232,19 @@ def check_versions(versions: Tensor, mask: Tensor, *, current_version: int, is_l
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, mask: Tensor, *, estimator: str) -> Tensor:
     """Per-token KL(policy || ref) estimate (B, T), 0 off mask; http://joschu.net/blog/kl-approx.html with
-    d = ref - logp: k1 = -d, k2 = d^2 / 2, k3 = exp(d) - d - 1."""
-    d = torch.where(mask, ref_logp - logp, 0.0).clamp(-LOG_CLAMP, LOG_CLAMP)  # (B, T)
+    d = ref - logp: k1 = -d, k2 = d^2 / 2, k3 = min(exp(d) - d - 1, K3_CAP) on d clamped to +-20.
+    Clamps follow verl: only k3 has an exp, so only k3 is capped; k1 and k2 stay exact at any d, as the
+    trainer's k1 KL reward does (OpenRLHF instead caps all three at +-10)."""
+    d = torch.where(mask, ref_logp - logp, 0.0)  # (B, T)
     if estimator == "k1":
         return -d
     elif estimator == "k2":
         return 0.5 * d**2
     elif estimator == "k3":
-        return d.exp() - d - 1.0
+        # k3 grows as e^d and passes the cap at d ~ 2.6: capped, one rare token cannot dominate a step (and gets no
+        # gradient). The clamp on d keeps exp finite, else the capped token's backward is 0 * inf = NaN.
+        d = d.clamp(-LOG_CLAMP, LOG_CLAMP)  # (B, T)
+        return (d.exp() - d - 1.0).clamp(max=K3_CAP)
     else:
         raise ValueError(f"estimator {estimator!r}: unknown; choose one of {', '.join(KL_ESTIMATORS)}")
 
@@ -274,9 +281,10 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     loss = error**2  # (B, T)
     clipped = torch.zeros_like(mask)
     if clip is not None:
-        moved = torch.where(mask, values - old_values, 0.0).clamp(-clip, clip)  # (B, T)
-        error_clipped = torch.where(mask, old_values - returns, 0.0) + moved  # (B, T)
-        clipped = (error_clipped**2 > loss) & mask
+        moved = torch.where(mask, values - old_values, 0.0)  # (B, T)
+        error_clipped = torch.where(mask, old_values - returns, 0.0) + moved.clamp(-clip, clip)  # (B, T)
+        # In the band both errors are v - R up to rounding, and a rounding tie is no clip: count only moved clamps.
+        clipped = (moved.abs() > clip) & (error_clipped**2 > loss) & mask
         loss = torch.maximum(loss, error_clipped**2)
     loss = 0.5 * loss  # (B, T)
     metrics = {"loss/value": masked_mean(loss, mask), "loss/value_clip_frac": masked_mean(clipped, mask)}

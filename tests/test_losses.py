@@ -140,8 +140,8 @@ def test_dual_clip_bounds_negative_advantage_loss():
 def test_gspo_uses_one_sequence_ratio_and_reaches_every_token():
     # Row 0: logp - old = [0.5, -0.5]; PPO would clip both tokens, but s = exp(mean) = e^0 = 1 is inside the band:
     # loss -1 per token, gradient -s*A/N = -1/4 on both tokens (N = 4 action tokens in the step).
-    # Row 1: logp - old = [0.1, -0.3], s = e^-0.1 = 0.904837, A = [1, 3] -> sequence advantage 2: loss -2s per token,
-    # gradient -2s/4 on both tokens. Loss = (-1 - 1 - 2s - 2s) / 4.
+    # Row 1: logp - old = [0.1, -0.3], s = e^-0.1 = 0.904837, A = [1, 3], each token keeps its own: loss -s*A_t,
+    # gradient -s*A_t/4 = [-s/4, -3s/4]. Loss = (-1 - 1 - s - 3s) / 4.
     s = math.exp(-0.1)
     logp = leaf([[0.5, -0.5], [0.1, -0.3]])
     mask = torch.ones(2, 2, dtype=torch.bool)
@@ -149,8 +149,31 @@ def test_gspo_uses_one_sequence_ratio_and_reaches_every_token():
                                 t([[1.0, 1.0], [1.0, 3.0]]), mask)
     loss.backward()
     assert loss.item() == pytest.approx((-2.0 - 4.0 * s) / 4.0)
-    assert close(logp.grad, [[-0.25, -0.25], [-s / 2.0, -s / 2.0]])
+    assert close(logp.grad, [[-0.25, -0.25], [-s / 4.0, -3.0 * s / 4.0]])
     assert metrics["loss/clip_frac"] == 0.0
+
+
+def test_gspo_token_keeps_its_own_advantage_against_a_clipped_sequence_ratio():
+    # GSPO-token: the clip compares s*A_t with clip(s)*A_t per token, so on a clipped row only the tokens whose
+    # advantage pushes s further out lose their gradient. N = 4 action tokens, eps 0.2.
+    # Row 0: logp - old = [0.3, 0.3], s = e^0.3 = 1.349859 > 1.2, A = [2, -1].
+    #   A = 2: max(-2s, -1.2*2) = -2.4, clipped, gradient 0. A = -1: max(s, 1.2) = s, gradient -s*A/4 = s/4.
+    # Row 1: logp - old = [-0.3, -0.3], s = e^-0.3 = 0.740818 < 0.8, A = [-1, 2].
+    #   A = -1: max(s, 0.8) = 0.8, clipped, gradient 0. A = 2: max(-2s, -1.6) = -2s, gradient -2s/4.
+    # Loss (-2.4 + s0 + 0.8 - 2*s1) / 4 = -0.432944. The row-mean advantage (0.5 on both rows) would give
+    # [-0.6, -0.6] on row 0 (both clipped, no gradient) and -0.5*s1 on row 1.
+    s0, s1 = math.exp(0.3), math.exp(-0.3)
+    logp = leaf([[0.3, 0.3], [-0.3, -0.3]])
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    adv = t([[2.0, -1.0], [-1.0, 2.0]])
+    per_token, clipped = gspo(logp, torch.zeros(2, 2, dtype=torch.float64), adv, mask, clip_low=0.2, clip_high=0.2,
+                              dual_clip=None)
+    assert close(per_token, [[-2.4, s0], [0.8, -2.0 * s1]]) and clipped.tolist() == [[True, False], [True, False]]
+    loss, metrics = policy_loss(LossArgs(surrogate="gspo"), logp, torch.zeros(2, 2, dtype=torch.float64), adv, mask)
+    loss.backward()
+    assert loss.item() == pytest.approx((-2.4 + s0 + 0.8 - 2.0 * s1) / 4.0)
+    assert close(logp.grad, [[0.0, s0 / 4.0], [0.0, -s1 / 2.0]])
+    assert metrics["loss/clip_frac"] == 0.5
 
 
 def test_gspo_clips_the_whole_sequence():
@@ -296,6 +319,29 @@ def test_kl_estimators_by_hand():
     assert close(kl_penalty(logp, ref, mask, estimator="k3"), [[LN2 - 0.5, 0.0]])
 
 
+def test_k3_is_capped_at_10_with_no_gradient_past_the_cap():
+    # d = ref - logp, k3 = e^d - d - 1, d/dlogp = -(e^d - 1). verl and OpenRLHF cap k3 at 10.
+    # d = 1: e - 2 = 0.718282 < 10, kept, gradient -(e - 1) = -1.718282.
+    # d = 3.5: e^3.5 - 4.5 = 28.615452 > 10 -> 10, gradient 0 (uncapped it would be -(e^3.5 - 1) = -32.115452).
+    # d = 25: e^20 - 21 = 4.85e8 after the +-20 clamp -> 10, gradient 0. d = -25: e^-20 + 19 = 19 -> 10, gradient 0.
+    # d = 1000: e^1000 is inf even in float64; the +-20 clamp keeps the capped value 10 and its gradient 0, not NaN.
+    logp = leaf([[0.0, 0.0, 0.0, 0.0, 0.0]])
+    k3 = kl_penalty(logp, t([[1.0, 3.5, 25.0, -25.0, 1000.0]]), torch.ones(1, 5, dtype=torch.bool), estimator="k3")
+    k3.sum().backward()
+    assert close(k3, [[math.e - 2.0, 10.0, 10.0, 10.0, 10.0]])
+    assert close(logp.grad, [[1.0 - math.e, 0.0, 0.0, 0.0, 0.0]])
+
+
+def test_k1_and_k2_stay_exact_past_the_log_clamp():
+    # verl's convention: only k3 is capped. At d = ref - logp = +-25: k1 = -d = -+25, k2 = 25^2 / 2 = 312.5 with
+    # gradient d/dlogp = -d = -+25 (OpenRLHF would cap k1 at -+10 and k2 at 10; a +-20 clamp on d gives 20 and 200).
+    logp, ref, mask = leaf([[0.0, 0.0]]), t([[25.0, -25.0]]), torch.ones(1, 2, dtype=torch.bool)
+    assert close(kl_penalty(logp, ref, mask, estimator="k1"), [[-25.0, 25.0]])
+    k2 = kl_penalty(logp, ref, mask, estimator="k2")
+    k2.sum().backward()
+    assert close(k2, [[312.5, 312.5]]) and close(logp.grad, [[-25.0, 25.0]])
+
+
 def test_k1_is_refused_as_a_loss_and_kept_as_a_metric():
     with pytest.raises(ValueError, match="--loss.kl_estimator k1"):
         LossArgs(kl_estimator="k1", kl_coef=0.1)
@@ -413,6 +459,19 @@ def test_value_loss_takes_the_larger_of_clipped_and_unclipped_error():
     plain, _ = value_loss(values, t([[1.0, 1.0]]), t([[2.0, 2.0]]), torch.tensor([[True, True]]), clip=None,
                           denoms=one_row(2))
     assert plain.item() == pytest.approx(0.265)
+
+
+def test_value_clip_frac_counts_only_tokens_the_clamp_moved():
+    # clip 0.2, float64, N = 3.
+    # Token 0 in the band: v - old = 0.3 - 0.1 = 0.19999999999999998 < 0.2, so the clamp leaves it and both errors are
+    # v - R = -0.4; (0.1 - 0.7) + 0.19999999999999998 rounds to -0.4000000000000001, a tie that is not a clip.
+    # Token 1: v 1.5, old 1, R 2: clamp to 1.2 -> (1.2 - 2)^2 = 0.64 > (1.5 - 2)^2 = 0.25, clipped.
+    # Token 2: v 1.5, old 1, R 0: clamp to 1.2 -> 1.44 < 2.25, the unclipped error wins, not clipped.
+    # clip_frac 1/3; loss (0.16 + 0.64 + 2.25) / 2 / 3 = 0.508333.
+    loss, metrics = value_loss(t([[0.3, 1.5, 1.5]]), t([[0.1, 1.0, 1.0]]), t([[0.7, 2.0, 0.0]]),
+                               torch.ones(1, 3, dtype=torch.bool), clip=0.2, denoms=one_row(3))
+    assert metrics["loss/value_clip_frac"] == pytest.approx(1 / 3)
+    assert loss.item() == pytest.approx(3.05 / 6.0)
 
 
 def test_sft_loss_is_token_nll_over_global_tokens():
