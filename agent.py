@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from chat_server import ChatArgs, ChatServer, ChatTemplate
-from generator import Generator, Segment, sampled_digest, segment_routing
+from generator import Generator, Segment, sampled_record, segment_routing
 
 
 @dataclass
@@ -143,7 +143,7 @@ async def run_env_episode(env: Env, generator: Generator, template: ChatTemplate
         mask += [True] * len(out.token_ids)
         logps += out.logprobs
         versions += out.versions
-        sampled += out.token_ids
+        sampled.append((out.token_ids, out.logprobs, out.versions))  # as returned, for the audit
         routed = out.routed_experts  # each call prefills the whole history: its routing covers every earlier row
         state.update(turn=state["turn"] + 1, finish_reason=out.finish_reason)
         text_ids = out.token_ids[:-1] if out.token_ids[-1:] == [template.eos_id] else out.token_ids
@@ -158,7 +158,7 @@ async def run_env_episode(env: Env, generator: Generator, template: ChatTemplate
         logps += [0.0] * len(delta)
         versions += [-1] * len(delta)
     reward = result.reward if result is not None else 0.0
-    info = dict(result.info if result is not None else {}, sampled_digest=sampled_digest(sampled), turns=state["turn"])
+    info = dict(result.info if result is not None else {}, sampled=sampled_record(sampled), turns=state["turn"])
     return [Segment(token_ids=ids, action_mask=mask, logprobs=logps, versions=versions, reward=reward,
                     episode_id=episode_id, group_id=group_id, finish_reason=state["finish_reason"],
                     truncated=truncated, info=info,
@@ -179,7 +179,7 @@ async def run_chat_episode(agent: ChatAgent, server: ChatServer, row: dict, *, m
         segments = server.close_episode(ep.id)
     for s in segments:
         s.reward, s.episode_id, s.group_id = result.reward, episode_id, group_id
-        s.info.update(result.info)
+        s.info = {**result.info, **s.info}  # the agent's info never replaces the audit's record
     return segments
 
 
@@ -223,6 +223,8 @@ class AgentWorker:
         start = time.perf_counter()
         ids = [f"{group_id}-{k}" for k in range(samples)]
         outcomes = await asyncio.gather(*(self.run_episode(row, e, group_id) for e in ids), return_exceptions=True)
+        if self.generator.dead is not None:  # not an agent's failure: the loop stops with it
+            raise self.generator.dead
         segments, dropped, errors = [], {"agent_error": 0, "timeout": 0, "tainted": 0}, []
         for out in outcomes:
             if isinstance(out, asyncio.TimeoutError):

@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from generator import Completion, Segment, sampled_digest, segment_routing
+from generator import Completion, Segment, sampled_record, segment_routing
 
 log = logging.getLogger("chat_server")
 APPEND_ROLES = ("tool", "user", "system")
@@ -343,7 +343,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 # --- template: full render, delta render, bridge, and the start-up check that makes deltas safe
 
-MARK = "ASSISTANT-TURN-MARK"
+MARK = "ASSISTANT-TURN-" + secrets.token_hex(8)   # unguessable: text in a request cannot move the delta's cut
 CALL = {"id": "call_0", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}
 CHECK_TOOLS = [{"type": "function", "function": {"name": "calc", "description": "adds",
                                                  "parameters": {"type": "object"}}}]
@@ -616,8 +616,8 @@ class EpisodeState:
 class Episode:
     id: str
     api_key: str
-    openai_base_url: str      # OpenAI(base_url=..., api_key=<anything>): attributed by the path
-    anthropic_base_url: str   # Anthropic(base_url=..., api_key=<anything>)
+    openai_base_url: str      # OpenAI(base_url=..., api_key=<any but another episode's key>): by the path
+    anthropic_base_url: str   # Anthropic(base_url=..., api_key=<the same>)
 
 
 def to_segment(ep: EpisodeState, t: Track) -> Segment:
@@ -625,7 +625,8 @@ def to_segment(ep: EpisodeState, t: Track) -> Segment:
                    finish_reason=t.turns[-1].finish, truncated=t.turns[-1].finish == "length", routed_experts=t.experts,
                    info={"segment": t.index, "forked_from": t.parent, "sealed_by": t.sealed_by or "close",
                          "turns": [(u.start, u.end) for u in t.turns], "tainted": ep.tainted,
-                         "sampled_digest": sampled_digest([i for u in t.turns for i in u.sampled])})
+                         "sampled": sampled_record((u.sampled, t.logprobs[u.start:u.end], t.versions[u.start:u.end])
+                                                   for u in t.turns)})
 
 
 # --- protocol front ends: bodies, SSE writers, error shapes
@@ -832,6 +833,7 @@ class ChatServer:
         self.app = Starlette(routes=[Route(prefix + path, self.endpoint(fn, protocol), methods=[method])
                                      for prefix in ("", "/e/{episode}") for method, path, fn, protocol in routes],
                              exception_handlers={HTTPException: self.http_error})
+        self.app.router.redirect_slashes = False   # a path with a trailing slash is a 404 in the protocol's shape
 
     # --- lifetime and episodes
 
@@ -1031,16 +1033,18 @@ class ChatServer:
         return JSONResponse(error_body(protocol, e, request_id), status_code=status, headers=headers)
 
     def attribute(self, request: Request) -> EpisodeState:
-        """The episode: path /e/{id}/..., else the API key (Bearer wins over X-Api-Key)."""
+        """The episode: path /e/{id}/..., else the API key (Bearer wins over X-Api-Key). Both are secrets; on a
+        path any key is accepted (SDKs insist on one) except another episode's, which is refused like a bad key."""
+        auth = request.headers.get("authorization", "")
+        key = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
         token = episode = request.path_params.get("episode")
         if token is None:
-            auth = request.headers.get("authorization", "")
-            token = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
-            episode = self.keys.get(token)
+            token, episode = key, self.keys.get(key)
         if token in self.closed:
             raise ApiError(400, "episode closed: its segments were handed to the trainer; start a new episode")
-        if episode not in self.episodes:
-            raise ApiError(401, "unknown API key or episode", code="invalid_api_key")
+        if episode not in self.episodes or self.keys.get(key, episode) != episode or key in self.closed:
+            raise ApiError(401, "unknown API key or episode, or the key of another episode than the path's",
+                           code="invalid_api_key")
         request.state.episode = self.episodes[episode]
         return request.state.episode
 
@@ -1055,7 +1059,9 @@ class ChatServer:
             raise ApiError(413, f"request body of {size} bytes exceeds --chat.max_body_mb {self.args.max_body_mb} MiB")
         arrived = time.perf_counter()
         try:
-            body = json.loads(b"".join(chunks))
+            body = json.loads(data := b"".join(chunks))
+            if b"\\u" in data:   # an escaped lone surrogate parses, then breaks tokenizers and UTF-8 replies
+                json.dumps(body, ensure_ascii=False).encode()
         except ValueError as e:
             raise ApiError(400, f"could not parse JSON body: {e}", code="invalid_json")
         if not isinstance(body, dict):
@@ -1093,6 +1099,8 @@ class ChatServer:
         self.counts["chat/ignored_params"] += len(changes)
         if req.max_tokens is not None and req.max_tokens < 1:
             raise bad("max_tokens", "must be >= 1")
+        if req.seed is not None and not -1 << 63 <= req.seed < 1 << 63:   # OpenAI's range; vLLM fails past 2**64
+            raise bad("seed", "must be a 64-bit signed integer")
         if not req.msgs and req.system is None:
             raise bad("messages", "at least one message is required")
         if req.msgs and req.msgs[-1].role == "assistant":
@@ -1113,8 +1121,9 @@ class ChatServer:
         body, start = await self.read_json(request)
         req = self.parse(protocol, body, ep)
         retries = request.headers.get("x-stainless-retry-count", "0")
+        retried = retries.isascii() and retries.isdigit() and retries.strip("0") != ""   # int("²") would raise
         async with ep.lock:
-            plan = self.plan_turn(ep, req, int(retries) if retries.isdigit() else 0)
+            plan = self.plan_turn(ep, req, int(retried))
         self.counts[f"chat/requests_{plan.kind.lower()}"] += 1
         task = asyncio.ensure_future(self.run_turn(ep, req, plan))   # runs to commit even if the client leaves
         self.tasks.add(task)

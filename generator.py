@@ -18,7 +18,6 @@ dense weights on CUDA are copied in place; others go through vLLM's layerwise re
 Not here: text, tokenizers, chat templates (chat_server.py, agent.py): this file moves token ids only.
 """
 import asyncio
-import hashlib
 import json
 import os
 import pickle
@@ -132,10 +131,16 @@ class Segment:
                 raise ValueError(f"{where}: non-action token {t} has version {v}, log-prob {lp} (needs -1, 0.0)")
 
 
-def sampled_digest(ids: list[int]) -> str:
-    """Fingerprint of a row's sampled ids, taken where the generator returned them; launch.py's token
-    audit compares it with the action ids of the row it is about to train."""
-    return hashlib.sha256(repr(list(ids)).encode()).hexdigest()[:16]
+def sampled_record(turns: Iterable[tuple[list, list, list]]) -> tuple[tuple, tuple, tuple]:
+    """A row's action tokens as sampled: (ids, log-probs, versions), each a tuple over the row's action
+    tokens in order, from (ids, log-probs, versions) per engine call. Taken where the segment is built and
+    frozen (the row's lists stay mutable), so that launch.py's audit can find the first changed position."""
+    ids, logprobs, versions = [], [], []
+    for turn_ids, turn_logprobs, turn_versions in turns:
+        ids += turn_ids
+        logprobs += turn_logprobs
+        versions += turn_versions
+    return tuple(ids), tuple(logprobs), tuple(versions)
 
 
 @dataclass
@@ -512,13 +517,18 @@ class Engine:
 
 # --- the router
 
+class EngineDied(RuntimeError):
+    """An engine actor or its vLLM engine is gone; agent.py re-raises it, so the loop stops instead of dropping
+    every later episode."""
+
+
 def engine_error(i: int, e: Exception) -> Exception:
     """What a failed engine call raises: the caller's own ValueError, else an error naming the engine."""
     if isinstance(e, ray.exceptions.RayTaskError) and isinstance(e.cause, ValueError):
         return e.cause
     if isinstance(e, ray.exceptions.RayTaskError) and type(e.cause).__name__ != "EngineDeadError":
         return RuntimeError(f"engine {i} failed: {e.cause!r}")
-    return RuntimeError(f"engine {i} died: {e}")
+    return EngineDied(f"engine {i} died: {e}")
 
 
 class Generator:
@@ -547,7 +557,7 @@ class Generator:
                 raise engine_error(i, e) from e
         self._vocab_size, self.dtype = infos[0]["vocab_size"], infos[0]["dtype"]
         self._gpus = [uuid for info in infos for uuid in info["gpus"]]  # each engine worker's GPU
-        self._next, self._nccl, self._ipc, self._timings = 0, None, None, {}
+        self._next, self._nccl, self._ipc, self._timings, self.dead = 0, None, None, {}, None
 
     def __getstate__(self):  # an NCCL communicator and a CUDA IPC buffer belong to the process that made them
         return {**self.__dict__, "_nccl": None, "_ipc": None}
@@ -562,7 +572,10 @@ class Generator:
         try:
             return await ref
         except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
-            raise engine_error(i, e) from e
+            error = engine_error(i, e)
+            if isinstance(error, EngineDied):
+                self.dead = error  # read by agent.py's run_group: an episode's own handling may have hidden it
+            raise error from e
 
     async def _all(self, method: str, *args) -> list:
         refs = [getattr(e, method).remote(*args) for e in self._engines]
@@ -577,9 +590,12 @@ class Generator:
         """Sample one completion; requests sharing an affinity key (an episode id) go to one engine."""
         if not prompt_ids:
             raise ValueError("generate: empty prompt (at least one token id is needed)")
-        bad = [t for t in prompt_ids if not 0 <= t < self._vocab_size]
-        if bad:
-            raise ValueError(f"generate: token ids {bad[:5]} are outside the vocabulary [0, {self._vocab_size})")
+        # a float, str, None or bool would fail as a TypeError in `<` or in vLLM; numpy ints are sent as ints
+        for k, t in enumerate(prompt_ids):
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                raise ValueError(f"generate: prompt_ids[{k}] is {t!r} ({type(t).__name__}), not an int token id")
+            if not 0 <= t < self._vocab_size:
+                raise ValueError(f"generate: prompt_ids[{k}] = {t} is outside the vocabulary [0, {self._vocab_size})")
         if len(prompt_ids) >= self.vllm.max_model_len:
             raise ValueError(f"generate: a prompt of {len(prompt_ids)} tokens leaves no room under "
                              f"--vllm.max_model_len {self.vllm.max_model_len}")
@@ -588,7 +604,7 @@ class Generator:
         else:
             i = pick_engine(affinity, len(self._engines))
         ref = self._engines[i].generate.remote(
-            list(prompt_ids), self.rollout, request_id or uuid.uuid4().hex, max_new_tokens=max_new_tokens,
+            [int(t) for t in prompt_ids], self.rollout, request_id or uuid.uuid4().hex, max_new_tokens=max_new_tokens,
             stop_token_ids=stop_token_ids, seed=seed, ignore_eos=ignore_eos)
         return await self._await(i, ref)
 

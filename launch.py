@@ -8,7 +8,7 @@ through chat_server.py for a ChatAgent) and keep up to `--train.max_staleness + 
 flight (with partial rollouts, `--launch.in_flight` groups); the trainer takes a batch, trains one step,
 and every engine is refit (pause → load → resume) with the new policy version. K=0 is strictly
 on-policy: sampling waits for the refit. Every step writes a line to metrics.jsonl (and TensorBoard /
-W&B when asked), audits that each trained row holds exactly the ids the generator returned, and
+W&B when asked), audits that each trained token is the id, log-prob and version the generator returned, and
 checkpoints when due. `--launch.mode sft` trains the same actor on chat data instead. Not here: the math
 (estimators.py, losses.py, trainer.py) and the token capture (generator.py, chat_server.py).
 """
@@ -22,6 +22,7 @@ import time
 import types
 import typing
 from dataclasses import dataclass, field
+from itertools import compress, zip_longest
 
 import ray
 import torch
@@ -30,7 +31,7 @@ from transformers import AutoTokenizer
 from agent import AgentArgs, AgentWorker, load_module
 from chat_server import ChatArgs
 from estimators import EstimatorArgs
-from generator import Generator, RolloutArgs, Segment, VllmArgs, sampled_digest
+from generator import Generator, RolloutArgs, Segment, VllmArgs
 from losses import LossArgs, mismatch_metrics
 from trainer import CkptArgs, FsdpArgs, TrainArgs, TrainerGroup, checkpoint_dirs, sft_batch
 
@@ -240,35 +241,52 @@ class MetricsLog:
 class GroupQueue:
     """Prompt groups in flight on the agent workers, and the finished ones waiting to be trained."""
 
-    def __init__(self, workers: list, rows: list[dict], samples: int, position: dict, seed: int):
-        self.workers, self.rows, self.samples, self.position, self.seed = workers, rows, samples, position, seed
+    def __init__(self, workers: list, rows: list[dict], samples: int, position: dict, seed: int, groups: int):
+        """position: the data order's next (epoch, index), and "pending", the positions a checkpoint saw
+        launched but not trained, re-issued first. groups: how many groups the remaining steps train."""
+        self.workers, self.rows, self.samples, self.seed = workers, rows, samples, seed
+        self.position = {"epoch": position["epoch"], "index": position["index"]}
+        self.reissue = [tuple(p) for p in position.get("pending", [])]  # (epoch, index): sampled again, fresh
+        self.to_launch = groups - len(self.reissue)  # new positions still needed: no group is sampled in vain
+        self.pending: dict[str, tuple] = {}  # group id -> (epoch, index): launched, not yet trained or dropped
         self.tasks, self.done, self.launched, self.kept, self.failed = set(), asyncio.Queue(), 0, 0, 0
         self.counts = {"agent_error": 0, "timeout": 0, "tainted": 0, "filtered": 0, "stale": 0}
         self.errors: list[str] = []
         self.idle_since, self.engine_idle_s = time.perf_counter(), 0.0
 
-    def next_row(self) -> tuple[dict, str]:
-        """Rows in a seeded order per epoch; the position (epoch, index) is what a checkpoint saves."""
+    def next_position(self) -> tuple[int, int]:
+        """A re-issued position first, else the data order's next (epoch, index 1-based): seeded per epoch."""
+        if self.reissue:
+            return self.reissue.pop(0)
         p = self.position
         if p["index"] >= len(self.rows):
             p["epoch"], p["index"] = p["epoch"] + 1, 0
-        order = list(range(len(self.rows)))
-        random.Random(self.seed + p["epoch"]).shuffle(order)
-        row, p["index"] = self.rows[order[p["index"]]], p["index"] + 1
-        return row, f"e{p['epoch']}i{p['index']}"
+        p["index"] += 1
+        self.to_launch -= 1
+        return p["epoch"], p["index"]
 
     def launch(self) -> None:
         if not self.tasks:  # engines were idle since the last group finished
             self.engine_idle_s += time.perf_counter() - self.idle_since
-        row, group_id = self.next_row()
+        epoch, index = self.next_position()
+        order = list(range(len(self.rows)))
+        random.Random(self.seed + epoch).shuffle(order)
+        group_id = f"e{epoch}i{index}"
+        self.pending[group_id] = (epoch, index)
         worker = self.workers[self.launched % len(self.workers)]
-        task = asyncio.create_task(self.run(worker, row, group_id))
+        task = asyncio.create_task(self.run(worker, self.rows[order[index - 1]], group_id))
         self.tasks.add(task)
         self.launched += 1
 
+    def checkpoint_position(self) -> dict:
+        """What a checkpoint written now saves: a resume trains every position not yet trained exactly once.
+        Groups sampling or queued now are lost with the process and re-issued, sampled by the resumed policy."""
+        pending = sorted(set(self.pending.values()) | set(self.reissue))
+        return {**self.position, "pending": [list(p) for p in pending]}
+
     async def run(self, worker, row: dict, group_id: str) -> None:
         try:
-            await self.done.put(await worker.run_group.remote(row, group_id, self.samples))
+            await self.done.put(dict(await worker.run_group.remote(row, group_id, self.samples), id=group_id))
         except Exception as e:  # the worker itself died: the loop re-raises it
             await self.done.put(e)
         finally:
@@ -278,7 +296,7 @@ class GroupQueue:
 
     def fill(self, capacity: int, taken: int = 0) -> None:
         """Launch groups while fewer than `capacity` are in flight, queued or `taken`."""
-        while len(self.tasks) + self.done.qsize() + taken < capacity:
+        while len(self.tasks) + self.done.qsize() + taken < capacity and (self.reissue or self.to_launch > 0):
             self.launch()
 
     async def drain(self) -> None:
@@ -289,8 +307,9 @@ class GroupQueue:
     async def next_batch(self, n: int, *, capacity: int, filter_range: tuple[float, float] | None,
                          min_version: int, partial: bool = False) -> list[dict]:
         """n finished groups, launching new ones while fewer than `capacity` are in flight, queued or taken.
-        Dropped: groups whose every episode failed, groups filtered by mean reward, groups with a token
-        older than min_version (with `partial`: whose newest token is); each dropped group is replaced."""
+        Dropped and replaced by a new position: groups whose every episode failed, groups filtered by mean reward.
+        Re-issued (the same prompt sampled again, so long prompts are not lost): groups with a token older than
+        min_version (with `partial`: whose newest token is)."""
         batch = []
         while len(batch) < n:
             self.fill(capacity, len(batch))
@@ -300,33 +319,44 @@ class GroupQueue:
             for reason, k in group["dropped"].items():
                 self.counts[reason] += k
             self.errors += group["errors"]
-            rewards = [s.reward for s in group["segments"]]
+            rewards, position = [s.reward for s in group["segments"]], self.pending.pop(group["id"])
             if not rewards:
-                self.failed += 1
+                self.failed, self.to_launch = self.failed + 1, self.to_launch + 1
                 if not self.kept and self.failed >= max(2 * capacity, 8):  # nothing ever succeeded: stop, do not spin
                     raise RuntimeError(f"every episode was dropped ({self.counts}); first errors: {self.errors[:3]}")
                 continue
             self.kept += 1
             if filter_range and not filter_range[0] <= sum(rewards) / len(rewards) <= filter_range[1]:
                 self.counts["filtered"] += 1
+                self.to_launch += 1
                 continue
             versions = [v for s in group["segments"] for v, m in zip(s.versions, s.action_mask) if m]
             # partial rollouts: a group is as fresh as its newest token; its older tokens are corrected per
             # token (and bounded by --loss.max_token_lag). Otherwise as old as its oldest.
             if (max(versions) if partial else min(versions)) < min_version:
                 self.counts["stale"] += 1
+                self.reissue.append(position)
                 continue
             batch.append(group)
         return batch
 
 
-def audit(segments: list) -> int:
-    """Rows whose action ids differ from the digest taken where the generator returned them (must be 0)."""
-    bad = 0
+def audit(segments: list) -> None:
+    """Raise unless every row holds, at each action token, exactly the id, log-prob and version recorded where
+    its segment was built (info["sampled"], generator.sampled_record), naming the row and the first position
+    that differs. An unchanged row costs one comparison of tuples."""
     for s in segments:
-        sampled = [t for t, m in zip(s.token_ids, s.action_mask) if m]
-        bad += s.info.get("sampled_digest") != sampled_digest(sampled)
-    return bad
+        where, sampled = f"segment {s.info.get('segment', 0)} of episode {s.episode_id!r}", s.info.get("sampled")
+        if sampled is None:
+            raise RuntimeError(f"audit: {where} carries no record of its sampled tokens (info['sampled']); stopping")
+        trained = tuple(tuple(compress(row, s.action_mask)) for row in (s.token_ids, s.logprobs, s.versions))
+        if trained == sampled:
+            continue
+        positions = [t for t, m in enumerate(s.action_mask) if m]
+        k, got, want = next((k, a, b) for k, (a, b) in enumerate(zip_longest(zip(*trained), zip(*sampled))) if a != b)
+        at = f"token {positions[k]}" if k < len(positions) else "the end (an action token is missing)"
+        raise RuntimeError(f"audit: {where} at {at} differs from what the generator returned: (id, log-prob, "
+                           f"version) {got} is trained, {want} was sampled; stopping")
 
 
 def rollout_metrics(segments: list, version: int, lag_bins: int) -> dict:
@@ -414,8 +444,8 @@ async def run_rl(cfg: dict) -> dict:
     workers = [worker_class.remote(cfg["agent"], cfg["chat"], generator, launch.model)
                for _ in range(cfg["agent"].workers)]
     await asyncio.gather(*(w.start.remote() for w in workers))
-    queue = GroupQueue(workers, rows, rollout.samples_per_prompt,
-                       trainer.data_position or {"epoch": 0, "index": 0}, launch.seed)
+    queue = GroupQueue(workers, rows, rollout.samples_per_prompt, trainer.data_position or {"epoch": 0, "index": 0},
+                       launch.seed, groups=(launch.steps - trainer.step) * train.batch_prompts)
     log = MetricsLog(launch, {p: dataclasses.asdict(a) for p, a in cfg.items()})
     # K=0: nothing is sampled while training; with partial rollouts --launch.in_flight may keep more groups going
     capacity = launch.in_flight or train.batch_prompts * (train.max_staleness + 1)
@@ -433,16 +463,13 @@ async def run_rl(cfg: dict) -> dict:
         segments = [s for g in groups for s in g["segments"]]
         wait_s, since_refit_s = time.perf_counter() - t0, time.perf_counter() - filled
         in_flight = len(queue.tasks) + queue.done.qsize()  # groups sampling or finished, beyond this batch
-        # --- audit: every trained row holds exactly the ids the generator returned
-        mismatched = audit(segments)
-        if mismatched:
-            raise RuntimeError(f"audit/token_mismatch: {mismatched} rows differ from the ids the generator returned; "
-                               "stopping")
+        # --- audit: every trained token is the id, log-prob and version the generator returned (else it raises)
+        audit(segments)
         metrics = rollout_metrics(segments, trainer.version, train.max_staleness)
         metrics["rollout/group_s"] = sorted(g["seconds"] for g in groups)[len(groups) // 2]  # median launch-to-finish
         # --- train one step (in a thread: finished groups keep arriving meanwhile)
         t1 = time.perf_counter()
-        metrics.update(await asyncio.to_thread(trainer.train_step, segments, data_position=dict(queue.position)))
+        metrics.update(await asyncio.to_thread(trainer.train_step, segments, data_position=queue.checkpoint_position()))
         train_s = time.perf_counter() - t1
         # --- refit: without partial rollouts, in-flight groups finish on the old weights first
         if not train.partial_rollout:
@@ -464,7 +491,7 @@ async def run_rl(cfg: dict) -> dict:
         before = {}
         counters = {**(await generator.metrics()), **(await workers[0].metrics.remote())}  # chat/*: worker 0's server
         step_s = time.perf_counter() - t0  # the whole cycle: the next step starts now
-        metrics.update({"audit/token_mismatch": float(mismatched), "launch/step_s": step_s,
+        metrics.update({"audit/token_mismatch": 0.0, "launch/step_s": step_s,
                         "launch/rollout_wait_s": wait_s,
                         "launch/since_refit_s": since_refit_s,  # K=0: the whole rollout phase
                         "launch/groups_in_flight": float(in_flight),
@@ -476,7 +503,7 @@ async def run_rl(cfg: dict) -> dict:
     log.plot(os.path.join(launch.out_dir, "reward.png"))
     ckpt = cfg["ckpt"]
     saved = ckpt.every and trainer.step % ckpt.every == 0  # train_step already wrote this step's checkpoint
-    path = (checkpoint_dirs(ckpt.dir)[-1] if saved else trainer.save(dict(queue.position))) if ckpt.dir else None
+    path = (checkpoint_dirs(ckpt.dir)[-1] if saved else trainer.save(queue.checkpoint_position())) if ckpt.dir else None
     await queue.drain()
     for w in workers:
         await w.stop.remote()

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
@@ -394,15 +395,18 @@ def sft_batch(examples: list[dict], tokenizer, *, end_token: str = "<|im_end|>")
     return segments
 
 
-# --- checkpoint directories: step_NNNNNN is complete, step_NNNNNN.tmp is being written
+# --- checkpoint directories: step_NNNNNN is complete, step_NNNNNN.tmp is being written, step_NNNNNN.old is a
+# complete one set aside while the same step is saved again
 
 
 def checkpoint_dirs(root: str) -> list[str]:
-    """Complete checkpoints under root, oldest first (a .tmp directory is never listed)."""
+    """Complete checkpoints under root, oldest first: step_NNNNNN, else its .old (a crash came between setting it
+    aside and renaming its replacement). A .tmp directory is never listed."""
     if not os.path.isdir(root):
         return []
-    steps = sorted(int(m.group(1)) for name in os.listdir(root) if (m := re.fullmatch(r"step_(\d+)", name)))
-    return [os.path.join(root, f"step_{s:06d}") for s in steps]
+    names = set(os.listdir(root))
+    steps = sorted({int(m.group(1)) for name in names if (m := re.fullmatch(r"step_(\d+)(\.old)?", name))})
+    return [os.path.join(root, f"step_{s:06d}" + ("" if f"step_{s:06d}" in names else ".old")) for s in steps]
 
 
 def export_name(name: str) -> str:
@@ -757,29 +761,52 @@ class TrainerRank:
         return state
 
     def save(self, root: str, data_position: dict | None) -> str:
-        """Write step_NNNNNN.tmp, then rename it to step_NNNNNN (atomic), then delete all but the newest --ckpt.keep."""
+        """Write step_NNNNNN.tmp, then rename it to step_NNNNNN (atomic), then delete all but the newest --ckpt.keep.
+        Killed at any point, the newest complete checkpoint is still listed by checkpoint_dirs. A failed write (a
+        full disk) on any rank removes the .tmp and raises OSError naming the checkpoint and the disk."""
         final = os.path.join(root, f"step_{self.step:06d}")
-        tmp = final + ".tmp"
+        tmp, old = final + ".tmp", final + ".old"
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # a crash's leftover
             os.makedirs(tmp)
         dist.barrier()
-        dcp.save(self.state(), checkpoint_id=os.path.join(tmp, "dcp"))
-        rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
-               "cuda": torch.cuda.get_rng_state_all() if self.cuda else None}
-        torch.save(rng, os.path.join(tmp, f"rng_rank{self.rank}.pt"))
-        if self.ckpt.save_hf:
-            self.write_hf(os.path.join(tmp, "hf"))
+        failure = None
+        try:
+            dcp.save(self.state(), checkpoint_id=os.path.join(tmp, "dcp"))  # a failed rank fails it on every rank
+            if self.ckpt.save_hf:
+                self.write_hf(os.path.join(tmp, "hf"))  # its collectives run before its writes: no rank skips one
+            rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+                   "cuda": torch.cuda.get_rng_state_all() if self.cuda else None}
+            torch.save(rng, os.path.join(tmp, f"rng_rank{self.rank}.pt"))
+            if self.rank == 0:
+                with open(os.path.join(tmp, "meta.json"), "w") as f:
+                    json.dump({"step": self.step, "version": self.version, "world_size": self.world_size,
+                               "data_position": data_position}, f)
+        except CheckpointException as e:  # DCP raises it on every rank when one rank's write failed
+            rank, (cause, _) = next(iter(e.failures.items()))
+            failure = f"{type(cause).__name__}: {cause} on rank {rank}"
+        except OSError as e:
+            failure = f"{type(e).__name__}: {e} on rank {self.rank}"
+        failures = [None] * self.world_size
+        dist.all_gather_object(failures, failure)  # every rank learns of any failure (after the others' writes)
+        if any(failures):
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            dist.barrier()  # no rank raises before the .tmp is gone: the caller sees the first error at once
+            disk = os.path.abspath(root)
+            while not os.path.ismount(disk):
+                disk = os.path.dirname(disk)
+            free = shutil.disk_usage(disk).free / 2**30
+            raise OSError(f"checkpoint {final}: {next(f for f in failures if f)}; the disk at {disk} has {free:.2f} "
+                          f"GiB free. Removed {tmp}; the earlier checkpoints are untouched")
         if self.rank == 0:
-            with open(os.path.join(tmp, "meta.json"), "w") as f:
-                json.dump({"step": self.step, "version": self.version, "world_size": self.world_size,
-                           "data_position": data_position}, f)
-        dist.barrier()
-        if self.rank == 0:
-            shutil.rmtree(final, ignore_errors=True)
+            if os.path.isdir(final):  # the same step saved again: set the complete one aside, never delete it first
+                shutil.rmtree(old, ignore_errors=True)
+                os.rename(final, old)
             os.rename(tmp, final)
-            for old in checkpoint_dirs(root)[:-self.ckpt.keep]:
-                shutil.rmtree(old)
+            shutil.rmtree(old, ignore_errors=True)
+            for stale in checkpoint_dirs(root)[:-self.ckpt.keep]:
+                shutil.rmtree(stale)
         dist.barrier()
         return final
 
@@ -827,7 +854,7 @@ class TrainerGroup:
                                           temperature) for r in range(train.world_size)]
         try:
             addr, port = ray.get(self.actors[0].address.remote())
-            ray.get([a.setup.remote(addr, port) for a in self.actors])
+            self.call("setup", addr, port)
         except Exception:  # a rank that failed to start leaves the others waiting in the rendezvous
             for a in self.actors:
                 ray.kill(a)
@@ -840,12 +867,25 @@ class TrainerGroup:
                                  "drop --ckpt.resume to start fresh")
             self.data_position = self.load(found[-1])
 
+    def call(self, method: str, *args) -> list:
+        """method(*args) on every rank, their results in rank order. A dead rank raises at once, naming it: the
+        others may be waiting for it in a collective, and will never answer."""
+        refs = [getattr(a, method).remote(*args) for a in self.actors]
+        waiting = list(refs)
+        while waiting:
+            done, waiting = ray.wait(waiting, num_returns=1)
+            try:
+                ray.get(done[0])
+            except ray.exceptions.RayActorError as e:
+                raise RuntimeError(f"trainer rank {refs.index(done[0])} died in {method}: {e}") from e
+        return ray.get(refs)
+
     def run_step(self, method: str, segments: list[Segment], data_position: dict | None) -> dict[str, float]:
         """One step on every rank; merged metrics with throughput; a checkpoint when --ckpt.every says so."""
         start = time.perf_counter()
         batch = collate(segments)  # refuse bad input here, before any rank sees it
         ref = ray.put(segments)  # one copy in the object store, read by every rank
-        results = ray.get([getattr(a, method).remote(ref) for a in self.actors])
+        results = self.call(method, ref)
         metrics = merge_metrics([record for records, _ in results for record in records])
         self.step, self.version = self.step + 1, results[0][1]
         step_s = time.perf_counter() - start
@@ -868,27 +908,27 @@ class TrainerGroup:
         """Each segment's (T,) log-probs under the current weights at temperature (default: the rollout's)."""
         collate(segments)
         ref = ray.put(segments)
-        return ray.get([a.logprobs.remote(ref, temperature) for a in self.actors])[0]
+        return self.call("logprobs", ref, temperature)[0]
 
     def export_weights(self, bucket_mb: float = 256, *, dtype: torch.dtype | None = None):
         """Yield lists of (checkpoint name, full CPU tensor), at most bucket_mb each (a larger tensor alone), every
         parameter exactly once (fused experts as one tensor per expert), in its own dtype unless dtype is given."""
         index, count = 0, 1
         while index < count:
-            bucket, count = ray.get([a.export_bucket.remote(index, bucket_mb, dtype) for a in self.actors])[0]
+            bucket, count = self.call("export_bucket", index, bucket_mb, dtype)[0]
             yield bucket
             index += 1
 
     def refit(self, generator) -> dict:
         """Load the current weights into every engine of a paused generator as version self.version;
         returns rank 0's update_weights report. The caller resumes the engines."""
-        report = ray.get([a.refit.remote(generator) for a in self.actors])[0]
+        report = self.call("refit", generator)[0]
         generator.version = self.version
         return report
 
     def export_hf(self, path: str) -> None:
         """Write the current weights as an HF model directory (safetensors + model_path's config and tokenizer)."""
-        ray.get([a.write_hf.remote(path) for a in self.actors])
+        self.call("write_hf", path)
 
     def save(self, data_position: dict | None = None) -> str:
         """Checkpoint now under --ckpt.dir; returns the step_NNNNNN directory."""
@@ -896,18 +936,18 @@ class TrainerGroup:
             raise ValueError("save: --ckpt.dir is not set")
         if self.version == 0:  # and get_state_dict would initialise AdamW's state with a step of lr 0
             raise ValueError("save: nothing trained yet; the model directory itself is that checkpoint")
-        return ray.get([a.save.remote(self.ckpt.dir, data_position) for a in self.actors])[0]
+        return self.call("save", self.ckpt.dir, data_position)[0]
 
     def load(self, path: str) -> dict | None:
         """Restore every rank from a checkpoint directory; returns the data position saved with it."""
-        meta = ray.get([a.load.remote(path) for a in self.actors])[0]
+        meta = self.call("load", path)[0]
         self.step, self.version = meta["step"], meta["version"]
         return meta["data_position"]
 
     def shutdown(self) -> None:
         """Leave the process group and end the rank processes (idempotent)."""
         if self.actors:
-            ray.get([a.shutdown.remote() for a in self.actors])
+            self.call("shutdown")
             for a in self.actors:
                 ray.kill(a)
             self.actors = []

@@ -413,7 +413,7 @@ def bench_longtail(model: str, steps: int = 8) -> dict:
 
 # --- MoE: routing replay on vs off
 
-def bench_moe(steps: int = 5) -> dict:
+def bench_moe(steps: int = 4) -> dict:
     """The loop (K=0, one GPU shared) on a random Qwen3-MoE, the engine recording routing: the trainer routing
     live, and with --train.routing_replay: tokens/s and the rollout-trainer mismatch."""
     from recipes.tiny_model import build_tiny_model

@@ -6,7 +6,6 @@ import pytest
 
 from agent import AgentArgs, Env, Result, load_module, run_env_episode, run_sandboxed
 from chat_server import ChatTemplate
-from generator import sampled_digest
 
 
 class Recording:
@@ -82,7 +81,9 @@ def test_multiturn_episode_trains_on_exact_sampled_ids(tiny_generator, template)
     assert [lp for lp, m in zip(seg.logprobs, seg.action_mask) if m] == c1.logprobs + c2.logprobs + c3.logprobs
     assert [v for v, m in zip(seg.versions, seg.action_mask) if m] == c1.versions + c2.versions + c3.versions
     assert all(v == -1 and lp == 0.0 for v, lp, m in zip(seg.versions, seg.logprobs, seg.action_mask) if not m)
-    assert seg.reward == 3.0 and seg.info["sampled_digest"] == sampled_digest(sampled) and not seg.truncated
+    assert seg.info["sampled"] == tuple(tuple(getattr(c1, k) + getattr(c2, k) + getattr(c3, k))
+                                        for k in ("token_ids", "logprobs", "versions"))
+    assert seg.reward == 3.0 and not seg.truncated
     seg.check()
 
 
@@ -107,8 +108,10 @@ def test_sandbox_enforces_timeout_memory_and_output_limits():
     assert (code, out) == (0, "42\n")
     code, out = asyncio.run(run_sandboxed([sys.executable, "-c", "while True: pass"], timeout_s=1.0))
     assert (code, out) == (-9, "timeout")
-    code, _ = asyncio.run(run_sandboxed([sys.executable, "-c", "x = bytearray(400 << 20)"], memory_mb=200))
-    assert code != 0
+    grab = [sys.executable, "-c", "x = bytearray(400 << 20)"]   # 400 MiB
+    code, out = asyncio.run(run_sandboxed(grab, memory_mb=200))
+    assert code == 1 and "MemoryError" in out
+    assert asyncio.run(run_sandboxed(grab, memory_mb=1024)) == (0, "")   # the limit, not the code, stopped it
     code, out = asyncio.run(run_sandboxed([sys.executable, "-c", "print('y' * 10000)"], max_output=100))
     assert code == 0 and out == "y" * 100
 

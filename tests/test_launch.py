@@ -167,14 +167,15 @@ def test_sync_loop_trains_only_sampled_tokens(sync_run):
 def test_async_loop_with_partial_rollouts_records_mixed_versions_and_corrects_them(ray_local, copy_model, tmp_path):
     agent = write_agent(tmp_path, TWO_TURN_ENV.replace("SLEEP", "4.0"), "two_turns.py")
     out = str(tmp_path / "async")
-    run(flags(copy_model, out, agent, "--launch.steps", "3", "--train.max_staleness", "1", "--train.partial_rollout",
+    run(flags(copy_model, out, agent, "--launch.steps", "4", "--train.max_staleness", "1", "--train.partial_rollout",
               "--loss.is_level", "token", "--agent.max_turns", "2", "--launch.in_flight", "6"))
     rows = read_metrics(out)
     assert all(r["audit/token_mismatch"] == 0.0 for r in rows)
-    # --launch.in_flight 6 with batches of 2: when a batch is taken, the other 4 groups are still going
-    # (K=1 alone would keep 2 x 2 - 2 = 2)
-    assert [r["launch/groups_in_flight"] for r in rows] == [4.0, 4.0, 4.0]
-    # Groups launched at the start run their second turn after the first refit: their rows mix v0 and v1.
+    # 4 steps of 2 groups train 8, and --launch.in_flight 6 launches 6 at once (K=1 alone would launch 2 x 2 = 4),
+    # then 2 more after the first batch: launched 6, 8, 8, 8 less trained 2, 4, 6, 8 leaves 4, 4, 2, 0 going
+    # after each batch. No 9th group is launched to be thrown away at the end.
+    assert [r["launch/groups_in_flight"] for r in rows] == [4.0, 4.0, 2.0, 0.0]
+    # The 2 groups launched after the first refit run their second turn after the second: rows mix v1 and v2.
     assert max(r["rollout/mixed_version_rows"] for r in rows) > 0
     assert max(r["rollout/lag_1"] for r in rows) > 0  # stale tokens were trained...
     assert all("loss/is_weight_mean" in r for r in rows)  # ...with the importance correction on
@@ -204,12 +205,13 @@ def test_a_group_spanning_refits_is_as_fresh_as_its_newest_token_with_partial_ro
             return self.answers.pop(0)
 
     async def one_batch():
-        queue = launch.GroupQueue([Scripted.remote()], [{"prompt": "p"}], 1, {"epoch": 0, "index": 0}, 0)
+        queue = launch.GroupQueue([Scripted.remote()], [{"prompt": "p"}], 1, {"epoch": 0, "index": 0}, 0, groups=1)
         batch = await queue.next_batch(1, capacity=1, filter_range=None, min_version=1, partial=partial)
         await queue.drain()
-        return batch, queue.counts["stale"]
-    batch, dropped = asyncio.run(one_batch())
-    assert [g["segments"][0].episode_id for g in batch] == [kept] and dropped == stale
+        return batch, queue.counts["stale"], queue.launched
+    batch, dropped, launched = asyncio.run(one_batch())
+    # a stale group's prompt is sampled again (a second launch of the one position), not lost
+    assert [g["segments"][0].episode_id for g in batch] == [kept] and dropped == stale and launched == 1 + stale
 
 
 def test_agent_exception_drops_episode_and_run_continues(ray_local, copy_model, tmp_path):

@@ -93,10 +93,14 @@ class Recording:
         self.calls.append((list(prompt_ids), out))
         return out
 
+    @property
+    def dead(self):  # agent.py's run_group asks whether an engine died
+        return self.generator.dead
+
 
 class Scripted:
     """Test double for the engine: every call samples `text` then eos, and is counted."""
-    rollout = RolloutArgs(max_new_tokens=16)
+    rollout, dead = RolloutArgs(max_new_tokens=16), None
 
     def __init__(self, path: str, text: str):
         template = ChatTemplate(path, ())
