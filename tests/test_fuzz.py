@@ -30,8 +30,9 @@ from test_chat_server import ANTHROPIC_TOOLS, TOOLS, assert_exact_replay, start_
 ROUTES = {"openai": ("/v1/chat/completions", "/chat/completions"),
           "anthropic": ("/v1/messages", "/v1/messages/count_tokens"), "responses": ("/v1/responses", "/responses")}
 ROUTE_PROTOCOL = {path: protocol for protocol, paths in ROUTES.items() for path in paths}
-# CHAT_SERVER.md §5.6 for bad input: 400 body, 401 key, 404 path, 413 size; 405 is Starlette's wrong method on a
-# known path. 500 (our bug) and 503/529 (engine down) are documented too, but neither may happen here.
+# The documented statuses (README, How it works) for bad input: 400 body, 401 key, 404 path, 413 size;
+# 405 is Starlette's wrong method on a known path. 500 (our bug) and 503/529 (engine down) are documented too,
+# but neither may happen here.
 DOCUMENTED = {200, 400, 401, 404, 405, 413}
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                    405: "invalid_request_error", 413: "request_too_large"}

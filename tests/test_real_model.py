@@ -3,8 +3,8 @@ the session's vLLM engine, refit and the HF export.
 
 The tiny random models of the other tests have near-uniform distributions; a real model's peaked ones
 and its tied 49k-row embedding make a stale prepacked lm_head or a wrong dtype plain to see. Both sides
-run fp32, so the rollout-trainer gap is summation-order noise: measured 7e-6 mean |d log p| (ENV.md).
-The bound MATCH = 1e-4 sits 10x above that and ~400x below a bf16 engine's gap (0.044, ENV.md).
+run fp32, so the rollout-trainer gap is summation-order noise: measured 7e-6 mean |d log p| on this stack.
+The bound MATCH = 1e-4 sits 10x above that and ~400x below a bf16 engine's gap (0.044, measured).
 Expected model numbers come from the model card / GGUF metadata, not from the converted files.
 """
 import asyncio
