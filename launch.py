@@ -443,6 +443,9 @@ async def evaluate(workers: list, rows: list[dict], count: int) -> dict:
 
 
 async def run_rl(cfg: dict) -> dict:
+    """The RL loop. Research surface: the order of rollout, audit, train, refit and eval below is the algorithm's
+    schedule (what to sample while training, when to refit); the math lives in estimators.py and losses.py, and a
+    change to the schedule should need no edit of the token capture (generator.py, chat_server.py, agent.py)."""
     launch, data, train, rollout = cfg["launch"], cfg["data"], cfg["train"], cfg["rollout"]
     rows = load_rows(data.path, "train")
     held_out = load_rows(data.path, "test") if cfg["eval"].every else []

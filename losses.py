@@ -12,6 +12,10 @@ Nothing leaks from masked positions: every input goes through torch.where before
 or NaN there gives exactly zero gradient; log-ratios are clamped to +-20 before exp.
 Not here: log-probs and entropy from logits (trainer.py), advantages (estimators.py), reductions
 across ranks (the trainer builds Denoms from its all-reduced counts).
+
+Research surface: a new surrogate is one function of (logp, old_logp, adv, mask) -> (per-token loss,
+clipped), one SURROGATES entry and one `elif` in compute_policy_loss; a new importance correction is one
+IS_LEVELS / IS_MODES branch there. Neither needs trainer.py: it hands this file the tensors and sums the loss.
 """
 import math
 from dataclasses import dataclass, field
