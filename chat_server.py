@@ -4,12 +4,14 @@
     ep = server.open_episode()      # Episode(id, api_key, openai_base_url, anthropic_base_url)
     ...an unmodified harness calls a stock SDK with ep.api_key, or with the episode's base URLs...
     segments = server.close_episode(ep.id)   # list[Segment]: token_ids, action_mask, logprobs, versions (T,)
-Every request is parsed into one canonical form, classified against the episode's open segments (EXTEND / RETRY /
-REWRITE / UNRELATED, CHAT_SERVER.md §5.3) and sampled from token ids. An EXTEND appends the stored sampled ids, a
-bridge and the delta tokens of the new messages (mask 0): history is never re-rendered. `ChatTemplate` (full render,
-delta, bridge, start-up check) is public and shared with agent.py. Streaming is "fake": one engine call, then a
-protocol-exact SSE sequence. Not here: sampling settings (the generator's --rollout.*; client values are ignored and
-counted), stateful Responses (previous_response_id), non-text content (400), admin HTTP routes (the trainer calls
+Reading order: the chat template as token ids (`ChatTemplate`: full render, delta, bridge, start-up check; shared
+with agent.py) -> the canonical request all protocols parse into -> the matcher, this file's one idea: a request is
+EXTEND / RETRY / REWRITE / UNRELATED against the episode's open segments (README, How it works), and an EXTEND
+appends the stored sampled ids, a bridge and the delta tokens of the new messages (mask 0), never a re-render ->
+one section per wire format (parser, reply, stream, errors) -> HTTP, whose `ChatServer.parse` and `writer` are the
+only two places that switch on the protocol. Streaming is "fake": one engine call, then a protocol-exact SSE
+sequence. Not here: sampling settings (the generator's --rollout.*; client values are ignored and counted),
+stateful Responses (previous_response_id), non-text content (400), admin HTTP routes (the trainer calls
 open_episode / close_episode in process)."""
 import asyncio
 import bisect
@@ -70,7 +72,146 @@ class ChatArgs:
             raise ValueError(f"--chat.ping_s {self.ping_s}: must be > 0")
 
 
-# --- canonical form: all three protocols parse into (system, tools, [Msg])
+# --- template: full render, delta render, bridge, and the start-up check that makes deltas safe
+
+MARK = "ASSISTANT-TURN-" + secrets.token_hex(8)   # unguessable: text in a request cannot move the delta's cut
+CALL = {"id": "call_0", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}
+CHECK_TOOLS = [{"type": "function", "function": {"name": "calc", "description": "adds",
+                                                 "parameters": {"type": "object"}}}]
+CHECK_CONVERSATIONS = [   # each ends in an assistant turn: plain, reasoning, calls, unicode, blank content
+    ([{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "5"}], None),
+    ([{"role": "system", "content": "Be terse."}, {"role": "user", "content": "hi"},
+      {"role": "assistant", "content": "héllo 😀", "reasoning_content": "greet ü"}], None),
+    ([{"role": "user", "content": "add"}, {"role": "assistant", "content": "", "tool_calls": [CALL]}], CHECK_TOOLS),
+    ([{"role": "user", "content": "two"}, {"role": "assistant", "content": "Calling.", "reasoning_content": "r",
+      "tool_calls": [CALL, {**CALL, "id": "call_1",
+                            "function": {"name": "g", "arguments": {"é": [1, {"b": "ü"}]}}}]}], None),
+    ([{"role": "user", "content": "u"}, {"role": "assistant", "content": "  \n"}, {"role": "user", "content": "v"},
+      {"role": "assistant", "content": "", "tool_calls": [CALL]},
+      {"role": "tool", "tool_call_id": "call_0", "content": "1"}, {"role": "assistant", "content": "done"}],
+     CHECK_TOOLS),
+]
+CHECK_APPENDS = {"tool": {"role": "tool", "tool_call_id": "call_0", "content": "résultat: 42"},
+                 "user": {"role": "user", "content": "next ü"}, "system": {"role": "system", "content": "note"}}
+
+RECENT = 256  # full renders ChatTemplate keeps
+
+
+class ChatTemplate:
+    """The model's chat template as token ids, on chat-template dicts; shared by the chat server and agent.py.
+
+    After a sampled turn, ids + bridge(ids) + render_delta(new messages) continue a segment. The delta is cut behind a
+    dummy assistant turn, so it never depends on how the template re-renders earlier turns (stock Qwen3 drops their
+    reasoning). The start-up check (`append_roles`, chat server only) proves that appending a role keeps the full render
+    equal to the segment; a failing role lands in `refused`, and such turns open a new segment instead."""
+
+    def __init__(self, tokenizer_path: str, append_roles: tuple = ("tool", "user")):
+        from transformers import AutoTokenizer
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        self.eos_id = self.tokenizer.eos_token_id
+        self.special_ids = set(self.tokenizer.all_special_ids)
+        self.atomic_ids = self.special_ids | set(self.tokenizer.added_tokens_decoder)   # never merged with neighbours
+        self.recent = OrderedDict()  # the last RECENT full renders: a group's episodes share their first prompt
+        probe = self.render_text([{"role": "user", "content": "u"}, {"role": "assistant", "content": MARK}],
+                                 add_generation_prompt=False)
+        self.turn_end = probe[probe.rindex(MARK) + len(MARK):]          # what the template writes after a turn
+        eos = self.tokenizer.eos_token
+        self.after_eos = self.encode(self.turn_end[len(eos):]) if self.turn_end.startswith(eos) else None
+        self.after_cut = self.encode(self.turn_end)                     # for turns that did not end with eos
+        self.refused = {role: why for role in append_roles if (why := self.check_append(role))}
+        self.append_roles = tuple(r for r in append_roles if r not in self.refused)
+        for role, why in self.refused.items():
+            log.warning("chat template refused as an append role: %s (%s); such turns open a new segment", role, why)
+
+    def render_text(self, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def render_full(self, messages: list[dict], tools: list | None = None) -> list[int]:
+        """A whole prompt up to the assistant generation prompt, as a fresh list; the last RECENT distinct requests
+        are remembered (the samples of one prompt render the same messages)."""
+        key = json.dumps([messages, tools], sort_keys=True, default=str)
+        ids = self.recent.pop(key, None) or tuple(self.encode(self.render_text(messages, tools)))
+        self.recent[key] = ids
+        if len(self.recent) > RECENT:
+            self.recent.popitem(last=False)
+        return list(ids)
+
+    def render_delta(self, messages: list[dict], last_assistant_had_tool_calls: bool = False) -> list[int]:
+        """Tokens of messages appended after an assistant turn and its bridge, up to the next generation prompt:
+        what follows the end of a dummy turn [user, assistant MARK]. The dummy calls a tool when the real turn did
+        (templates branch on it), with MARK in the arguments too (Llama 3.1 drops content next to calls).
+        Raises ValueError, naming the roles and the template, when no such delta exists."""
+        def refuse(why: str) -> ValueError:
+            return ValueError(f"chat template of {self.tokenizer.name_or_path}: cannot append "
+                              f"{[m['role'] for m in messages]} as delta tokens: {why}")
+        eos = self.tokenizer.eos_token
+        if not eos or not self.turn_end.startswith(eos):
+            raise refuse(f"an assistant turn ends with {self.turn_end!r}, not with the eos token {eos!r}")
+        turn = {"role": "assistant", "content": MARK}
+        if last_assistant_had_tool_calls:
+            turn["tool_calls"] = [{**CALL, "function": {"name": "f", "arguments": {"x": MARK}}}]
+        try:
+            text = self.render_text([{"role": "user", "content": "u"}, turn] + messages)
+        except (TemplateError, TypeError) as e:
+            raise refuse(f"the template fails to render them ({e})") from e
+        end = text.find(eos, text.rindex(MARK) + len(MARK)) if MARK in text else -1
+        if end < 0:
+            raise refuse(f"the dummy assistant turn is not followed by the eos token {eos!r}")
+        if not text.startswith(self.turn_end, end):
+            raise refuse(f"an assistant turn followed by them ends with {text[end:end + len(self.turn_end)]!r}, "
+                         f"a last one with {self.turn_end!r}")
+        delta = self.encode(text[end + len(self.turn_end):])
+        if not delta:
+            raise refuse("the template renders nothing for them")
+        if delta[0] not in self.atomic_ids:
+            raise refuse("the delta does not start at a special token, so it could merge across the boundary")
+        if self.encode(text)[-len(delta):] != delta:
+            raise refuse("the whole render's tokens do not end with the delta's tokens")
+        return delta
+
+    def bridge(self, sampled_ids: list[int]) -> list[int]:
+        """Tokens the template puts after a sampled turn: the rest of its end-of-turn text (mask 0)."""
+        if self.after_eos is None:
+            raise ValueError(f"chat template of {self.tokenizer.name_or_path} ends a turn with {self.turn_end!r}, "
+                             f"which does not start with the eos token {self.tokenizer.eos_token!r}")
+        return list(self.after_eos if sampled_ids and sampled_ids[-1] == self.eos_id else self.after_cut)
+
+    def check_append(self, role: str) -> str | None:
+        """Why `role` cannot be appended as delta tokens (None: it can): the full render must equal prompt + turn +
+        bridge + delta. A conversation the template refuses to render is skipped: no request can carry it."""
+        if self.after_eos is None:
+            return f"a turn ends with {self.turn_end!r}, not with the eos token: no bridge exists"
+        for conv, tools in CHECK_CONVERSATIONS:
+            try:
+                before = self.render_text(conv, tools, add_generation_prompt=False)
+            except TemplateError:
+                continue
+            if not before.startswith(self.render_text(conv[:-1], tools)):
+                return "not prefix-preserving: the generation prompt is not how a rendered assistant turn begins"
+            ids = self.encode(before)
+            if ids[-1 - len(self.after_eos):] != [self.eos_id] + self.after_eos:
+                return "a full render's turn end differs from eos + bridge"
+            for appended in ([CHECK_APPENDS[role]], [CHECK_APPENDS[role]] * 2):
+                try:
+                    after = self.render_text(conv + appended, tools)
+                    if not after.startswith(before):
+                        return "not prefix-preserving: appending it changes the rendered history"
+                    delta = self.render_delta(appended, bool(conv[-1].get("tool_calls")))
+                except (TemplateError, ValueError) as e:
+                    return str(e)
+                if ids + delta != self.encode(after):
+                    return "delta tokens differ from the full render's tokens"
+        return None
+
+
+# --- canonical form: every protocol parses into (system, tools, [Msg]), hashed as a prefix chain
 
 class ApiError(Exception):
     """A request answered with an error status; 503 (engine down) is the only retryable one."""
@@ -121,11 +262,12 @@ class Msg:
 
 @dataclass
 class ChatRequest:
-    protocol: str        # openai | anthropic | responses
     model: str
     system: str | None
     tools: list          # OpenAI function tools {"type": "function", "function": {name, description, parameters}}
     msgs: list
+    call_prefix: str     # the protocol's spelling of the tool call ids we make
+    too_long: str        # the protocol's wording of a prompt over the window: .format(n=, window=, limit=)
     max_tokens: int | None = None
     stop: tuple = ()
     seed: int | None = None
@@ -140,189 +282,6 @@ class ChatRequest:
 
     def first(self) -> int:
         return hash(self.msgs[0].key()) if self.msgs else 0
-
-
-TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "an array",
-              dict: "an object"}
-
-
-def get(obj: dict, key: str, types, path: str = "", required: bool = False):
-    """obj[key] checked against types; None when absent and optional; else a 400 naming the field."""
-    value = obj.get(key)
-    if value is None:
-        if required:
-            raise bad(path + key, "Field required")
-        return None
-    types = types if isinstance(types, tuple) else (types,)
-    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-        raise bad(path + key, "expected " + " or ".join(TYPE_NAMES[t] for t in types))
-    return value
-
-
-def text_of(value, path: str, kinds: tuple = ("text",)) -> str:
-    """A string, null, or a list of text parts joined by newlines; any other part is refused."""
-    if value is None or isinstance(value, str):
-        return value or ""
-    if not isinstance(value, list):
-        raise bad(path, "expected a string or an array of content parts")
-    texts = []
-    for j, part in enumerate(value):
-        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-        if kind not in kinds:
-            raise bad(f"{path}.{j}.type", f"only text content is supported, got {kind!r}")
-        texts.append(get(part, "text", str, f"{path}.{j}.", required=True))
-    return "\n".join(texts)
-
-
-def parse_arguments(raw):
-    if isinstance(raw, str):
-        try:
-            return json.loads(raw)
-        except ValueError:
-            return raw
-    return {} if raw is None else raw
-
-
-def parse_tools(body: dict, protocol: str) -> list[dict]:
-    """Client tools as OpenAI function tools {"type": "function", "function": {name, description, parameters}}."""
-    kind, tools = "custom" if protocol == "anthropic" else "function", []
-    for j, t in enumerate(get(body, "tools", list) or []):
-        if not isinstance(t, dict) or t.get("type", kind) != kind:
-            raise bad(f"tools.{j}.type", f"only {kind} tools are supported (no server-side tools)")
-        fn = get(t, "function", dict, f"tools.{j}.", required=True) if protocol == "openai" else t
-        get(fn, "name", str, f"tools.{j}.", required=True)
-        spec = {k: fn[k] for k in ("name", "description") if k in fn}
-        schema = fn.get("input_schema" if protocol == "anthropic" else "parameters")
-        tools.append({"type": "function", "function": spec if schema is None else {**spec, "parameters": schema}})
-    return tools
-
-
-def parse_openai(body: dict, prior: tuple = (0, None, ())) -> ChatRequest:
-    """`prior` (raw messages done, system, canonical msgs) is an earlier parse of a prefix of these messages."""
-    messages, (done, system, msgs) = get(body, "messages", list, required=True), prior
-    msgs = list(msgs)
-    for i in range(done, len(messages)):
-        m, p = messages[i], f"messages.{i}."
-        if not isinstance(m, dict):
-            raise bad(p[:-1], "expected an object")
-        role = get(m, "role", str, p, required=True)
-        if role in ("system", "developer") and i == 0:
-            system = text_of(m.get("content"), p + "content")
-        elif role in ("system", "developer", "user"):
-            msgs.append(Msg("user" if role == "user" else "system", text_of(m.get("content"), p + "content")))
-        elif role == "assistant":
-            calls = []
-            for j, tc in enumerate(get(m, "tool_calls", list, p) or []):
-                q = f"{p}tool_calls.{j}."
-                if not isinstance(tc, dict):
-                    raise bad(q[:-1], "expected an object")
-                fn = get(tc, "function", dict, q, required=True)
-                calls.append(Call(get(tc, "id", str, q, required=True),
-                                  get(fn, "name", str, q + "function.", required=True),
-                                  parse_arguments(fn.get("arguments"))))
-            reasoning = m.get("reasoning_content") or m.get("reasoning")
-            msgs.append(Msg("assistant", text_of(m.get("content"), p + "content"),
-                            reasoning if isinstance(reasoning, str) else "", tuple(calls)))
-        elif role == "tool":
-            msgs.append(Msg("tool", text_of(m.get("content"), p + "content"),
-                            call_id=get(m, "tool_call_id", str, p, required=True)))
-        else:
-            raise bad(p + "role", f"unsupported role {role!r}")
-    stop = get(body, "stop", (str, list))
-    options = get(body, "stream_options", dict) or {}
-    return ChatRequest("openai", get(body, "model", str, required=True), system, parse_tools(body, "openai"), msgs,
-                       max_tokens=get(body, "max_completion_tokens", int) or get(body, "max_tokens", int),
-                       stop=(stop,) if isinstance(stop, str) else tuple(s for s in stop or () if isinstance(s, str)),
-                       seed=get(body, "seed", int), stream=bool(get(body, "stream", bool)),
-                       include_usage=bool(options.get("include_usage")), logprobs=bool(get(body, "logprobs", bool)))
-
-
-def parse_anthropic(body: dict, counting: bool = False, prior: tuple = (0, None, ())) -> ChatRequest:
-    system, messages, (done, _, msgs) = body.get("system"), get(body, "messages", list, required=True), prior
-    system, msgs = None if system is None else text_of(system, "system"), list(msgs)
-    for i in range(done, len(messages)):
-        m, p = messages[i], f"messages.{i}."
-        if not isinstance(m, dict):
-            raise bad(p[:-1], "expected an object")
-        role, content = get(m, "role", str, p, required=True), m.get("content")
-        if role not in ("user", "assistant"):
-            raise bad(p + "role", f"unsupported role {role!r}: use user or assistant")
-        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else \
-            get(m, "content", list, p, required=True)
-        texts, reasoning, calls, results = [], "", [], 0
-        for j, b in enumerate(blocks):
-            q, kind = f"{p}content.{j}.", b.get("type") if isinstance(b, dict) else None
-            if kind == "text":
-                texts.append(get(b, "text", str, q, required=True))
-            elif kind == "tool_result" and role == "user":
-                results += 1
-                msgs.append(Msg("tool", text_of(b.get("content"), q + "content"),
-                                call_id=get(b, "tool_use_id", str, q, required=True)))
-            elif kind == "tool_use" and role == "assistant":
-                calls.append(Call(get(b, "id", str, q, required=True), get(b, "name", str, q, required=True),
-                                  get(b, "input", dict, q) or {}))
-            elif kind == "thinking" and role == "assistant":
-                reasoning = get(b, "thinking", str, q) or ""
-            elif kind != "redacted_thinking" or role != "assistant":
-                raise bad(q + "type", f"unsupported content block {kind!r} in a {role} message")
-        if role == "assistant":
-            msgs.append(Msg("assistant", "\n".join(texts), reasoning, tuple(calls)))
-        elif texts or not results:   # tool results first, then the user's own text (the template's order)
-            msgs.append(Msg("user", "\n".join(texts)))
-    max_tokens = None if counting else get(body, "max_tokens", int, required=True)
-    return ChatRequest("anthropic", get(body, "model", str, required=True), system, parse_tools(body, "anthropic"),
-                       msgs, max_tokens=max_tokens,
-                       stop=tuple(s for s in get(body, "stop_sequences", list) or () if isinstance(s, str)),
-                       seed=get(body, "seed", int), stream=bool(get(body, "stream", bool)))
-
-
-def parse_responses(body: dict) -> ChatRequest:
-    if body.get("previous_response_id") is not None:
-        raise bad("previous_response_id", "this server is stateless: send the whole conversation as input")
-    items = body.get("input")
-    items = [{"role": "user", "content": items}] if isinstance(items, str) else get(body, "input", list, required=True)
-    system, msgs = get(body, "instructions", str), []
-    for i, it in enumerate(items):
-        p, kind = f"input.{i}.", it.get("type", "message") if isinstance(it, dict) else None
-        if kind == "message":
-            role = get(it, "role", str, p, required=True)
-            text = text_of(it.get("content"), p + "content", ("input_text", "output_text", "text"))
-            if role in ("system", "developer") and system is None and not msgs:
-                system = text
-            elif role in ("system", "developer", "user", "assistant"):
-                msgs.append(Msg("system" if role == "developer" else role, text))
-            else:
-                raise bad(p + "role", f"unsupported role {role!r}")
-        elif kind == "function_call":
-            call = Call(get(it, "call_id", str, p, required=True), get(it, "name", str, p, required=True),
-                        parse_arguments(it.get("arguments")))
-            if msgs and msgs[-1].role == "assistant":   # one turn = [message?, function_call, ...]
-                msgs[-1] = replace(msgs[-1], calls=msgs[-1].calls + (call,))
-            else:
-                msgs.append(Msg("assistant", calls=(call,)))
-        elif kind == "function_call_output":
-            msgs.append(Msg("tool", text_of(it.get("output"), p + "output", ("input_text", "output_text")),
-                            call_id=get(it, "call_id", str, p, required=True)))
-        elif kind != "reasoning":
-            raise bad(p + "type", f"unsupported input item {kind!r}")
-    return ChatRequest("responses", get(body, "model", str, required=True), system, parse_tools(body, "responses"),
-                       msgs, max_tokens=get(body, "max_output_tokens", int), seed=get(body, "seed", int),
-                       stream=bool(get(body, "stream", bool)))
-
-
-def sampling_changes(protocol: str, body: dict) -> list[str]:
-    """Options of this request that would change the distribution the recorded log-probs come from."""
-    tool_choice = body.get("tool_choice")
-    if protocol == "anthropic":
-        return ["tool_choice"] * (isinstance(tool_choice, dict) and tool_choice.get("type") in ("any", "tool"))
-    if protocol == "openai":
-        found = ["n"] * ((get(body, "n", int) or 1) > 1) + ["logit_bias"] * bool(get(body, "logit_bias", dict))
-        found += [k for k in ("frequency_penalty", "presence_penalty") if get(body, k, (int, float))]
-        fmt_name, fmt = "response_format", get(body, "response_format", dict) or {}
-    else:
-        found, fmt_name, fmt = [], "text.format", (get(body, "text", dict) or {}).get("format") or {}
-    found += [fmt_name] * (isinstance(fmt, dict) and fmt.get("type", "text") != "text")
-    return found + ["tool_choice"] * (tool_choice == "required" or isinstance(tool_choice, dict))
 
 
 def chain_hashes(system: str | None, tools: list, msgs: list, prior: list = ()) -> list[int]:
@@ -341,153 +300,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return bisect.bisect_left(range(min(len(a), len(b))), True, key=lambda i: a[i] != b[i]) - 1
 
 
-# --- template: full render, delta render, bridge, and the start-up check that makes deltas safe
-
-MARK = "ASSISTANT-TURN-" + secrets.token_hex(8)   # unguessable: text in a request cannot move the delta's cut
-CALL = {"id": "call_0", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}
-CHECK_TOOLS = [{"type": "function", "function": {"name": "calc", "description": "adds",
-                                                 "parameters": {"type": "object"}}}]
-CHECK_CONVERSATIONS = [   # each ends in an assistant turn: plain, reasoning, calls, unicode, blank content
-    ([{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "5"}], None),
-    ([{"role": "system", "content": "Be terse."}, {"role": "user", "content": "hi"},
-      {"role": "assistant", "content": "héllo 😀", "reasoning_content": "greet ü"}], None),
-    ([{"role": "user", "content": "add"}, {"role": "assistant", "content": "", "tool_calls": [CALL]}], CHECK_TOOLS),
-    ([{"role": "user", "content": "two"}, {"role": "assistant", "content": "Calling.", "reasoning_content": "r",
-      "tool_calls": [CALL, {**CALL, "id": "call_1",
-                            "function": {"name": "g", "arguments": {"é": [1, {"b": "ü"}]}}}]}], None),
-    ([{"role": "user", "content": "u"}, {"role": "assistant", "content": "  \n"}, {"role": "user", "content": "v"},
-      {"role": "assistant", "content": "", "tool_calls": [CALL]},
-      {"role": "tool", "tool_call_id": "call_0", "content": "1"}, {"role": "assistant", "content": "done"}],
-     CHECK_TOOLS),
-]
-CHECK_APPENDS = {"tool": {"role": "tool", "tool_call_id": "call_0", "content": "résultat: 42"},
-                 "user": {"role": "user", "content": "next ü"}, "system": {"role": "system", "content": "note"}}
-
-RECENT = 256  # full renders ChatTemplate keeps
-
-
-class ChatTemplate:
-    """The model's chat template as token ids; one implementation shared by the chat server and agent.py.
-
-    Messages are chat-template dicts (role, content, reasoning_content, tool_calls, tool_call_id). After a sampled turn,
-    ids + bridge(ids) + render_delta(new messages) continue a segment. The delta is rendered behind a dummy assistant
-    turn and cut at that turn's end, so it never depends on how the template re-renders earlier turns (stock Qwen3 drops
-    their reasoning): an Env can append observations on any template that ends a turn with eos, and a delta that cannot
-    be made raises when first needed. The start-up check (`append_roles`, for the chat server only) proves more: that
-    appending a role keeps the template's full render of the request equal to the segment; a failing role lands in
-    `refused` and the server opens a new segment for such turns instead."""
-
-    def __init__(self, tokenizer_path: str, append_roles: tuple = ("tool", "user")):
-        from transformers import AutoTokenizer
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-        self.eos_id = self.tokenizer.eos_token_id
-        self.special_ids = set(self.tokenizer.all_special_ids)
-        self.atomic_ids = self.special_ids | set(self.tokenizer.added_tokens_decoder)   # never merged with neighbours
-        self.recent = OrderedDict()  # the last RECENT full renders: a group's episodes share their first prompt
-        probe = self.render_text([{"role": "user", "content": "u"}, {"role": "assistant", "content": MARK}],
-                                 add_generation_prompt=False)
-        self.turn_end = probe[probe.rindex(MARK) + len(MARK):]          # what the template writes after a turn
-        eos = self.tokenizer.eos_token
-        self.after_eos = self.encode(self.turn_end[len(eos):]) if self.turn_end.startswith(eos) else None
-        self.after_cut = self.encode(self.turn_end)                     # for turns that did not end with eos
-        self.refused = {role: why for role in append_roles if (why := self.check_append(role))}
-        self.append_roles = tuple(r for r in append_roles if r not in self.refused)
-        for role, why in self.refused.items():
-            log.warning("chat template refused as an append role: %s (%s); such turns open a new segment", role, why)
-
-    def render_text(self, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = True) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-    def render_full(self, messages: list[dict], tools: list | None = None) -> list[int]:
-        """A whole prompt, ending with the assistant generation prompt: the first turn of a segment. A fresh
-        list each call; the last RECENT distinct requests are remembered (rendering is a quarter of an Env
-        episode's worker time, and the samples of one prompt render the same messages)."""
-        key = json.dumps([messages, tools], sort_keys=True, default=str)
-        ids = self.recent.pop(key, None) or tuple(self.encode(self.render_text(messages, tools)))
-        self.recent[key] = ids
-        if len(self.recent) > RECENT:
-            self.recent.popitem(last=False)
-        return list(ids)
-
-    def render_delta(self, messages: list[dict], last_assistant_had_tool_calls: bool = False) -> list[int]:
-        """Tokens of messages appended after an assistant turn and its bridge, up to the next generation prompt.
-
-        Renders [user, assistant MARK] + messages and keeps what follows that turn's end (the first eos after
-        the last MARK, then `turn_end`). The dummy turn calls a tool when the real one did (templates branch
-        on it); the call's arguments carry MARK too, as some templates (Llama 3.1) drop content next to calls.
-        Raises ValueError, naming the roles and the template, when no such delta exists."""
-        def refuse(why: str) -> ValueError:
-            return ValueError(f"chat template of {self.tokenizer.name_or_path}: cannot append "
-                              f"{[m['role'] for m in messages]} as delta tokens: {why}")
-        eos = self.tokenizer.eos_token
-        if not eos or not self.turn_end.startswith(eos):
-            raise refuse(f"an assistant turn ends with {self.turn_end!r}, not with the eos token {eos!r}")
-        turn = {"role": "assistant", "content": MARK}
-        if last_assistant_had_tool_calls:
-            turn["tool_calls"] = [{**CALL, "function": {"name": "f", "arguments": {"x": MARK}}}]
-        try:
-            text = self.render_text([{"role": "user", "content": "u"}, turn] + messages)
-        except (TemplateError, TypeError) as e:
-            raise refuse(f"the template fails to render them ({e})") from e
-        end = text.find(eos, text.rindex(MARK) + len(MARK)) if MARK in text else -1
-        if end < 0:
-            raise refuse(f"the dummy assistant turn is not followed by the eos token {eos!r}")
-        if not text.startswith(self.turn_end, end):
-            raise refuse(f"an assistant turn followed by them ends with {text[end:end + len(self.turn_end)]!r}, "
-                         f"a last one with {self.turn_end!r}")
-        delta = self.encode(text[end + len(self.turn_end):])
-        if not delta:
-            raise refuse("the template renders nothing for them")
-        if delta[0] not in self.atomic_ids:
-            raise refuse("the delta does not start at a special token, so it could merge across the boundary")
-        if self.encode(text)[-len(delta):] != delta:
-            raise refuse("the whole render's tokens do not end with the delta's tokens")
-        return delta
-
-    def bridge(self, sampled_ids: list[int]) -> list[int]:
-        """Tokens the template puts after a sampled turn: the rest of its end-of-turn text (mask 0)."""
-        if self.after_eos is None:
-            raise ValueError(f"chat template of {self.tokenizer.name_or_path} ends a turn with {self.turn_end!r}, "
-                             f"which does not start with the eos token {self.tokenizer.eos_token!r}")
-        return list(self.after_eos if sampled_ids and sampled_ids[-1] == self.eos_id else self.after_cut)
-
-    def check_append(self, role: str) -> str | None:
-        """Why `role` cannot be appended as delta tokens in the chat server (None: it can): the template's full
-        render of the request must equal prompt + turn + bridge + delta. A conversation the template refuses
-        to render is skipped: no request can carry it."""
-        if self.after_eos is None:
-            return f"a turn ends with {self.turn_end!r}, not with the eos token: no bridge exists"
-        for conv, tools in CHECK_CONVERSATIONS:
-            try:
-                before = self.render_text(conv, tools, add_generation_prompt=False)
-            except TemplateError:
-                continue
-            if not before.startswith(self.render_text(conv[:-1], tools)):
-                return "not prefix-preserving: the generation prompt is not how a rendered assistant turn begins"
-            ids = self.encode(before)
-            if ids[-1 - len(self.after_eos):] != [self.eos_id] + self.after_eos:
-                return "a full render's turn end differs from eos + bridge"
-            for appended in ([CHECK_APPENDS[role]], [CHECK_APPENDS[role]] * 2):
-                try:
-                    after = self.render_text(conv + appended, tools)
-                    if not after.startswith(before):
-                        return "not prefix-preserving: appending it changes the rendered history"
-                    delta = self.render_delta(appended, bool(conv[-1].get("tool_calls")))
-                except (TemplateError, ValueError) as e:
-                    return str(e)
-                if ids + delta != self.encode(after):
-                    return "delta tokens differ from the full render's tokens"
-        return None
-
-
-# --- parsers: Hermes tool calls, <think> reasoning, stop strings
+# --- the sampled turn: Hermes tool calls, <think> reasoning, stop strings
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.S)
 
@@ -529,7 +342,7 @@ def cut_at_stop(template: ChatTemplate, ids: list[int], stops: tuple) -> tuple[i
     return kept, stop, text[:pos]
 
 
-# --- segment store and matcher
+# --- matcher: classify a request against the episode's open segments, generate, commit
 
 @dataclass
 class Turn:
@@ -612,14 +425,6 @@ class EpisodeState:
     closed: bool = False
 
 
-@dataclass
-class Episode:
-    id: str
-    api_key: str
-    openai_base_url: str      # OpenAI(base_url=..., api_key=<any but another episode's key>): by the path
-    anthropic_base_url: str   # Anthropic(base_url=..., api_key=<the same>)
-
-
 def to_segment(ep: EpisodeState, t: Track) -> Segment:
     return Segment(token_ids=t.tokens, action_mask=t.mask, logprobs=t.logprobs, versions=t.versions, episode_id=ep.id,
                    finish_reason=t.turns[-1].finish, truncated=t.turns[-1].finish == "length", routed_experts=t.experts,
@@ -629,252 +434,18 @@ def to_segment(ep: EpisodeState, t: Track) -> Segment:
                                                    for u in t.turns)})
 
 
-# --- protocol front ends: bodies, SSE writers, error shapes
+class SegmentStore:
+    """Plans, generates and commits canonical requests on their episode's segments; knows no protocol."""
 
-OPENAI_TYPES = {401: "invalid_request_error", 404: "not_found_error", 500: "server_error", 503: "server_error"}
-ANTHROPIC_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large", 500: "api_error",
-                   503: "overloaded_error"}   # any other status: invalid_request_error
-
-
-def error_body(protocol: str, e: ApiError, request_id: str) -> dict:
-    if protocol == "anthropic":
-        kind = ANTHROPIC_TYPES.get(e.status, "invalid_request_error")
-        return {"type": "error", "error": {"type": kind, "message": e.message}, "request_id": request_id}
-    return {"error": {"message": e.message, "type": e.kind or OPENAI_TYPES.get(e.status, "invalid_request_error"),
-                      "param": e.param, "code": e.code}}
-
-
-def sse(event: str | None, data: dict) -> str:
-    return (f"event: {event}\n" if event else "") + f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-
-def arguments_json(c: Call) -> str:
-    return c.arguments if isinstance(c.arguments, str) else json.dumps(c.arguments, ensure_ascii=False)
-
-
-def anthropic_stop(r: Reply) -> str:
-    if r.calls:
-        return "tool_use"
-    if r.finish == "length":
-        return "model_context_window_exceeded" if r.clamped else "max_tokens"
-    return "stop_sequence" if r.stop_sequence else "end_turn"
-
-
-def openai_body(req: ChatRequest, r: Reply) -> dict:
-    msg = {"role": "assistant", "content": r.content or (None if r.calls else ""), "refusal": None}
-    if r.reasoning:
-        msg["reasoning_content"] = r.reasoning
-    if r.calls:
-        msg["tool_calls"] = [{"id": c.id, "type": "function",
-                              "function": {"name": c.name, "arguments": arguments_json(c)}} for c in r.calls]
-    logprobs = None if r.pieces is None else {"refusal": None, "content": [
-        {"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": []}
-        for p, lp in zip(r.pieces, r.logprobs)]}
-    finish = "tool_calls" if r.calls else "length" if r.finish == "length" else "stop"
-    return {"id": f"chatcmpl-{r.id}", "object": "chat.completion", "created": r.created, "model": req.model,
-            "choices": [{"index": 0, "message": msg, "logprobs": logprobs, "finish_reason": finish}],
-            "usage": {"prompt_tokens": r.prompt_tokens, "completion_tokens": len(r.ids),
-                      "total_tokens": r.prompt_tokens + len(r.ids)}}
-
-
-def anthropic_body(req: ChatRequest, r: Reply) -> dict:
-    blocks = [{"type": "thinking", "thinking": r.reasoning, "signature": ""}] if r.reasoning else []
-    if r.content or not r.calls:
-        blocks.append({"type": "text", "text": r.content})
-    blocks += [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments} for c in r.calls]
-    return {"id": f"msg_{r.id}", "type": "message", "role": "assistant", "model": req.model, "content": blocks,
-            "stop_reason": anthropic_stop(r), "stop_sequence": r.stop_sequence,
-            "usage": {"input_tokens": r.prompt_tokens, "output_tokens": len(r.ids)}}
-
-
-def responses_body(req: ChatRequest, r: Reply | None, reply_id: str) -> dict:
-    """The Response object; r None gives the in-progress shell a stream opens with."""
-    output = []
-    if r is not None and (r.content or not r.calls):
-        output.append({"type": "message", "id": f"msg_{r.id}", "status": "completed", "role": "assistant",
-                       "content": [{"type": "output_text", "text": r.content, "annotations": [], "logprobs": []}]})
-    output += [{"type": "function_call", "id": f"fc_{c.id}", "call_id": c.id, "name": c.name,
-                "arguments": arguments_json(c), "status": "completed"} for c in (r.calls if r else ())]
-    status = "in_progress" if r is None else "incomplete" if r.finish == "length" and not r.calls else "completed"
-    usage = None if r is None else {
-        "input_tokens": r.prompt_tokens, "output_tokens": len(r.ids), "total_tokens": r.prompt_tokens + len(r.ids),
-        "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
-    return {"id": f"resp_{reply_id}", "object": "response", "created_at": r.created if r else int(time.time()),
-            "status": status, "model": req.model, "output": output, "usage": usage, "error": None,
-            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": req.system, "tools": [], "tool_choice": "auto", "parallel_tool_calls": True, "metadata": {}}
-
-
-class OpenAIStream:
-    """Chat completion chunks: a role chunk at once, then content, all tool calls whole, finish, usage, [DONE]."""
-    ping = ": keep-alive\n\n"   # an SSE comment: the SDK skips it
-
-    def __init__(self, req: ChatRequest, plan: Plan):
-        self.req = req
-        self.base = {"id": f"chatcmpl-{plan.reply_id}", "object": "chat.completion.chunk", "created": int(time.time()),
-                     "model": req.model}
-        self.head = [self.chunk({"role": "assistant", "content": ""})]   # frames sent at once
-
-    def chunk(self, delta: dict, finish: str | None = None) -> str:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return sse(None, {**self.base, "choices": [choice]})
-
-    def tail(self, r: Reply) -> list[str]:
-        body, out = openai_body(self.req, r), []
-        choice = body["choices"][0]
-        msg = choice["message"]
-        if r.reasoning:
-            out.append(self.chunk({"reasoning_content": r.reasoning}))
-        if msg["content"]:
-            out.append(self.chunk({"content": msg["content"]}))
-        if r.calls:
-            out.append(self.chunk({"tool_calls": [{"index": k, **tc} for k, tc in enumerate(msg["tool_calls"])]}))
-        out.append(self.chunk({}, choice["finish_reason"]))
-        if self.req.include_usage:
-            out.append(sse(None, {**self.base, "choices": [], "usage": body["usage"]}))
-        return out + ["data: [DONE]\n\n"]
-
-    def error(self, e: ApiError) -> str:
-        return sse(None, error_body("openai", e, ""))
-
-
-class AnthropicStream:
-    """Named events: message_start, pings while generating, per block start/delta/stop, message_delta, message_stop."""
-    ping = sse("ping", {"type": "ping"})
-
-    def __init__(self, req: ChatRequest, plan: Plan):
-        self.req = req
-        message = {"id": f"msg_{plan.reply_id}", "type": "message", "role": "assistant", "model": req.model,
-                   "content": [], "stop_reason": None, "stop_sequence": None,
-                   "usage": {"input_tokens": plan.pending.prompt_tokens, "output_tokens": 0}}
-        self.head = [sse("message_start", {"type": "message_start", "message": message})]
-
-    def tail(self, r: Reply) -> list[str]:
-        out = []
-        for i, block in enumerate(anthropic_body(self.req, r)["content"]):
-            if block["type"] == "text":
-                start, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": block["text"]}
-            elif block["type"] == "thinking":
-                start, delta = {**block, "thinking": ""}, {"type": "thinking_delta", "thinking": block["thinking"]}
-            else:
-                start = {**block, "input": {}}
-                delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}
-            out += [sse("content_block_start", {"type": "content_block_start", "index": i, "content_block": start}),
-                    sse("content_block_delta", {"type": "content_block_delta", "index": i, "delta": delta}),
-                    sse("content_block_stop", {"type": "content_block_stop", "index": i})]
-        end = {"type": "message_delta", "usage": {"output_tokens": len(r.ids)},
-               "delta": {"stop_reason": anthropic_stop(r), "stop_sequence": r.stop_sequence}}
-        return out + [sse("message_delta", end), sse("message_stop", {"type": "message_stop"})]
-
-    def error(self, e: ApiError) -> str:
-        return sse("error", error_body("anthropic", e, ""))
-
-
-class ResponsesStream:
-    """Named Responses events with sequence numbers: created, in_progress, per item added/delta/done, completed."""
-    ping = OpenAIStream.ping
-
-    def __init__(self, req: ChatRequest, plan: Plan):
-        self.req, self.plan, self.seq = req, plan, -1
-        shell = responses_body(req, None, plan.reply_id)
-        self.head = [self.event("response.created", response=shell), self.event("response.in_progress", response=shell)]
-
-    def event(self, kind: str, **data) -> str:
-        self.seq += 1
-        return sse(kind, {"type": kind, "sequence_number": self.seq, **data})
-
-    def tail(self, r: Reply) -> list[str]:
-        full, out = responses_body(self.req, r, self.plan.reply_id), []
-        for i, item in enumerate(full["output"]):
-            ref = {"item_id": item["id"], "output_index": i}
-            empty = {"content": []} if item["type"] == "message" else {"arguments": ""}
-            out.append(self.event("response.output_item.added", output_index=i,
-                                  item={**item, "status": "in_progress", **empty}))
-            if item["type"] == "message":
-                part, text = item["content"][0], item["content"][0]["text"]
-                out += [self.event("response.content_part.added", **ref, content_index=0, part={**part, "text": ""}),
-                        self.event("response.output_text.delta", **ref, content_index=0, delta=text, logprobs=[]),
-                        self.event("response.output_text.done", **ref, content_index=0, text=text, logprobs=[]),
-                        self.event("response.content_part.done", **ref, content_index=0, part=part)]
-            else:
-                out += [self.event("response.function_call_arguments.delta", **ref, delta=item["arguments"]),
-                        self.event("response.function_call_arguments.done", **ref, name=item["name"],
-                                   arguments=item["arguments"])]
-            out.append(self.event("response.output_item.done", output_index=i, item=item))
-        return out + [self.event(f"response.{full['status']}", response=full)]
-
-    def error(self, e: ApiError) -> str:
-        return self.event("error", **error_body("openai", e, ""))
-
-
-# --- server
-
-class ChatServer:
-    """The HTTP front ends over one generator; episodes, their segments and the metrics live here."""
-
-    def __init__(self, generator, tokenizer_path: str, args: ChatArgs = ChatArgs()):
+    def __init__(self, generator, tokenizer_path: str, args: ChatArgs):
         self.generator, self.args = generator, args
         engine_window = generator.vllm.max_model_len
         if args.context_window is not None and args.context_window > engine_window:
             raise ValueError(f"--chat.context_window {args.context_window} above --vllm.max_model_len {engine_window}: "
                              f"the engine would refuse such prompts; lower it or leave it unset")
         self.window = args.context_window or engine_window
-        self.model_name = args.model_name or tokenizer_path.rstrip("/").rsplit("/", 1)[-1]
         self.template = ChatTemplate(tokenizer_path, args.append_roles)
-        self.closed = OrderedDict()           # recently closed ids and keys -> True, for a clear 400
-        self.episodes, self.keys, self.counts, self.overheads_ms = {}, {}, Counter(), deque(maxlen=100_000)
-        self.tasks, self.base_url, self._uvicorn, self._serving, self.created = set(), "", None, None, int(time.time())
-        routes = [("POST", "/v1/chat/completions", self.turn, "openai"),
-                  ("POST", "/chat/completions", self.turn, "openai"), ("POST", "/v1/messages", self.turn, "anthropic"),
-                  ("POST", "/v1/messages/count_tokens", self.count_tokens, "anthropic"),
-                  ("POST", "/v1/responses", self.turn, "responses"), ("POST", "/responses", self.turn, "responses"),
-                  ("GET", "/v1/models", self.models, None), ("GET", "/models", self.models, None),
-                  ("GET", "/health", self.health, None)]   # protocol None: the anthropic-version header decides
-        self.app = Starlette(routes=[Route(prefix + path, self.endpoint(fn, protocol), methods=[method])
-                                     for prefix in ("", "/e/{episode}") for method, path, fn, protocol in routes],
-                             exception_handlers={HTTPException: self.http_error})
-        self.app.router.redirect_slashes = False   # a path with a trailing slash is a 404 in the protocol's shape
-
-    # --- lifetime and episodes
-
-    async def start(self) -> str:
-        """Serve on 127.0.0.1 at an OS-assigned port inside the running event loop; returns the base URL."""
-        self._uvicorn = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
-                                                      access_log=False, lifespan="off"))
-        self._serving = asyncio.create_task(self._uvicorn.serve())
-        while not self._uvicorn.started:
-            if self._serving.done():
-                raise RuntimeError(f"chat server did not start: {self._serving.exception()!r}")
-            await asyncio.sleep(0.01)
-        self.base_url = f"http://127.0.0.1:{self._uvicorn.servers[0].sockets[0].getsockname()[1]}"
-        gc.freeze()   # ~500k long-lived start-up objects (torch, transformers): full collections stalled the loop 0.7 s
-        return self.base_url
-
-    async def stop(self) -> None:
-        self._uvicorn.should_exit = True
-        await self._serving
-
-    def open_episode(self) -> Episode:
-        ep = EpisodeState(secrets.token_urlsafe(16), "sk-ep-" + secrets.token_urlsafe(24))
-        self.episodes[ep.id], self.keys[ep.api_key] = ep, ep.id
-        return Episode(ep.id, ep.api_key, f"{self.base_url}/e/{ep.id}/v1", f"{self.base_url}/e/{ep.id}")
-
-    def close_episode(self, episode_id: str) -> list[Segment]:
-        """Seal every segment of the episode and hand them over; later requests for it get a 400."""
-        ep = self.episodes.pop(episode_id)
-        del self.keys[ep.api_key]
-        ep.closed = True
-        self.closed.update({ep.id: True, ep.api_key: True})
-        while len(self.closed) > 100_000:
-            self.closed.popitem(last=False)
-        return [to_segment(ep, t) for t in ep.tracks]
-
-    def metrics(self) -> dict:
-        ms = sorted(self.overheads_ms)
-        pct = {f"chat/overhead_ms_p{q}": ms[min(len(ms) - 1, len(ms) * q // 100)] for q in (50, 99)} if ms else {}
-        return {**self.counts, **pct, "chat/open_episodes": len(self.episodes)}
-
-    # --- classify, generate, commit
+        self.counts = Counter()
 
     def plan_turn(self, ep: EpisodeState, req: ChatRequest, retries: int) -> Plan:
         """Classify a request against the episode's open segments (call under ep.lock)."""
@@ -899,10 +470,7 @@ class ChatServer:
         plan.stamp = plan.track.stamp if plan.track else 0
         room = self.window - len(plan.prompt)
         if room < 1:
-            raise ApiError(400, f"prompt is too long: {len(plan.prompt)} tokens > {self.window - 1} maximum"
-                           if req.protocol == "anthropic" else
-                           f"This model's maximum context length is {self.window} tokens. However, your messages "
-                           f"resulted in {len(plan.prompt)} tokens. Please reduce the length of the messages.",
+            raise ApiError(400, req.too_long.format(n=len(plan.prompt), window=self.window, limit=self.window - 1),
                            param="messages", code="context_length_exceeded")
         want = req.max_tokens or self.args.default_max_tokens or room
         want = min(want, self.args.max_tokens_cap or want)
@@ -956,8 +524,7 @@ class ChatServer:
             kept, stop, text = cut
             ids, logprobs, versions, finish = ids[:kept], logprobs[:kept], versions[:kept], "stop"
         reasoning, content, found = parse_reply(text)
-        prefix = "toolu_" if req.protocol == "anthropic" else "call_"
-        calls = tuple(Call(prefix + secrets.token_hex(12), name, args) for name, args in found)
+        calls = tuple(Call(req.call_prefix + secrets.token_hex(12), name, args) for name, args in found)
         pieces = [self.template.decode([i]) for i in ids] if req.logprobs else None
         reply = Reply(plan.reply_id, len(plan.prompt), ids, finish, stop, plan.clamped, reasoning, content, calls,
                       pieces, logprobs)
@@ -997,19 +564,6 @@ class ChatServer:
                                f"{len(plan.prompt) + len(ids)}")
         return reply
 
-    # --- HTTP
-
-    def endpoint(self, handler, protocol: str | None):
-        async def run(request: Request) -> Response:
-            proto = protocol or ("anthropic" if "anthropic-version" in request.headers else "openai")
-            try:
-                return await handler(request, proto)
-            except ApiError as e:
-                return self.error_response(proto, e)
-            except Exception as e:   # a bug of ours: answer 500 and never train on this episode
-                return self.error_response(proto, self.taint(getattr(request.state, "episode", None), e))
-        return run
-
     def taint(self, ep: EpisodeState | None, e: Exception, note: str = "") -> ApiError:
         """A bug of ours: log it, never train on the episode, and answer with a 500."""
         log.error("internal error (episode %s; its segments are marked tainted)", ep and ep.id, exc_info=e)
@@ -1018,19 +572,531 @@ class ChatServer:
             self.counts["chat/tainted_episodes"] += 1
         return ApiError(500, f"internal error: {e!r}{note}")
 
-    async def http_error(self, request: Request, exc: HTTPException) -> Response:
-        proto = "anthropic" if "anthropic-version" in request.headers else "openai"
-        message = f"{request.method} {request.url.path}: {exc.detail}"
-        return self.error_response(proto, ApiError(exc.status_code, message))
 
-    def error_response(self, protocol: str, e: ApiError) -> Response:
-        status = 529 if e.status == 503 and protocol == "anthropic" else e.status
-        self.counts[f"chat/errors_{e.status}"] += 1   # by our status: 503 is the engine being down, in any protocol
-        request_id = "req_" + secrets.token_hex(12)
-        headers = {"x-should-retry": "true" if e.status == 503 else "false", "request-id": request_id}
-        if e.status == 503:
-            headers["retry-after"] = "2"
-        return JSONResponse(error_body(protocol, e, request_id), status_code=status, headers=headers)
+# --- wire formats: typed field reads shared by the three parsers
+
+TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "an array",
+              dict: "an object"}
+
+
+def get(obj: dict, key: str, types, path: str = "", required: bool = False):
+    """obj[key] checked against types; None when absent and optional; else a 400 naming the field."""
+    value = obj.get(key)
+    if value is None:
+        if required:
+            raise bad(path + key, "Field required")
+        return None
+    types = types if isinstance(types, tuple) else (types,)
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        raise bad(path + key, "expected " + " or ".join(TYPE_NAMES[t] for t in types))
+    return value
+
+
+def text_of(value, path: str, kinds: tuple = ("text",)) -> str:
+    """A string, null, or a list of text parts joined by newlines; any other part is refused."""
+    if value is None or isinstance(value, str):
+        return value or ""
+    if not isinstance(value, list):
+        raise bad(path, "expected a string or an array of content parts")
+    texts = []
+    for j, part in enumerate(value):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind not in kinds:
+            raise bad(f"{path}.{j}.type", f"only text content is supported, got {kind!r}")
+        texts.append(get(part, "text", str, f"{path}.{j}.", required=True))
+    return "\n".join(texts)
+
+
+def parse_arguments(raw):
+    if isinstance(raw, str):
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return raw
+    return {} if raw is None else raw
+
+
+def parse_tools(body: dict, kind: str = "function", schema: str = "parameters", nested: bool = False) -> list[dict]:
+    """Client tools of `kind` (their spec under "function" when nested) as OpenAI function tools."""
+    tools = []
+    for j, t in enumerate(get(body, "tools", list) or []):
+        if not isinstance(t, dict) or t.get("type", kind) != kind:
+            raise bad(f"tools.{j}.type", f"only {kind} tools are supported (no server-side tools)")
+        fn = get(t, "function", dict, f"tools.{j}.", required=True) if nested else t
+        get(fn, "name", str, f"tools.{j}.", required=True)
+        spec, params = {k: fn[k] for k in ("name", "description") if k in fn}, fn.get(schema)
+        tools.append({"type": "function", "function": spec if params is None else {**spec, "parameters": params}})
+    return tools
+
+
+def guided_decoding(body: dict, name: str, fmt) -> list[str]:
+    """OpenAI-style options that constrain decoding: a non-text format, a forced tool choice."""
+    tool_choice = body.get("tool_choice")
+    return [name] * (isinstance(fmt, dict) and fmt.get("type", "text") != "text") + \
+        ["tool_choice"] * (tool_choice == "required" or isinstance(tool_choice, dict))
+
+
+def sse(event: str | None, data: dict) -> str:
+    return (f"event: {event}\n" if event else "") + f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def arguments_json(c: Call) -> str:
+    return c.arguments if isinstance(c.arguments, str) else json.dumps(c.arguments, ensure_ascii=False)
+
+
+# --- OpenAI Chat Completions: POST /v1/chat/completions (and /chat/completions)
+
+OPENAI_TOO_LONG = ("This model's maximum context length is {window} tokens. However, your messages resulted in {n} "
+                   "tokens. Please reduce the length of the messages.")
+OPENAI_TYPES = {401: "invalid_request_error", 404: "not_found_error", 500: "server_error", 503: "server_error"}
+
+
+def parse_openai(body: dict, prior: tuple = (0, None, ())) -> ChatRequest:
+    """`prior` (raw messages done, system, canonical msgs) is an earlier parse of a prefix of these messages."""
+    messages, (done, system, msgs) = get(body, "messages", list, required=True), prior
+    msgs = list(msgs)
+    for i in range(done, len(messages)):
+        m, p = messages[i], f"messages.{i}."
+        if not isinstance(m, dict):
+            raise bad(p[:-1], "expected an object")
+        role = get(m, "role", str, p, required=True)
+        if role in ("system", "developer") and i == 0:
+            system = text_of(m.get("content"), p + "content")
+        elif role in ("system", "developer", "user"):
+            msgs.append(Msg("user" if role == "user" else "system", text_of(m.get("content"), p + "content")))
+        elif role == "assistant":
+            calls = []
+            for j, tc in enumerate(get(m, "tool_calls", list, p) or []):
+                q = f"{p}tool_calls.{j}."
+                if not isinstance(tc, dict):
+                    raise bad(q[:-1], "expected an object")
+                fn = get(tc, "function", dict, q, required=True)
+                calls.append(Call(get(tc, "id", str, q, required=True),
+                                  get(fn, "name", str, q + "function.", required=True),
+                                  parse_arguments(fn.get("arguments"))))
+            reasoning = m.get("reasoning_content") or m.get("reasoning")
+            msgs.append(Msg("assistant", text_of(m.get("content"), p + "content"),
+                            reasoning if isinstance(reasoning, str) else "", tuple(calls)))
+        elif role == "tool":
+            msgs.append(Msg("tool", text_of(m.get("content"), p + "content"),
+                            call_id=get(m, "tool_call_id", str, p, required=True)))
+        else:
+            raise bad(p + "role", f"unsupported role {role!r}")
+    stop = get(body, "stop", (str, list))
+    options = get(body, "stream_options", dict) or {}
+    return ChatRequest(get(body, "model", str, required=True), system, parse_tools(body, nested=True), msgs,
+                       "call_", OPENAI_TOO_LONG,
+                       max_tokens=get(body, "max_completion_tokens", int) or get(body, "max_tokens", int),
+                       stop=(stop,) if isinstance(stop, str) else tuple(s for s in stop or () if isinstance(s, str)),
+                       seed=get(body, "seed", int), stream=bool(get(body, "stream", bool)),
+                       include_usage=bool(options.get("include_usage")), logprobs=bool(get(body, "logprobs", bool)))
+
+
+def openai_changes(body: dict) -> list[str]:
+    """Options of this request that would change the distribution the recorded log-probs come from."""
+    found = ["n"] * ((get(body, "n", int) or 1) > 1) + ["logit_bias"] * bool(get(body, "logit_bias", dict))
+    found += [k for k in ("frequency_penalty", "presence_penalty") if get(body, k, (int, float))]
+    return found + guided_decoding(body, "response_format", get(body, "response_format", dict) or {})
+
+
+def openai_body(req: ChatRequest, r: Reply) -> dict:
+    msg = {"role": "assistant", "content": r.content or (None if r.calls else ""), "refusal": None}
+    if r.reasoning:
+        msg["reasoning_content"] = r.reasoning
+    if r.calls:
+        msg["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.name, "arguments": arguments_json(c)}} for c in r.calls]
+    logprobs = None if r.pieces is None else {"refusal": None, "content": [
+        {"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": []}
+        for p, lp in zip(r.pieces, r.logprobs)]}
+    finish = "tool_calls" if r.calls else "length" if r.finish == "length" else "stop"
+    return {"id": f"chatcmpl-{r.id}", "object": "chat.completion", "created": r.created, "model": req.model,
+            "choices": [{"index": 0, "message": msg, "logprobs": logprobs, "finish_reason": finish}],
+            "usage": {"prompt_tokens": r.prompt_tokens, "completion_tokens": len(r.ids),
+                      "total_tokens": r.prompt_tokens + len(r.ids)}}
+
+
+class OpenAIWriter:
+    """Replies, errors and the model list; a stream is a role chunk at once, then content, all tool calls whole,
+    finish, usage, [DONE]. Errors after the stream opened are a data line, then the end."""
+    ping, overloaded, body = ": keep-alive\n\n", 503, staticmethod(openai_body)   # ping: an SSE comment, skipped
+
+    def __init__(self, req: ChatRequest, plan: Plan):
+        self.req = req
+        self.base = {"id": f"chatcmpl-{plan.reply_id}", "object": "chat.completion.chunk", "created": int(time.time()),
+                     "model": req.model}
+        self.head = [self.chunk({"role": "assistant", "content": ""})]   # frames sent at once
+
+    def chunk(self, delta: dict, finish: str | None = None) -> str:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return sse(None, {**self.base, "choices": [choice]})
+
+    def tail(self, r: Reply) -> list[str]:
+        body, out = openai_body(self.req, r), []
+        choice = body["choices"][0]
+        msg = choice["message"]
+        if r.reasoning:
+            out.append(self.chunk({"reasoning_content": r.reasoning}))
+        if msg["content"]:
+            out.append(self.chunk({"content": msg["content"]}))
+        if r.calls:
+            out.append(self.chunk({"tool_calls": [{"index": k, **tc} for k, tc in enumerate(msg["tool_calls"])]}))
+        out.append(self.chunk({}, choice["finish_reason"]))
+        if self.req.include_usage:
+            out.append(sse(None, {**self.base, "choices": [], "usage": body["usage"]}))
+        return out + ["data: [DONE]\n\n"]
+
+    def error_event(self, e: ApiError) -> str:
+        return sse(None, self.error(e, ""))
+
+    @staticmethod
+    def error(e: ApiError, request_id: str) -> dict:
+        return {"error": {"message": e.message, "type": e.kind or OPENAI_TYPES.get(e.status, "invalid_request_error"),
+                          "param": e.param, "code": e.code}}
+
+    @staticmethod
+    def models(name: str, created: int) -> dict:
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "verbatim"}]}
+
+
+# --- Anthropic Messages: POST /v1/messages, /v1/messages/count_tokens
+
+ANTHROPIC_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large", 500: "api_error",
+                   503: "overloaded_error"}   # any other status: invalid_request_error
+
+
+def parse_anthropic(body: dict, counting: bool = False, prior: tuple = (0, None, ())) -> ChatRequest:
+    system, messages, (done, _, msgs) = body.get("system"), get(body, "messages", list, required=True), prior
+    system, msgs = None if system is None else text_of(system, "system"), list(msgs)
+    for i in range(done, len(messages)):
+        m, p = messages[i], f"messages.{i}."
+        if not isinstance(m, dict):
+            raise bad(p[:-1], "expected an object")
+        role, content = get(m, "role", str, p, required=True), m.get("content")
+        if role not in ("user", "assistant"):
+            raise bad(p + "role", f"unsupported role {role!r}: use user or assistant")
+        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else \
+            get(m, "content", list, p, required=True)
+        texts, reasoning, calls, results = [], "", [], 0
+        for j, b in enumerate(blocks):
+            q, kind = f"{p}content.{j}.", b.get("type") if isinstance(b, dict) else None
+            if kind == "text":
+                texts.append(get(b, "text", str, q, required=True))
+            elif kind == "tool_result" and role == "user":
+                results += 1
+                msgs.append(Msg("tool", text_of(b.get("content"), q + "content"),
+                                call_id=get(b, "tool_use_id", str, q, required=True)))
+            elif kind == "tool_use" and role == "assistant":
+                calls.append(Call(get(b, "id", str, q, required=True), get(b, "name", str, q, required=True),
+                                  get(b, "input", dict, q) or {}))
+            elif kind == "thinking" and role == "assistant":
+                reasoning = get(b, "thinking", str, q) or ""
+            elif kind != "redacted_thinking" or role != "assistant":
+                raise bad(q + "type", f"unsupported content block {kind!r} in a {role} message")
+        if role == "assistant":
+            msgs.append(Msg("assistant", "\n".join(texts), reasoning, tuple(calls)))
+        elif texts or not results:   # tool results first, then the user's own text (the template's order)
+            msgs.append(Msg("user", "\n".join(texts)))
+    max_tokens = None if counting else get(body, "max_tokens", int, required=True)
+    return ChatRequest(get(body, "model", str, required=True), system, parse_tools(body, "custom", "input_schema"),
+                       msgs, "toolu_", "prompt is too long: {n} tokens > {limit} maximum", max_tokens=max_tokens,
+                       stop=tuple(s for s in get(body, "stop_sequences", list) or () if isinstance(s, str)),
+                       seed=get(body, "seed", int), stream=bool(get(body, "stream", bool)))
+
+
+def anthropic_changes(body: dict) -> list[str]:
+    tool_choice = body.get("tool_choice")
+    return ["tool_choice"] * (isinstance(tool_choice, dict) and tool_choice.get("type") in ("any", "tool"))
+
+
+def anthropic_stop(r: Reply) -> str:
+    if r.calls:
+        return "tool_use"
+    if r.finish == "length":
+        return "model_context_window_exceeded" if r.clamped else "max_tokens"
+    return "stop_sequence" if r.stop_sequence else "end_turn"
+
+
+def anthropic_body(req: ChatRequest, r: Reply) -> dict:
+    blocks = [{"type": "thinking", "thinking": r.reasoning, "signature": ""}] if r.reasoning else []
+    if r.content or not r.calls:
+        blocks.append({"type": "text", "text": r.content})
+    blocks += [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments} for c in r.calls]
+    return {"id": f"msg_{r.id}", "type": "message", "role": "assistant", "model": req.model, "content": blocks,
+            "stop_reason": anthropic_stop(r), "stop_sequence": r.stop_sequence,
+            "usage": {"input_tokens": r.prompt_tokens, "output_tokens": len(r.ids)}}
+
+
+class AnthropicWriter:
+    """Replies, errors (529 for an engine down) and the model list; a stream is named events: message_start, pings
+    while generating, per block start/delta/stop, message_delta, message_stop (or an error event)."""
+    ping, overloaded, body = sse("ping", {"type": "ping"}), 529, staticmethod(anthropic_body)
+
+    def __init__(self, req: ChatRequest, plan: Plan):
+        self.req = req
+        message = {"id": f"msg_{plan.reply_id}", "type": "message", "role": "assistant", "model": req.model,
+                   "content": [], "stop_reason": None, "stop_sequence": None,
+                   "usage": {"input_tokens": plan.pending.prompt_tokens, "output_tokens": 0}}
+        self.head = [sse("message_start", {"type": "message_start", "message": message})]
+
+    def tail(self, r: Reply) -> list[str]:
+        out = []
+        for i, block in enumerate(anthropic_body(self.req, r)["content"]):
+            if block["type"] == "text":
+                start, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": block["text"]}
+            elif block["type"] == "thinking":
+                start, delta = {**block, "thinking": ""}, {"type": "thinking_delta", "thinking": block["thinking"]}
+            else:
+                start = {**block, "input": {}}
+                delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}
+            out += [sse("content_block_start", {"type": "content_block_start", "index": i, "content_block": start}),
+                    sse("content_block_delta", {"type": "content_block_delta", "index": i, "delta": delta}),
+                    sse("content_block_stop", {"type": "content_block_stop", "index": i})]
+        end = {"type": "message_delta", "usage": {"output_tokens": len(r.ids)},
+               "delta": {"stop_reason": anthropic_stop(r), "stop_sequence": r.stop_sequence}}
+        return out + [sse("message_delta", end), sse("message_stop", {"type": "message_stop"})]
+
+    def error_event(self, e: ApiError) -> str:
+        return sse("error", self.error(e, ""))
+
+    @staticmethod
+    def error(e: ApiError, request_id: str) -> dict:
+        kind = ANTHROPIC_TYPES.get(e.status, "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": e.message}, "request_id": request_id}
+
+    @staticmethod
+    def models(name: str, created: int) -> dict:
+        return {"data": [{"type": "model", "id": name, "display_name": name,
+                          "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))}],
+                "has_more": False, "first_id": name, "last_id": name}
+
+
+# --- OpenAI Responses (stateless): POST /v1/responses (and /responses)
+
+def parse_responses(body: dict) -> ChatRequest:
+    if body.get("previous_response_id") is not None:
+        raise bad("previous_response_id", "this server is stateless: send the whole conversation as input")
+    items = body.get("input")
+    items = [{"role": "user", "content": items}] if isinstance(items, str) else get(body, "input", list, required=True)
+    system, msgs = get(body, "instructions", str), []
+    for i, it in enumerate(items):
+        p, kind = f"input.{i}.", it.get("type", "message") if isinstance(it, dict) else None
+        if kind == "message":
+            role = get(it, "role", str, p, required=True)
+            text = text_of(it.get("content"), p + "content", ("input_text", "output_text", "text"))
+            if role in ("system", "developer") and system is None and not msgs:
+                system = text
+            elif role in ("system", "developer", "user", "assistant"):
+                msgs.append(Msg("system" if role == "developer" else role, text))
+            else:
+                raise bad(p + "role", f"unsupported role {role!r}")
+        elif kind == "function_call":
+            call = Call(get(it, "call_id", str, p, required=True), get(it, "name", str, p, required=True),
+                        parse_arguments(it.get("arguments")))
+            if msgs and msgs[-1].role == "assistant":   # one turn = [message?, function_call, ...]
+                msgs[-1] = replace(msgs[-1], calls=msgs[-1].calls + (call,))
+            else:
+                msgs.append(Msg("assistant", calls=(call,)))
+        elif kind == "function_call_output":
+            msgs.append(Msg("tool", text_of(it.get("output"), p + "output", ("input_text", "output_text")),
+                            call_id=get(it, "call_id", str, p, required=True)))
+        elif kind != "reasoning":
+            raise bad(p + "type", f"unsupported input item {kind!r}")
+    return ChatRequest(get(body, "model", str, required=True), system, parse_tools(body), msgs, "call_",
+                       OPENAI_TOO_LONG, max_tokens=get(body, "max_output_tokens", int), seed=get(body, "seed", int),
+                       stream=bool(get(body, "stream", bool)))
+
+
+def responses_changes(body: dict) -> list[str]:
+    return guided_decoding(body, "text.format", (get(body, "text", dict) or {}).get("format") or {})
+
+
+def responses_body(req: ChatRequest, r: Reply | None, reply_id: str = "") -> dict:
+    """The Response object (id: the reply's, else reply_id); r None gives the in-progress shell a stream opens with."""
+    output = []
+    if r is not None and (r.content or not r.calls):
+        output.append({"type": "message", "id": f"msg_{r.id}", "status": "completed", "role": "assistant",
+                       "content": [{"type": "output_text", "text": r.content, "annotations": [], "logprobs": []}]})
+    output += [{"type": "function_call", "id": f"fc_{c.id}", "call_id": c.id, "name": c.name,
+                "arguments": arguments_json(c), "status": "completed"} for c in (r.calls if r else ())]
+    status = "in_progress" if r is None else "incomplete" if r.finish == "length" and not r.calls else "completed"
+    usage = None if r is None else {
+        "input_tokens": r.prompt_tokens, "output_tokens": len(r.ids), "total_tokens": r.prompt_tokens + len(r.ids),
+        "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
+    return {"id": f"resp_{r.id if r else reply_id}", "object": "response",
+            "created_at": r.created if r else int(time.time()),
+            "status": status, "model": req.model, "output": output, "usage": usage, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": req.system, "tools": [], "tool_choice": "auto", "parallel_tool_calls": True, "metadata": {}}
+
+
+class ResponsesWriter(OpenAIWriter):
+    """OpenAI's errors and pings; a stream is named events with sequence numbers: created, in_progress, per item
+    added/delta/done, then completed or incomplete (or an error event)."""
+    body = staticmethod(responses_body)
+
+    def __init__(self, req: ChatRequest, plan: Plan):
+        self.req, self.seq = req, -1
+        shell = responses_body(req, None, plan.reply_id)
+        self.head = [self.event("response.created", response=shell), self.event("response.in_progress", response=shell)]
+
+    def event(self, kind: str, **data) -> str:
+        self.seq += 1
+        return sse(kind, {"type": kind, "sequence_number": self.seq, **data})
+
+    def tail(self, r: Reply) -> list[str]:
+        full, out = responses_body(self.req, r), []
+        for i, item in enumerate(full["output"]):
+            ref = {"item_id": item["id"], "output_index": i}
+            empty = {"content": []} if item["type"] == "message" else {"arguments": ""}
+            out.append(self.event("response.output_item.added", output_index=i,
+                                  item={**item, "status": "in_progress", **empty}))
+            if item["type"] == "message":
+                part, text = item["content"][0], item["content"][0]["text"]
+                out += [self.event("response.content_part.added", **ref, content_index=0, part={**part, "text": ""}),
+                        self.event("response.output_text.delta", **ref, content_index=0, delta=text, logprobs=[]),
+                        self.event("response.output_text.done", **ref, content_index=0, text=text, logprobs=[]),
+                        self.event("response.content_part.done", **ref, content_index=0, part=part)]
+            else:
+                out += [self.event("response.function_call_arguments.delta", **ref, delta=item["arguments"]),
+                        self.event("response.function_call_arguments.done", **ref, name=item["name"],
+                                   arguments=item["arguments"])]
+            out.append(self.event("response.output_item.done", output_index=i, item=item))
+        return out + [self.event(f"response.{full['status']}", response=full)]
+
+    def error_event(self, e: ApiError) -> str:
+        return self.event("error", **self.error(e, ""))
+
+
+# --- HTTP: the two protocol dispatch points (ChatServer.parse, writer), attribution, routes, streaming
+
+def writer(protocol: str) -> type:
+    """The one dispatch for everything written back: reply bodies, streams, errors and the model list."""
+    if protocol == "openai":
+        return OpenAIWriter
+    if protocol == "anthropic":
+        return AnthropicWriter
+    if protocol == "responses":
+        return ResponsesWriter
+    raise ValueError(f"unknown protocol {protocol!r}")
+
+
+@dataclass
+class Episode:
+    id: str
+    api_key: str
+    openai_base_url: str      # OpenAI(base_url=..., api_key=<any but another episode's key>): by the path
+    anthropic_base_url: str   # Anthropic(base_url=..., api_key=<the same>)
+
+
+class ChatServer(SegmentStore):
+    """The HTTP front over the segment store: episodes and their keys, routes, and the metrics."""
+
+    def __init__(self, generator, tokenizer_path: str, args: ChatArgs = ChatArgs()):
+        super().__init__(generator, tokenizer_path, args)
+        self.model_name = args.model_name or tokenizer_path.rstrip("/").rsplit("/", 1)[-1]
+        self.closed = OrderedDict()           # recently closed ids and keys -> True, for a clear 400
+        self.episodes, self.keys, self.overheads_ms = {}, {}, deque(maxlen=100_000)
+        self.tasks, self.base_url, self._uvicorn, self._serving, self.created = set(), "", None, None, int(time.time())
+        routes = [("POST", "/v1/chat/completions", self.turn, "openai"),
+                  ("POST", "/chat/completions", self.turn, "openai"), ("POST", "/v1/messages", self.turn, "anthropic"),
+                  ("POST", "/v1/messages/count_tokens", self.count_tokens, "anthropic"),
+                  ("POST", "/v1/responses", self.turn, "responses"), ("POST", "/responses", self.turn, "responses"),
+                  ("GET", "/v1/models", self.models, None), ("GET", "/models", self.models, None),
+                  ("GET", "/health", self.health, None)]   # protocol None: the anthropic-version header decides
+        self.app = Starlette(routes=[Route(prefix + path, self.endpoint(fn, protocol), methods=[method])
+                                     for prefix in ("", "/e/{episode}") for method, path, fn, protocol in routes],
+                             exception_handlers={HTTPException: self.http_error})
+        self.app.router.redirect_slashes = False   # a path with a trailing slash is a 404 in the protocol's shape
+
+    # --- lifetime and episodes
+
+    async def start(self) -> str:
+        """Serve on 127.0.0.1 at an OS-assigned port inside the running event loop; returns the base URL."""
+        self._uvicorn = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
+                                                      access_log=False, lifespan="off"))
+        self._serving = asyncio.create_task(self._uvicorn.serve())
+        while not self._uvicorn.started:
+            if self._serving.done():
+                raise RuntimeError(f"chat server did not start: {self._serving.exception()!r}")
+            await asyncio.sleep(0.01)
+        self.base_url = f"http://127.0.0.1:{self._uvicorn.servers[0].sockets[0].getsockname()[1]}"
+        gc.freeze()   # ~500k long-lived start-up objects (torch, transformers): full collections stalled the loop 0.7 s
+        return self.base_url
+
+    async def stop(self) -> None:
+        self._uvicorn.should_exit = True
+        await self._serving
+
+    def open_episode(self) -> Episode:
+        ep = EpisodeState(secrets.token_urlsafe(16), "sk-ep-" + secrets.token_urlsafe(24))
+        self.episodes[ep.id], self.keys[ep.api_key] = ep, ep.id
+        return Episode(ep.id, ep.api_key, f"{self.base_url}/e/{ep.id}/v1", f"{self.base_url}/e/{ep.id}")
+
+    def close_episode(self, episode_id: str) -> list[Segment]:
+        """Seal every segment of the episode and hand them over; later requests for it get a 400."""
+        ep = self.episodes.pop(episode_id)
+        del self.keys[ep.api_key]
+        ep.closed = True
+        self.closed.update({ep.id: True, ep.api_key: True})
+        while len(self.closed) > 100_000:
+            self.closed.popitem(last=False)
+        return [to_segment(ep, t) for t in ep.tracks]
+
+    def metrics(self) -> dict:
+        ms = sorted(self.overheads_ms)
+        pct = {f"chat/overhead_ms_p{q}": ms[min(len(ms) - 1, len(ms) * q // 100)] for q in (50, 99)} if ms else {}
+        return {**self.counts, **pct, "chat/open_episodes": len(self.episodes)}
+
+    # --- requests in: the parse dispatch, then protocol-free policy checks
+
+    def parse(self, protocol: str, body: dict, ep: EpisodeState | None = None, counting: bool = False) -> ChatRequest:
+        """The one dispatch for requests: the canonical form plus every policy check, before any state changes.
+
+        Harnesses resend the whole history: when it starts with a recent request's raw messages (a C-level
+        list comparison), only the new messages are parsed and hashed, so a turn costs O(new messages)."""
+        raw, prior, memo = body.get("messages"), (0, None, ()), None
+        for kind, seen, old in ep.parsed if ep is not None and isinstance(raw, list) else ():
+            if kind == protocol and len(seen) <= len(raw) and raw[:len(seen)] == seen:
+                prior, memo = (len(seen), old.system, old.msgs), old
+                break
+        unknown = "The model '{}' does not exist"
+        if protocol == "openai":
+            req, sampling = parse_openai(body, prior), openai_changes
+        elif protocol == "anthropic":
+            req, sampling, unknown = parse_anthropic(body, counting, prior), anthropic_changes, "model: {}"
+        elif protocol == "responses":   # items merge into turns across items: always parsed whole, never remembered
+            req, sampling, raw = parse_responses(body), responses_changes, None
+        else:
+            raise ValueError(f"unknown protocol {protocol!r}")
+        if self.args.strict_model and req.model != self.model_name:
+            raise ApiError(404, unknown.format(req.model), param="model", code="model_not_found",
+                           kind="invalid_request_error")
+        ignored = sum(body.get(k) is not None for k in ("temperature", "top_p", "top_k"))
+        self.counts["chat/ignored_sampling_params"] += ignored   # the generator's --rollout.* settings rule
+        changes = sampling(body)
+        if changes and self.args.reject_sampling_changes:
+            raise bad(changes[0], "changes the sampling distribution the trainer learns from; the server samples with "
+                                  "the trainer's settings (--chat.reject_sampling_changes false ignores it)")
+        self.counts["chat/ignored_params"] += len(changes)
+        if req.max_tokens is not None and req.max_tokens < 1:
+            raise bad("max_tokens", "must be >= 1")
+        if req.seed is not None and not -1 << 63 <= req.seed < 1 << 63:   # OpenAI's range; vLLM fails past 2**64
+            raise bad("seed", "must be a 64-bit signed integer")
+        if not req.msgs and req.system is None:
+            raise bad("messages", "at least one message is required")
+        if req.msgs and req.msgs[-1].role == "assistant":
+            raise bad("messages", "the last message is the assistant's: "
+                                  "continuing (prefilling) a turn is not supported")
+        seen = set()
+        for m in req.msgs if self.args.check_tool_ids else ():
+            seen.update(c.id for c in m.calls)
+            if m.role == "tool" and m.call_id not in seen:
+                raise bad("messages", f"tool result for unknown tool call id {m.call_id!r}")
+        req.hashes = chain_hashes(req.system, req.tools, req.msgs, memo.hashes if memo else ())
+        if ep is not None and isinstance(raw, list):
+            ep.parsed.appendleft((protocol, raw, req))
+        return req
 
     def attribute(self, request: Request) -> EpisodeState:
         """The episode: path /e/{id}/..., else the API key (Bearer wins over X-Api-Key). Both are secrets; on a
@@ -1068,53 +1134,32 @@ class ChatServer:
             raise ApiError(400, "could not parse JSON body: expected an object", code="invalid_json")
         return body, arrived
 
-    def parse(self, protocol: str, body: dict, ep: EpisodeState | None = None, counting: bool = False) -> ChatRequest:
-        """Canonical request plus every policy check; raises ApiError before any state changes.
+    # --- routes and replies out: every Response is written by writer(protocol)
 
-        Harnesses resend the whole history: when it starts with a recent request's raw messages (a C-level
-        list comparison), only the new messages are parsed and hashed, so a turn costs O(new messages)."""
-        raw, prior, memo = body.get("messages"), (0, None, ()), None
-        for kind, seen, old in ep.parsed if ep is not None and isinstance(raw, list) else ():
-            if kind == protocol and len(seen) <= len(raw) and raw[:len(seen)] == seen:
-                prior, memo = (len(seen), old.system, old.msgs), old
-                break
-        if protocol == "openai":
-            req = parse_openai(body, prior)
-        elif protocol == "anthropic":
-            req = parse_anthropic(body, counting, prior)
-        elif protocol == "responses":
-            req = parse_responses(body)
-        else:
-            raise ValueError(f"unknown protocol {protocol!r}")
-        if self.args.strict_model and req.model != self.model_name:
-            raise ApiError(404, f"model: {req.model}" if protocol == "anthropic" else
-                           f"The model '{req.model}' does not exist", param="model", code="model_not_found",
-                           kind="invalid_request_error")
-        ignored = sum(body.get(k) is not None for k in ("temperature", "top_p", "top_k"))
-        self.counts["chat/ignored_sampling_params"] += ignored   # the generator's --rollout.* settings rule
-        changes = sampling_changes(protocol, body)
-        if changes and self.args.reject_sampling_changes:
-            raise bad(changes[0], "changes the sampling distribution the trainer learns from; the server samples with "
-                                  "the trainer's settings (--chat.reject_sampling_changes false ignores it)")
-        self.counts["chat/ignored_params"] += len(changes)
-        if req.max_tokens is not None and req.max_tokens < 1:
-            raise bad("max_tokens", "must be >= 1")
-        if req.seed is not None and not -1 << 63 <= req.seed < 1 << 63:   # OpenAI's range; vLLM fails past 2**64
-            raise bad("seed", "must be a 64-bit signed integer")
-        if not req.msgs and req.system is None:
-            raise bad("messages", "at least one message is required")
-        if req.msgs and req.msgs[-1].role == "assistant":
-            raise bad("messages", "the last message is the assistant's: "
-                                  "continuing (prefilling) a turn is not supported")
-        seen = set()
-        for m in req.msgs if self.args.check_tool_ids else ():
-            seen.update(c.id for c in m.calls)
-            if m.role == "tool" and m.call_id not in seen:
-                raise bad("messages", f"tool result for unknown tool call id {m.call_id!r}")
-        req.hashes = chain_hashes(req.system, req.tools, req.msgs, memo.hashes if memo else ())
-        if ep is not None and protocol != "responses":   # Responses items merge across items: always parsed whole
-            ep.parsed.appendleft((protocol, raw, req))
-        return req
+    def endpoint(self, handler, protocol: str | None):
+        async def run(request: Request) -> Response:
+            proto = protocol or ("anthropic" if "anthropic-version" in request.headers else "openai")
+            try:
+                return await handler(request, proto)
+            except ApiError as e:
+                return self.error_response(proto, e)
+            except Exception as e:   # a bug of ours: answer 500 and never train on this episode
+                return self.error_response(proto, self.taint(getattr(request.state, "episode", None), e))
+        return run
+
+    async def http_error(self, request: Request, exc: HTTPException) -> Response:
+        proto = "anthropic" if "anthropic-version" in request.headers else "openai"   # a path no route knows
+        return self.error_response(proto, ApiError(exc.status_code, f"{request.method} {request.url.path}: "
+                                                                    f"{exc.detail}"))
+
+    def error_response(self, protocol: str, e: ApiError) -> Response:
+        self.counts[f"chat/errors_{e.status}"] += 1   # by our status: 503 is the engine being down, in any protocol
+        request_id, w = "req_" + secrets.token_hex(12), writer(protocol)
+        headers = {"x-should-retry": "true" if e.status == 503 else "false", "request-id": request_id}
+        if e.status == 503:
+            headers["retry-after"] = "2"
+        return JSONResponse(w.error(e, request_id), status_code=w.overloaded if e.status == 503 else e.status,
+                            headers=headers)
 
     async def turn(self, request: Request, protocol: str) -> Response:
         ep = self.attribute(request)
@@ -1129,35 +1174,30 @@ class ChatServer:
         self.tasks.add(task)
         task.add_done_callback(lambda t: (self.tasks.discard(t), t.cancelled() or t.exception()))
         if req.stream:
-            writers = {"openai": OpenAIStream, "anthropic": AnthropicStream, "responses": ResponsesStream}
-            writer = writers[protocol](req, plan)
-            return StreamingResponse(self.stream(ep, writer, task, plan, start), media_type="text/event-stream",
-                                     headers={"cache-control": "no-cache"})
-        reply = await asyncio.shield(task)
-        body = openai_body(req, reply) if protocol == "openai" else anthropic_body(req, reply) \
-            if protocol == "anthropic" else responses_body(req, reply, reply.id)
-        response = JSONResponse(body)
+            return StreamingResponse(self.stream(ep, writer(protocol)(req, plan), task, plan, start),
+                                     media_type="text/event-stream", headers={"cache-control": "no-cache"})
+        response = JSONResponse(writer(protocol).body(req, await asyncio.shield(task)))
         self.overheads_ms.append((time.perf_counter() - start - plan.gen_s) * 1000)
         return response
 
-    async def stream(self, ep: EpisodeState, writer, task: asyncio.Task, plan: Plan, start: float):
+    async def stream(self, ep: EpisodeState, w, task: asyncio.Task, plan: Plan, start: float):
         """Headers and first frames at once, keep-alive frames while generating, then the whole turn.
         Errors after the headers become the protocol's error event (validation ran before)."""
         try:
-            for frame in writer.head:
+            for frame in w.head:
                 yield frame
             while not task.done():
                 await asyncio.wait({task}, timeout=self.args.ping_s)
                 if not task.done():
-                    yield writer.ping
-            for frame in writer.tail(task.result()):
+                    yield w.ping
+            for frame in w.tail(task.result()):
                 yield frame
             self.overheads_ms.append((time.perf_counter() - start - plan.gen_s) * 1000)
         except ApiError as e:
             self.counts[f"chat/errors_{e.status}"] += 1
-            yield writer.error(e)
+            yield w.error_event(e)
         except Exception as e:
-            yield writer.error(self.taint(ep, e))
+            yield w.error_event(self.taint(ep, e))
 
     async def count_tokens(self, request: Request, protocol: str) -> Response:
         self.attribute(request)
@@ -1165,13 +1205,7 @@ class ChatServer:
         return JSONResponse({"input_tokens": len(self.template.render_full(req.template_messages(), req.tools))})
 
     async def models(self, request: Request, protocol: str) -> Response:
-        name = self.model_name
-        if protocol == "anthropic":
-            return JSONResponse({"data": [{"type": "model", "id": name, "display_name": name, "created_at":
-                                           time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created))}],
-                                 "has_more": False, "first_id": name, "last_id": name})
-        return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "created": self.created,
-                                                          "owned_by": "verbatim"}]})
+        return JSONResponse(writer(protocol).models(self.model_name, self.created))
 
     async def health(self, request: Request, protocol: str) -> Response:
         return JSONResponse({"status": "ok"})
