@@ -9,14 +9,16 @@ current weights into a paused Generator straight from rank 0 (on GPU they never 
 torch.distributed.checkpoint. Every rank receives the whole batch and derives the same plan, advantages and loss
 denominators from it; besides the model's own collectives, ranks only all-reduce the no-grad pass's per-row results
 (a gather) and each step's loss (a metric).
+Qwen3-MoE trains as NeMo's own MoE class (--fsdp.ep_size shards its experts); every other model as its HF class.
 --train.routing_replay (Qwen3-MoE): the forward routes each (token, MoE layer) to the experts the
 segment's routed_experts (T, layers, top_k) recorded (-1 = live top-k); the gate still gets gradient.
 Not here: sampling and the refit transport (generator.py), advantage and loss math (estimators.py,
-losses.py), the loop (launch.py). Refused with a message: context and expert parallelism, routing
-replay on a dense model or on a batch with no routed_experts.
+losses.py), the loop (launch.py). Refused with a message: tensor and context parallelism, expert
+parallelism off Qwen3-MoE, routing replay on a dense model or on a batch with no routed_experts.
 """
 import asyncio
 import functools
+import glob
 import json
 import math
 import os
@@ -25,20 +27,21 @@ import re
 import shutil
 import socket
 import time
+import types
 from dataclasses import dataclass, field
+from unittest import mock
 
 import numpy as np
 import ray
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from estimators import EstimatorArgs, compute_advantages
 from generator import Segment
@@ -100,7 +103,7 @@ class TrainArgs:
 class FsdpArgs:
     tp_size: int = field(default=1, metadata={"help": "tensor-parallel ranks (unsupported: wrong q_norm/k_norm grads)"})
     cp_size: int = field(default=1, metadata={"help": "context-parallel ranks (unsupported: needs sharded sequences)"})
-    ep_size: int = field(default=1, metadata={"help": "expert-parallel ranks (unsupported: needs NeMo's MoE classes)"})
+    ep_size: int = field(default=1, metadata={"help": "expert-parallel ranks (Qwen3-MoE); must divide world_size"})
     offload: str = field(default="none", metadata={
         "help": "optimizer: FSDP2 CPUOffloadPolicy: params, grads, AdamW in host memory (GPU)", "choices": OFFLOADS})
     param_dtype: str = field(default="float32", metadata={
@@ -121,9 +124,6 @@ class FsdpArgs:
         if self.cp_size > 1:
             raise ValueError("--fsdp.cp_size > 1: context parallelism needs sequence-sharded inputs, "
                              "which trainer.py does not build yet; set 1")
-        if self.ep_size > 1:
-            raise ValueError("--fsdp.ep_size > 1: NeMo's expert parallelism needs its own MoE classes, "
-                             "whose parameter names differ from the HF names refit uses; set 1")
 
 
 @dataclass
@@ -150,6 +150,9 @@ def check_args(train: TrainArgs, fsdp: FsdpArgs, loss: LossArgs, estimator: Esti
     if not cuda and fsdp.offload != "none":
         raise ValueError("--fsdp.offload optimizer on CPU: the weights already live in host memory; "
                          "set --fsdp.offload none")
+    if train.world_size % fsdp.ep_size:
+        raise ValueError(f"--fsdp.ep_size {fsdp.ep_size} with --train.world_size {train.world_size}: expert-parallel "
+                         "groups split the ranks evenly; set an ep_size that divides world_size")
     if fsdp.offload != "none" and train.world_size == 1:
         raise ValueError("--fsdp.offload optimizer with one data-parallel rank: NeMo's FSDP2 does not shard "
                          "(nor offload) then; set --fsdp.offload none or raise --train.world_size")
@@ -224,17 +227,6 @@ def collate_routing(segments: list[Segment], T: int, layers: int, top_k: int, ex
                              "or be -1 for all top_k of a (token, layer)")
         out[i, :len(seg.token_ids)] = r
     return out
-
-
-def replayed_routing(logits: torch.Tensor, live_ids: torch.Tensor, replay: torch.Tensor, *, norm_topk_prob: bool):
-    """(N, K) routing weights and expert ids of N tokens: replay's ids where recorded (>= 0), live_ids elsewhere.
-    The weights are softmax(logits) over all E experts gathered at those ids (renormalized to sum 1 when
-    norm_topk_prob), so the gate keeps its gradient; at live ids they equal the router's own weights."""
-    ids = torch.where(replay >= 0, replay.long(), live_ids)  # (N, K)
-    weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(-1, ids)  # (N, K)
-    if norm_topk_prob:
-        weights = weights / weights.sum(-1, keepdim=True)
-    return weights.to(logits.dtype), ids
 
 
 def plan_step(lengths: list[int], *, minibatches: int, dp_size: int, max_tokens: int) -> list[list[list[list[int]]]]:
@@ -468,8 +460,8 @@ class TrainerRank:
         meta = {export_name(n): torch.empty(p.shape, dtype=p.dtype, device="meta")
                 for n, p in self.model.named_parameters()}
         self.fused = set(meta) - set(revert_weight_conversion(self.model, meta))
-        # with one dp rank NeMo skips fully_shard, so its mixed-precision cast never happens: autocast instead
-        self.autocast = compute_dtype != torch.float32 and not isinstance(self.model, FSDPModule)
+        # with one dp rank NeMo skips fully_shard, so its mixed-precision cast never happens: autocast such models
+        self.autocast = lambda model: compute_dtype != torch.float32 and not isinstance(model, FSDPModule)
         # fused: one kernel per step over all tensors (the default foreach makes ~a dozen passes); lr: set each step
         adamw = lambda params: torch.optim.AdamW(params, lr=0.0, betas=self.train.betas,
                                                  weight_decay=self.train.weight_decay, fused=True)
@@ -483,15 +475,29 @@ class TrainerRank:
             self.critic_optimizer = adamw(self.critic.parameters())
 
     def build(self, auto_class, **kwargs) -> torch.nn.Module:
-        """Load model_path in float32 (master weights) and shard it with NeMo AutoModel's FSDP2 parallelizer."""
+        """Load model_path in float32 (master weights) and shard it with NeMo AutoModel's FSDP2 parallelizer. Qwen3-MoE
+        policies load as NeMo's own MoE class (expert parallelism, a replay hook in its gate, an adapter to the
+        checkpoint's names); other models, the critic too, as their transformers class (the checkpoint's names)."""
+        config = AutoConfig.from_pretrained(self.model_path)
+        nemo_moe = auto_class is AutoModelForCausalLM and config.model_type == "qwen3_moe"
+        if nemo_moe:  # aux_loss_coeff 0: in train mode NeMo would add a load-balancing loss to ours
+            from nemo_automodel.components.models.common import BackendConfig
+            kwargs.update(backend=BackendConfig(experts="torch_mm"), moe_overrides={"aux_loss_coeff": 0.0})
         if self.cuda:
             from nemo_automodel import NeMoAutoModelForCausalLM, NeMoAutoModelForTokenClassification
             nemo_class = {AutoModelForCausalLM: NeMoAutoModelForCausalLM,
                           AutoModelForTokenClassification: NeMoAutoModelForTokenClassification}[auto_class]
-            # force_hf: HF classes keep HF parameter names (refit, export); no Liger kernels: same math as the engine
-            model = nemo_class.from_pretrained(self.model_path, dtype=torch.float32, force_hf=True,
-                                               use_liger_kernel=False, **kwargs)
-        else:  # NeMo's loader hard-codes CUDA
+            model = nemo_class.from_pretrained(self.model_path, dtype=torch.float32, force_hf=not nemo_moe,
+                                               use_liger_kernel=False, **kwargs)  # no Liger: the engine's math
+        elif nemo_moe:  # NeMo's loader needs CUDA, and so does the class's rotary cache at construction
+            from nemo_automodel.components.models.qwen3_moe.model import Qwen3MoeForCausalLM
+            config.dtype = torch.float32
+            with mock.patch.object(torch.cuda, "current_device", return_value=0):
+                model = Qwen3MoeForCausalLM(config, **kwargs)
+            model.model.rotary_emb.device = self.device
+            hf = {k: v for f in glob.glob(f"{self.model_path}/*.safetensors") for k, v in load_file(f).items()}
+            model.load_state_dict(model.state_dict_adapter.from_hf(hf), strict=True)
+        else:
             model = auto_class.from_pretrained(self.model_path, dtype=torch.float32, **kwargs)
         if auto_class is AutoModelForTokenClassification:
             with torch.no_grad():  # the value head starts at V = 0, the same on every rank
@@ -499,29 +505,34 @@ class TrainerRank:
                 model.score.bias.zero_()
         from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
         model.train()  # from_pretrained returns eval mode, in which HF's (NeMo's) activation checkpointing is off
-        return parallelize_model(model.to(self.device), self.dist_setup.mesh_context)
+        model = parallelize_model(model.to(self.device), self.dist_setup.mesh_context)
+        if nemo_moe and not isinstance(model, FSDPModule):  # one rank: NeMo skips fully_shard and its bf16 cast;
+            # autocast instead (as for HF classes) puts this class twice as far from the engine's bf16 log-probs
+            fully_shard(model, mesh=self.dist_setup.mesh_context.device_mesh["dp"],
+                        mp_policy=self.dist_setup.mesh_context.strategy_config.mp_policy)
+        return model
 
     def install_replay(self, model) -> tuple[int, int, int]:
-        """Hook every Qwen3-MoE router of model so that it returns replayed ids and weights (replay_router);
-        -> (MoE layers, top_k, experts), the shape collate checks each segment's routed_experts against."""
-        routers = [m for m in model.modules() if isinstance(m, Qwen3MoeTopKRouter)]  # in layer order
-        if not routers:
+        """Point every MoE gate of model (NeMo's Qwen3-MoE class) at replayed_ids; -> (MoE layers, top_k, experts),
+        the shape collate checks each segment's routed_experts against."""
+        from nemo_automodel.components.moe.layers import Gate
+        gates = [m for m in model.modules() if isinstance(m, Gate)]  # in layer order
+        if not gates:
             raise ValueError(f"--train.routing_replay: {self.model_path} has no Qwen3-MoE router (a dense model, or "
                              "an MoE architecture this replay does not know); leave the flag off")
-        for layer, router in enumerate(routers):
-            router.register_forward_hook(functools.partial(self.replay_router, layer))
-        return len(routers), routers[0].top_k, routers[0].num_experts
+        for layer, gate in enumerate(gates):  # a gate routes by router_replay.apply(its live top-k ids)
+            gate.router_replay = types.SimpleNamespace(apply=functools.partial(self.replayed_ids, layer))
+        return len(gates), gates[0].topk, gates[0].n_experts
 
-    def replay_router(self, layer: int, router, args, output):
-        """Forward hook of MoE layer `layer`'s router: its (logits, weights, ids) with this forward's recorded
-        ids replayed. It reads self.replay, bound per microbatch by policy_logprobs, so an activation-checkpoint
+    def replayed_ids(self, layer: int, live: torch.Tensor) -> torch.Tensor:
+        """MoE layer `layer`'s (N, K) expert ids, N = b * t: this forward's recorded ids where >= 0, live elsewhere.
+        The gate gathers its softmax over all experts at these ids (renormalized, norm_topk_prob), so it keeps
+        its gradient. self.replay is bound per microbatch by policy_logprobs, so an activation-checkpoint
         recompute in backward (which runs before the next microbatch's forward) replays the same ids."""
-        logits, _, live_ids = output  # (N, E), (N, K), (N, K) with N = b * t
         if self.replay is None:
-            return output
-        replay = self.replay[:, :, layer].reshape(live_ids.shape)  # (N, K)
-        weights, ids = replayed_routing(logits, live_ids, replay, norm_topk_prob=router.norm_topk_prob)
-        return logits, weights, ids
+            return live
+        recorded = self.replay[:, :, layer].reshape(live.shape).long()  # (N, K)
+        return torch.where(recorded >= 0, recorded, live)
 
     # --- forwards: microbatches of rows, and the no-grad pass that every rank assembles into (B, T)
 
@@ -542,15 +553,15 @@ class TrainerRank:
                         routed: torch.Tensor | None = None):
         """(B, T) log-probs of ids under model's logits / temperature, and (B, T) entropy when asked; with
         --train.routing_replay, model's MoE layers replay routed (B, T, layers, top_k) (None: live routing)."""
-        self.replay = routed  # read by replay_router in this forward and in its checkpoint recompute
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+        self.replay = routed  # read by replayed_ids in this forward and in its checkpoint recompute
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast(model)):
             logits = model(input_ids=ids, use_cache=False).logits  # (B, T, V)
         return token_logprobs(logits, ids, temperature, entropy=entropy, entropy_grad=self.entropy_grad,
                               compiled=self.cuda and self.fsdp.compile_logprobs)
 
     def critic_values(self, ids: torch.Tensor) -> torch.Tensor:
         """(B, T) value of the state before each token: the head's output at the previous position."""
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast(self.critic)):
             out = self.critic(input_ids=ids, use_cache=False).logits[..., 0]  # (B, T)
         return torch.nn.functional.pad(out[:, :-1].float(), (1, 0))  # (B, T)
 
@@ -657,6 +668,10 @@ class TrainerRank:
     def policy_step(self, step_loss: torch.Tensor) -> dict[str, float]:
         """End the policy's optimizer step: sum its loss over ranks, clip, AdamW, advance the policy version."""
         dist.all_reduce(step_loss, group=self.dp_group)
+        if self.fsdp.ep_size > 1:  # experts sum every ep rank's tokens, and FSDP averages them over dp / ep_size
+            for name, p in self.model.named_parameters():  # ranks, not dp: ep_size x the scale of the others
+                if ".experts." in name and p.grad is not None:
+                    p.grad.div_(self.fsdp.ep_size)
         grad_norm, lr = self.optimizer_step(self.model, self.optimizer, self.train.lr)
         self.version += 1
         peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.cuda else 0.0  # since the rank started
@@ -695,12 +710,15 @@ class TrainerRank:
     def full_params(self, params: list[tuple[str, torch.nn.Parameter]]):
         """(checkpoint name, whole tensor) of each parameter in turn, as save_pretrained writes them (what vLLM
         loads); every rank must iterate (the gathers are collective). named_parameters() lists a tied
-        lm_head.weight once, as model.embed_tokens.weight; fused experts become one tensor per expert."""
+        lm_head.weight once, as model.embed_tokens.weight; fused experts become one tensor per expert (NeMo's
+        MoE class: its state_dict_adapter; transformers: its own reverse conversion)."""
         from transformers.core_model_loading import revert_weight_conversion
+        adapter = getattr(self.model, "state_dict_adapter", None)
         for name, param in params:
             name, full = export_name(name), (param.detach().full_tensor() if isinstance(param, DTensor)
                                              else param.detach())
-            yield from (revert_weight_conversion(self.model, {name: full}).items() if name in self.fused
+            yield from (adapter.convert_single_tensor_to_hf(name, full) if adapter is not None
+                        else revert_weight_conversion(self.model, {name: full}).items() if name in self.fused
                         else [(name, full)])
 
     def export_bucket(self, index: int, bucket_mb: float, dtype: torch.dtype | None) -> tuple[list | None, int]:
@@ -846,6 +864,11 @@ class TrainerGroup:
                  estimator: EstimatorArgs, *, temperature: float, gpus_per_rank: float | None = None):
         gpus = (1.0 if torch.cuda.is_available() else 0.0) if gpus_per_rank is None else gpus_per_rank
         check_args(train, fsdp, loss, estimator, cuda=gpus > 0)
+        config, ep = AutoConfig.from_pretrained(model_path), fsdp.ep_size
+        if ep > 1 and (config.model_type != "qwen3_moe" or config.num_experts % ep or train.critic_lr is not None):
+            raise ValueError(f"--fsdp.ep_size {ep}: expert parallelism needs a Qwen3-MoE policy whose expert count "
+                             f"it divides, and no critic (a transformers class); {model_path} is {config.model_type} "
+                             f"with {getattr(config, 'num_experts', 0)} experts; set another ep_size")
         if not temperature > 0.0:
             raise ValueError(f"temperature {temperature}: must be > 0, the rollout's --rollout.temperature")
         self.ckpt = ckpt

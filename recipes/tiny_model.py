@@ -115,6 +115,7 @@ def build_tiny_model(out_dir: str, *, seed: int = 0, tokenizer: str = "bpe", alp
                      moe: bool = False, experts: int = 4, experts_per_token: int = 2, head_dim: int = 64,
                      rows: int | None = None, dtype: str = "float32", extra_special: tuple = ()) -> str:
     """Write a random model directory to out_dir, identical for identical arguments; returns out_dir.
+    Dense models tie lm_head to the embedding; MoE models do not (as Qwen3-30B-A3B; NeMo's MoE class refuses ties).
     rows: embedding rows when more than the tokenizer's ids (a real model's vocabulary size).
     extra_special: more special tokens (single ids with embedding rows), e.g. other chat templates' markers."""
     corpus = open(corpus_path).read().splitlines() if corpus_path else default_corpus()
@@ -124,7 +125,7 @@ def build_tiny_model(out_dir: str, *, seed: int = 0, tokenizer: str = "bpe", alp
                pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"), bos_token_id=None)
     shape = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                  num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=max_positions,
-                 tie_word_embeddings=True, rope_theta=10000.0, torch_dtype=dtype)
+                 tie_word_embeddings=not moe, rope_theta=10000.0, torch_dtype=dtype)
     if moe:
         config = Qwen3MoeConfig(**ids, **shape, num_experts=experts, num_experts_per_tok=experts_per_token,
                                 moe_intermediate_size=intermediate // 2, intermediate_size=intermediate,

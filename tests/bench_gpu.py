@@ -417,7 +417,7 @@ def bench_moe(steps: int = 4) -> dict:
     """The loop (K=0, one GPU shared) on a random Qwen3-MoE, the engine recording routing: the trainer routing
     live, and with --train.routing_replay: tokens/s and the rollout-trainer mismatch."""
     from recipes.tiny_model import build_tiny_model
-    model = os.path.join(ROOT, "runs", "qwen3_moe_random")
+    model = os.path.join(ROOT, "runs", "qwen3_moe_random_untied")  # NeMo's MoE class refuses tied embeddings
     if not os.path.exists(os.path.join(model, "model.safetensors")):
         build_tiny_model(model, tokenizer="chars", alphabet="0123456789copy \n", dtype="bfloat16", moe=True,
                          experts=32, experts_per_token=4, hidden=512, layers=8, heads=8, kv_heads=4,

@@ -343,11 +343,12 @@ def moe_setup(moe_model, ray_local):
 
 def experts_run(rank, x, routed) -> torch.Tensor:
     """(B, T, layers, top_k) expert ids each MoE layer's experts module was given in one no-grad forward of x
-    (a pre-hook on the experts, independent of the replay hook on the router)."""
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+    (a pre-hook on NeMo's GroupedExperts.forward(x, token_mask, weights, indices), independent of the replay
+    in the gate)."""
+    from nemo_automodel.components.moe.experts import GroupedExperts
     seen, B, T = [], *x["ids"].shape
-    hooks = [m.register_forward_pre_hook(lambda m, args: seen.append(args[1].detach().view(B, T, -1)))
-             for m in rank.model.modules() if isinstance(m, Qwen3MoeExperts)]
+    hooks = [m.register_forward_pre_hook(lambda m, args: seen.append(args[3].detach().view(B, T, -1)))
+             for m in rank.model.modules() if isinstance(m, GroupedExperts)]
     try:
         with torch.no_grad():
             logp = rank.policy_logprobs(rank.model, x["ids"], 1.0, routed=routed)[0]

@@ -1,10 +1,12 @@
 """--train.routing_replay on CPU: one in-process TrainerRank (world size 1, gloo, NeMo's activation
-checkpointing on) over the tiny Qwen3-MoE model (2 MoE layers, 4 experts, top-2).
+checkpointing on) over the tiny Qwen3-MoE model (2 MoE layers, 4 experts, top-2), which the trainer
+builds as NeMo AutoModel's own Qwen3-MoE class.
 
 The replayed selections come from plain transformers forwards: the same architecture under other
 weights (seed 1), so they differ from the trainer's own choice, or the same weights (the trainer's
-own live choice). What the experts actually ran is read by a forward pre-hook on each experts module,
-independent of the replay hook. The train step runs last: every other test needs the loaded weights.
+own live choice). What the experts actually ran is read by a forward pre-hook on each of NeMo's
+experts modules, independent of the replay in the gate. The train step runs last: every other test
+needs the loaded weights.
 """
 import random
 import socket
@@ -12,8 +14,9 @@ import socket
 import numpy as np
 import pytest
 import torch
+from nemo_automodel.components.moe.experts import GroupedExperts
+from nemo_automodel.components.moe.layers import Gate
 from transformers import AutoModelForCausalLM
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts, Qwen3MoeTopKRouter
 
 from estimators import EstimatorArgs
 from generator import Segment
@@ -44,7 +47,7 @@ def hf_selection(model, segments) -> list[np.ndarray]:
         for seg in segments:
             # layers x (T, E)
             logits = model(input_ids=torch.tensor([seg.token_ids]), output_router_logits=True).router_logits
-            out.append(torch.stack([l.topk(TOP_K, dim=-1).indices for l in logits], 1).numpy().astype(np.int16))
+            out.append(torch.stack([r.topk(TOP_K, dim=-1).indices for r in logits], 1).numpy().astype(np.int16))
     return out
 
 
@@ -53,19 +56,21 @@ def with_routing(segments, routing) -> list[Segment]:
 
 
 class Observed:
-    """Per MoE layer, every call's (router input, router weight, experts' ids, experts' weights), in call order."""
+    """Per MoE layer, every call's (gate input, gate weight, experts' ids, experts' weights), in call order.
+    NeMo's Gate.forward(x, token_mask, cp_mesh) and GroupedExperts.forward(x, token_mask, weights, indices);
+    the weight is copied because FSDP frees its unsharded storage after backward."""
 
     def __init__(self, model):
         self.calls = [[] for _ in range(LAYERS)]
         self.handles = []
-        routers = [m for m in model.modules() if isinstance(m, Qwen3MoeTopKRouter)]
-        experts = [m for m in model.modules() if isinstance(m, Qwen3MoeExperts)]
-        assert len(routers) == len(experts) == LAYERS
-        for layer, (router, expert) in enumerate(zip(routers, experts)):
-            self.handles.append(router.register_forward_pre_hook(
-                lambda m, args, layer=layer: self.calls[layer].append([args[0].detach(), m.weight.detach()])))
+        gates = [m for m in model.modules() if isinstance(m, Gate)]
+        experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+        assert len(gates) == len(experts) == LAYERS
+        for layer, (gate, expert) in enumerate(zip(gates, experts)):
+            self.handles.append(gate.register_forward_pre_hook(
+                lambda m, args, layer=layer: self.calls[layer].append([args[0].detach(), m.weight.detach().clone()])))
             self.handles.append(expert.register_forward_pre_hook(
-                lambda m, args, layer=layer: self.calls[layer][-1].extend([args[1], args[2].detach()])))
+                lambda m, args, layer=layer: self.calls[layer][-1].extend([args[3], args[2].detach()])))
 
     def close(self):
         for h in self.handles:
@@ -140,8 +145,8 @@ def test_replay_runs_the_recorded_experts_in_forward_and_checkpoint_recompute_an
             # renormalized
             p = torch.softmax(h @ w.T, -1).gather(-1, ids.view(-1, TOP_K))  # (N, K)
             assert torch.allclose(weights, p / p.sum(-1, keepdim=True), atol=1e-6)
-    for router in [m for m in rank.model.modules() if isinstance(m, Qwen3MoeTopKRouter)]:
-        assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+    for gate in [m for m in rank.model.modules() if isinstance(m, Gate)]:
+        assert gate.weight.grad.full_tensor().abs().sum() > 0  # DTensor: NeMo's class is sharded at 1 rank too
 
 
 def test_positions_marked_minus_one_route_live(rank, segments, other_selection):
