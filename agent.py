@@ -31,15 +31,12 @@ class AgentArgs:
     max_turns: int = field(default=8, metadata={"help": "turns after which an Env episode ends as truncated"})
     max_context: int = field(default=2048, metadata={"help": "tokens after which an Env episode ends as truncated"})
     episode_timeout_s: float = field(default=600.0, metadata={"help": "an episode still running after this is dropped"})
-    workers: int = field(default=1, metadata={"help": "agent worker actors (each runs many episodes concurrently)"})
 
     def __post_init__(self):
         if self.max_turns < 1:
             raise ValueError(f"--agent.max_turns {self.max_turns}: must be >= 1")
         if self.max_context < 16:
             raise ValueError(f"--agent.max_context {self.max_context}: must be >= 16 tokens")
-        if self.workers < 1:
-            raise ValueError(f"--agent.workers {self.workers}: must be >= 1")
 
 
 # --- the contract

@@ -80,7 +80,6 @@ class RolloutArgs:
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass (1.0 = off)"})
     top_k: int | None = field(default=None, metadata={"help": "sample among the k likeliest tokens (unset = off)"})
     max_new_tokens: int = field(default=256, metadata={"help": "most tokens sampled per engine call"})
-    samples_per_prompt: int = field(default=8, metadata={"help": "episodes per prompt (the group size G)"})
 
     def __post_init__(self):
         if self.temperature <= 0:
@@ -89,8 +88,8 @@ class RolloutArgs:
             raise ValueError("--rollout.top_p must be in (0, 1]")
         if self.top_k is not None and self.top_k < 1:
             raise ValueError("--rollout.top_k must be >= 1, or unset to sample from the whole vocabulary")
-        if min(self.max_new_tokens, self.samples_per_prompt) < 1:
-            raise ValueError("--rollout.max_new_tokens and --rollout.samples_per_prompt must be >= 1")
+        if self.max_new_tokens < 1:
+            raise ValueError("--rollout.max_new_tokens must be >= 1")
 
     def check_logprobs_usable(self, *, importance_correction: bool, kl_to_rollout: bool) -> None:
         """Refuse truncated sampling where the loss uses the rollout log-probs (launch.py calls this)."""

@@ -4,7 +4,7 @@
     python launch.py --agent.path recipes/copy_agent.py --data.path recipes/copy_agent.py ...
 
 The loop: agent workers turn prompt groups into Segments (generator.py directly for an Env agent,
-through chat_server.py for a ChatAgent) and keep up to `--train.max_staleness + 1` batches in
+through chat_server.py for a ChatAgent) and keep up to `--launch.max_staleness + 1` batches in
 flight (with partial rollouts, `--launch.in_flight` groups); the trainer takes a batch, trains one step,
 and every engine is refit (pause → load → resume) with the new policy version. K=0 is strictly
 on-policy: sampling waits for the refit. Every step writes a line to metrics.jsonl (and TensorBoard /
@@ -49,14 +49,24 @@ class LaunchArgs:
     seed: int = field(default=0, metadata={"help": "seed of data order and sampling"})
     colocate: bool = field(default=False, metadata={
         "help": "GPU: trainer and engine share one GPU (half each, CUDA IPC refit); else one GPU each (NCCL refit)"})
+    batch_prompts: int = field(default=8, metadata={"help": "prompt groups per step (SFT: examples per step)"})
+    samples_per_prompt: int = field(default=8, metadata={"help": "episodes per prompt (the group size G)"})
+    max_staleness: int = field(default=0, metadata={
+        "help": "K: policy versions a group's tokens may lag, else the group is sampled again; 0 = strictly on-policy. "
+                "K acts on whole groups, --loss.max_token_lag masks single tokens"})
+    partial_rollout: bool = field(default=False, metadata={
+        "help": "keep in-flight requests across a refit (rows mix versions; a group is as fresh as its newest token)"})
     in_flight: int = field(default=0, metadata={
-        "help": "prompt groups sampling or waiting at once; 0 = --train.batch_prompts x (--train.max_staleness + 1). "
-                "More keeps the engines full on long-tail rollouts; needs --train.partial_rollout"})
+        "help": "prompt groups sampling or waiting at once; 0 = --launch.batch_prompts x (--launch.max_staleness + 1)"
+                ". More keeps the engines full on long-tail rollouts; needs --launch.partial_rollout"})
+    workers: int = field(default=1, metadata={"help": "agent worker actors (each runs many episodes concurrently)"})
 
     def __post_init__(self):
-        if self.steps < 1 or self.in_flight < 0:
-            raise ValueError(f"--launch.steps {self.steps} / --launch.in_flight {self.in_flight}: "
-                             "need steps >= 1, in_flight >= 0")
+        if min(self.steps, self.batch_prompts, self.samples_per_prompt, self.workers) < 1 or \
+                min(self.in_flight, self.max_staleness) < 0:
+            raise ValueError(f"--launch.steps / batch_prompts / samples_per_prompt / workers must be >= 1, "
+                             f"--launch.in_flight / max_staleness >= 0: got {self.steps}, {self.batch_prompts}, "
+                             f"{self.samples_per_prompt}, {self.workers}, {self.in_flight}, {self.max_staleness}")
 
 
 @dataclass
@@ -142,17 +152,17 @@ def parse_args(argv: list[str] | None = None) -> dict:
 
 def check_cross_flags(cfg: dict) -> None:
     """Rules that span two files' flags; each names the flags to change."""
-    train, loss, rollout = cfg["train"], cfg["loss"], cfg["rollout"]
+    launch, train, loss, rollout = cfg["launch"], cfg["train"], cfg["loss"], cfg["rollout"]
     corrected = loss.is_level != "off"
-    if (train.max_staleness > 0 or train.partial_rollout) and not corrected:
-        raise ValueError(f"--train.max_staleness {train.max_staleness} / --train.partial_rollout with --loss.is_level "
-                         "off: stale or mixed-version tokens need an importance correction; set --loss.is_level token "
-                         "(or seq, geo)")
-    in_flight, window = cfg["launch"].in_flight, train.batch_prompts * (train.max_staleness + 1)
-    if in_flight and not (train.batch_prompts <= in_flight and (in_flight <= window or train.partial_rollout)):
-        raise ValueError(f"--launch.in_flight {in_flight}: needs >= --train.batch_prompts {train.batch_prompts}, "
-                         f"and above --train.batch_prompts x (--train.max_staleness + 1) = {window} only with "
-                         "--train.partial_rollout (without it every refit waits for all of them, and the groups they "
+    if (launch.max_staleness > 0 or launch.partial_rollout) and not corrected:
+        raise ValueError(f"--launch.max_staleness {launch.max_staleness} / --launch.partial_rollout with "
+                         "--loss.is_level off: stale or mixed-version tokens need an importance correction; set "
+                         "--loss.is_level token (or seq, geo)")
+    in_flight, window = launch.in_flight, launch.batch_prompts * (launch.max_staleness + 1)
+    if in_flight and not (launch.batch_prompts <= in_flight and (in_flight <= window or launch.partial_rollout)):
+        raise ValueError(f"--launch.in_flight {in_flight}: needs >= --launch.batch_prompts {launch.batch_prompts}, "
+                         f"and above --launch.batch_prompts x (--launch.max_staleness + 1) = {window} only with "
+                         "--launch.partial_rollout (without it every refit waits for all of them, and the groups they "
                          "finish go stale)")
     if train.routing_replay and not cfg["vllm"].return_routed_experts:
         raise ValueError("--train.routing_replay without --vllm.return_routed_experts: the engine records no "
@@ -457,13 +467,13 @@ async def run_rl(cfg: dict) -> dict:
         await refit(generator, trainer)
     worker_class = ray.remote(num_cpus=0)(AgentWorker)
     workers = [worker_class.remote(cfg["agent"], cfg["chat"], generator, launch.model)
-               for _ in range(cfg["agent"].workers)]
+               for _ in range(launch.workers)]
     await asyncio.gather(*(w.start.remote() for w in workers))
-    queue = GroupQueue(workers, rows, rollout.samples_per_prompt, trainer.data_position or {"epoch": 0, "index": 0},
-                       launch.seed, groups=(launch.steps - trainer.step) * train.batch_prompts)
+    queue = GroupQueue(workers, rows, launch.samples_per_prompt, trainer.data_position or {"epoch": 0, "index": 0},
+                       launch.seed, groups=(launch.steps - trainer.step) * launch.batch_prompts)
     log = MetricsLog(launch, {p: dataclasses.asdict(a) for p, a in cfg.items()})
     # K=0: nothing is sampled while training; with partial rollouts --launch.in_flight may keep more groups going
-    capacity = launch.in_flight or train.batch_prompts * (train.max_staleness + 1)
+    capacity = launch.in_flight or launch.batch_prompts * (launch.max_staleness + 1)
     metrics, before = {}, {}
     if cfg["eval"].every and cfg["eval"].before and trainer.step == 0:  # the baseline every later eval compares with
         baseline = await evaluate(workers, held_out, cfg["eval"].prompts)
@@ -472,22 +482,22 @@ async def run_rl(cfg: dict) -> dict:
     for step in range(trainer.step, launch.steps):
         # --- rollout: a batch of finished groups (the trainer idles while it waits)
         t0 = time.perf_counter()
-        groups = await queue.next_batch(train.batch_prompts, capacity=capacity, filter_range=data.filter_range,
-                                        min_version=trainer.version - train.max_staleness,
-                                        partial=train.partial_rollout)
+        groups = await queue.next_batch(launch.batch_prompts, capacity=capacity, filter_range=data.filter_range,
+                                        min_version=trainer.version - launch.max_staleness,
+                                        partial=launch.partial_rollout)
         segments = [s for g in groups for s in g["segments"]]
         wait_s, since_refit_s = time.perf_counter() - t0, time.perf_counter() - filled
         in_flight = len(queue.tasks) + queue.done.qsize()  # groups sampling or finished, beyond this batch
         # --- audit: every trained token is the id, log-prob and version the generator returned (else it raises)
         audit(segments)
-        metrics = rollout_metrics(segments, trainer.version, train.max_staleness)
+        metrics = rollout_metrics(segments, trainer.version, launch.max_staleness)
         metrics["rollout/group_s"] = sorted(g["seconds"] for g in groups)[len(groups) // 2]  # median launch-to-finish
         # --- train one step (in a thread: finished groups keep arriving meanwhile)
         t1 = time.perf_counter()
         metrics.update(await asyncio.to_thread(trainer.train_step, segments, data_position=queue.checkpoint_position()))
         train_s = time.perf_counter() - t1
         # --- refit: without partial rollouts, in-flight groups finish on the old weights first
-        if not train.partial_rollout:
+        if not launch.partial_rollout:
             await queue.drain()
         refit_s = await refit(generator, trainer)
         probe = None
@@ -538,13 +548,13 @@ def run_sft(cfg: dict) -> dict:
     log = MetricsLog(launch, {p: dataclasses.asdict(a) for p, a in cfg.items()})
     order, metrics = random.Random(launch.seed).sample(range(len(segments)), len(segments)), {}
     for step in range(trainer.step, launch.steps):
-        start = step * train.batch_prompts
-        batch = [segments[order[(start + i) % len(order)]] for i in range(train.batch_prompts)]
-        metrics = trainer.sft_step(batch, data_position={"index": start + train.batch_prompts})
+        start = step * launch.batch_prompts
+        batch = [segments[order[(start + i) % len(order)]] for i in range(launch.batch_prompts)]
+        metrics = trainer.sft_step(batch, data_position={"index": start + launch.batch_prompts})
         log.log(step, metrics)
     hf = os.path.join(launch.out_dir, "hf")
     trainer.export_hf(hf)
-    path = trainer.save({"index": launch.steps * train.batch_prompts}) if cfg["ckpt"].dir else None
+    path = trainer.save({"index": launch.steps * launch.batch_prompts}) if cfg["ckpt"].dir else None
     trainer.shutdown()
     return {"metrics": metrics, "checkpoint": path, "hf": hf, "out_dir": launch.out_dir}
 

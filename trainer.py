@@ -68,10 +68,6 @@ class TrainArgs:
     world_size: int = field(default=1, metadata={"help": "trainer ranks (Ray actors), one process group"})
     critic_lr: float | None = field(default=None, metadata={
         "help": "AdamW lr of the critic (a value head on a model copy); set iff --estimator.name gae"})
-    batch_prompts: int = field(default=8, metadata={"help": "prompt groups per step (for launch.py; SFT: examples)"})
-    max_staleness: int = field(default=0, metadata={"help": "policy versions a batch may lag; 0 = strictly on-policy"})
-    partial_rollout: bool = field(default=False, metadata={
-        "help": "keep in-flight requests across a refit (rows mix versions; a group is as fresh as its newest token)"})
     routing_replay: bool = field(default=False, metadata={"help": "Qwen3-MoE: forwards replay Segment.routed_experts"})
     seed: int = field(default=0, metadata={"help": "torch / python / numpy seed of every rank"})
 
@@ -92,11 +88,10 @@ class TrainArgs:
                              "betas must be in [0, 1), weight_decay >= 0")
         if self.grad_clip is not None and not self.grad_clip > 0.0:
             raise ValueError(f"--train.grad_clip {self.grad_clip}: must be > 0, or None for no clipping")
-        if (min(self.epochs, self.minibatches, self.max_tokens_per_microbatch, self.world_size, self.batch_prompts) < 1
-                or min(self.warmup_steps, self.max_staleness) < 0):
+        if min(self.epochs, self.minibatches, self.max_tokens_per_microbatch, self.world_size) < 1 or \
+                self.warmup_steps < 0:
             raise ValueError("--train.epochs, --train.minibatches, --train.max_tokens_per_microbatch, "
-                             "--train.world_size, --train.batch_prompts must be >= 1; "
-                             "--train.warmup_steps, --train.max_staleness >= 0")
+                             "--train.world_size must be >= 1; --train.warmup_steps >= 0")
 
 
 @dataclass

@@ -10,5 +10,5 @@ PY=.venv/bin/python
 [ -d "$OUT/model" ] || $PY recipes/tiny_model.py "$OUT/model" --tokenizer bpe --seed 0
 exec $PY launch.py --launch.model "$OUT/model" --launch.out_dir "$OUT" --launch.steps "${STEPS:-4}" \
   --agent.path "$AGENT" --data.path "$AGENT" \
-  --train.batch_prompts 2 --rollout.samples_per_prompt 4 --rollout.max_new_tokens 48 \
+  --launch.batch_prompts 2 --launch.samples_per_prompt 4 --rollout.max_new_tokens 48 \
   --vllm.max_model_len 1024 --train.lr 1e-3 "$@"

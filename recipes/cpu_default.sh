@@ -16,11 +16,11 @@ rm -rf "$OUT"
 SECONDS=0
 $PY recipes/tiny_model.py "$OUT/model" --tokenizer chars --alphabet $'0123456789copy \n' --hidden 128 --layers 2 --seed 0
 $PY launch.py --launch.mode sft --launch.model "$OUT/model" --launch.out_dir "$OUT/sft" --launch.steps "${SFT_STEPS:-30}" \
-  --data.path recipes/copy_agent.py --train.batch_prompts 16 --train.lr 3e-3
+  --data.path recipes/copy_agent.py --launch.batch_prompts 16 --train.lr 3e-3
 $PY launch.py --launch.model "$OUT/sft/hf" --launch.out_dir "$OUT/rl" --launch.steps "${RL_STEPS:-60}" \
   --data.path recipes/copy_agent.py --agent.path recipes/copy_agent.py \
-  --train.batch_prompts 32 --rollout.samples_per_prompt 8 --rollout.max_new_tokens 8 --rollout.temperature 1.0 \
-  --train.lr 1e-3 --train.max_staleness 1 --loss.is_level token --loss.entropy_coef 0.0 \
+  --launch.batch_prompts 32 --launch.samples_per_prompt 8 --rollout.max_new_tokens 8 --rollout.temperature 1.0 \
+  --train.lr 1e-3 --launch.max_staleness 1 --loss.is_level token --loss.entropy_coef 0.0 \
   --vllm.max_model_len 64 --eval.every 10 --eval.prompts 100 --ckpt.dir "$OUT/rl/ckpt" "$@"
 $PY - "$OUT/rl/metrics.jsonl" <<'PY'
 import json, sys

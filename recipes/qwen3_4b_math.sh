@@ -14,6 +14,6 @@ exec python launch.py --launch.model "$MODEL" --launch.out_dir runs/qwen3_4b_mat
   --agent.path recipes/math_agent.py --data.path "$DATA" --agent.max_context 4096 \
   --vllm.dtype bfloat16 --vllm.max_model_len 4096 --vllm.gpu_memory_utilization 0.35 --no-vllm.enforce_eager --launch.colocate \
   --fsdp.param_dtype bfloat16 --fsdp.gradient_checkpointing --train.max_tokens_per_microbatch 16384 \
-  --train.batch_prompts 32 --rollout.samples_per_prompt 8 --rollout.max_new_tokens 2048 \
-  --train.lr 1e-6 --train.max_staleness 1 --loss.is_level token --loss.is_mode trunc \
+  --launch.batch_prompts 32 --launch.samples_per_prompt 8 --rollout.max_new_tokens 2048 \
+  --train.lr 1e-6 --launch.max_staleness 1 --loss.is_level token --loss.is_mode trunc \
   --data.filter_range 0.01 0.99 --eval.every 20 --ckpt.dir runs/qwen3_4b_math/ckpt --ckpt.every 50 "$@"

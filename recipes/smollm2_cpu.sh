@@ -13,7 +13,7 @@ SECONDS=0
 MODEL=$($PY recipes/smollm2.py)
 $PY launch.py --launch.model "$MODEL" --launch.out_dir "$OUT" --launch.steps "${STEPS:-20}" \
   --data.path recipes/compare_agent.py --agent.path recipes/compare_agent.py \
-  --train.batch_prompts 8 --rollout.samples_per_prompt 4 --rollout.max_new_tokens 16 --rollout.temperature 0.7 \
+  --launch.batch_prompts 8 --launch.samples_per_prompt 4 --rollout.max_new_tokens 16 --rollout.temperature 0.7 \
   --train.lr "${LR:-3e-5}" --vllm.max_model_len 256 --agent.max_context 256 --vllm.kv_cache_gb 0.5 \
   --eval.every 10 --eval.prompts 100 "$@"
 $PY - "$OUT/metrics.jsonl" <<'PY'

@@ -28,11 +28,11 @@ built locally. Each section measures ours and its baseline side by side in one r
              (batch reward, held-out accuracy on 200 test pairs before and every 5 steps), and the loop's tokens/s
              vs the bound 1/(1/gen + 1/train), gen = a raw vLLM AsyncLLM sampling the same prompts with the same
              settings after the loop (same engine arguments), train = the loop's training tokens/s. Target >= 0.9x.
-  smollm2_k1 the same at K=1 (--train.max_staleness 1, token-level IS): the next batch samples while the
+  smollm2_k1 the same at K=1 (--launch.max_staleness 1, token-level IS): the next batch samples while the
              trainer steps, on the same GPU.
   longtail   partial rollouts vs draining: the loop at K=1 on one GPU shared, a ChatAgent asking for lognormal
              completion lengths (recipes/longtail_agent.py: median 256, capped at 8,192), with and without
-             --train.partial_rollout: loop tokens/s, the engine's tokens/s and idle share. Target >= 1.3x.
+             --launch.partial_rollout: loop tokens/s, the engine's tokens/s and idle share. Target >= 1.3x.
   moe        the loop (K=0, one GPU shared) on a random Qwen3-MoE (32 experts, top-4, 8 layers), routing
              recorded: the trainer routing live vs --train.routing_replay: tokens/s and mismatch.
 Peak memory: trainer (torch max allocated) and engine (GPU memory taken by its start) are reported.
@@ -275,8 +275,8 @@ def bench_loop(model: str, section: str, *extra: str, steps: int = 6) -> dict:
     import launch
     out_dir = os.path.join(ROOT, "runs", f"bench_{section}")
     argv = ["--launch.model", model, "--launch.out_dir", out_dir, "--launch.steps", str(steps),
-            "--agent.path", COPY, "--data.path", COPY, "--train.batch_prompts", "32",
-            "--rollout.samples_per_prompt", "8", "--rollout.max_new_tokens", "256", "--vllm.max_model_len", "512",
+            "--agent.path", COPY, "--data.path", COPY, "--launch.batch_prompts", "32",
+            "--launch.samples_per_prompt", "8", "--rollout.max_new_tokens", "256", "--vllm.max_model_len", "512",
             "--vllm.gpu_memory_utilization", "0.3", "--no-vllm.enforce_eager", "--fsdp.param_dtype", "bfloat16",
             "--train.max_tokens_per_microbatch", "8192", "--train.lr", "1e-6", *extra]
     asyncio.run(launch.run_rl(launch.parse_args(argv)))
@@ -297,7 +297,7 @@ def bench_loop(model: str, section: str, *extra: str, steps: int = 6) -> dict:
 
 # --- a real model: the learning curve and the loop against its synchronous bound
 
-SMOLLM2_LOOP = ("--train.batch_prompts", "128", "--rollout.samples_per_prompt", "8", "--rollout.max_new_tokens", "64",
+SMOLLM2_LOOP = ("--launch.batch_prompts", "128", "--launch.samples_per_prompt", "8", "--rollout.max_new_tokens", "64",
                 "--rollout.temperature", "0.7", "--vllm.max_model_len", "512", "--agent.max_context", "512",
                 "--vllm.max_num_seqs", "1024")  # one wave for the 1,024 requests of a step, in the loop and raw
 
@@ -334,7 +334,7 @@ def bench_smollm2(steps: int = 20, lr: str = "2e-5", k: int = 0) -> dict:
     from transformers import AutoTokenizer
     model, agent = smollm2_dir(), os.path.join(ROOT, "recipes", "compare_agent.py")
     out_dir = os.path.join(ROOT, "runs", f"bench_smollm2_k{k}")
-    async_ = ("--train.max_staleness", str(k), "--loss.is_level", "token") if k else ()
+    async_ = ("--launch.max_staleness", str(k), "--loss.is_level", "token") if k else ()
     argv = ["--launch.model", model, "--launch.out_dir", out_dir, "--launch.steps", str(steps), "--agent.path", agent,
             "--data.path", agent, *SMOLLM2_LOOP, "--train.lr", lr, "--eval.every", "10", "--eval.prompts", "200",
             "--vllm.gpu_memory_utilization", "0.3", "--no-vllm.enforce_eager", "--fsdp.param_dtype", "bfloat16",
@@ -353,7 +353,7 @@ def bench_smollm2(steps: int = 20, lr: str = "2e-5", k: int = 0) -> dict:
     tokens = total("rollout/action_tokens")
     tok = AutoTokenizer.from_pretrained(model)
     prompts = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
-                                       return_dict=False) for r in rows("train")[:cfg["train"].batch_prompts]]
+                                       return_dict=False) for r in rows("train")[:cfg["launch"].batch_prompts]]
     gen = asyncio.run(raw_vllm_rate(model, prompts, 8, cfg["vllm"], cfg["rollout"]))
     train, loop = tokens / total("launch/train_s"), tokens / total("launch/step_s")
     bound = 1 / (1 / gen + 1 / train)
@@ -375,18 +375,18 @@ def bench_smollm2(steps: int = 20, lr: str = "2e-5", k: int = 0) -> dict:
 
 def bench_longtail(model: str, steps: int = 8) -> dict:
     """The loop at K=1 on one H200 shared by engine and trainer, lengths from recipes/longtail_agent.py
-    (lognormal, median 256, capped at 8,192), with and without --train.partial_rollout. Draining waits at
+    (lognormal, median 256, capped at 8,192), with and without --launch.partial_rollout. Draining waits at
     every refit for the longest request in flight; partial rollouts refit at once and keep it running."""
     import launch
     agent, res = os.path.join(ROOT, "recipes", "longtail_agent.py"), {}
     # draining at its best window (more groups would only lengthen each drain); partial rollouts with four
     # batches' worth of groups in flight: a long episode keeps sampling across refits and never goes stale
-    for mode, extra in (("drain", ()), ("partial", ("--train.partial_rollout", "--launch.in_flight", "48"))):
+    for mode, extra in (("drain", ()), ("partial", ("--launch.partial_rollout", "--launch.in_flight", "48"))):
         out_dir = os.path.join(ROOT, "runs", f"bench_longtail_{mode}")
         argv = ["--launch.model", model, "--launch.out_dir", out_dir, "--launch.steps", str(steps),
-                "--agent.path", agent, "--data.path", agent, "--train.batch_prompts", "16",
-                "--rollout.samples_per_prompt", "8", "--rollout.max_new_tokens", "8192", "--vllm.max_model_len", "8448",
-                "--train.max_staleness", "1", "--loss.is_level", "token", "--launch.colocate", "--train.lr", "1e-6",
+                "--agent.path", agent, "--data.path", agent, "--launch.batch_prompts", "16",
+                "--launch.samples_per_prompt", "8", "--rollout.max_new_tokens", "8192", "--vllm.max_model_len", "8448",
+                "--launch.max_staleness", "1", "--loss.is_level", "token", "--launch.colocate", "--train.lr", "1e-6",
                 "--vllm.gpu_memory_utilization", "0.3", "--no-vllm.enforce_eager", "--fsdp.param_dtype", "bfloat16",
                 "--train.max_tokens_per_microbatch", "16384", "--no-fsdp.compile_logprobs", *extra]
         asyncio.run(launch.run_rl(launch.parse_args(argv)))
@@ -464,7 +464,7 @@ def main() -> None:
             if torch.cuda.device_count() < 2:
                 report("loop2", skipped="needs two GPUs")
                 continue
-            m = bench_loop(model, "loop2", "--train.max_staleness", "1", "--loss.is_level", "token")
+            m = bench_loop(model, "loop2", "--launch.max_staleness", "1", "--loss.is_level", "token")
             alone, at = earlier("generator", "raw_vllm_tokens_per_s")
             report("loop2", **m, vllm_alone_tokens_per_s=alone, vllm_alone_measured_at=at,
                    ratio=m["loop_tokens_per_s"] / alone if alone else None, target=0.85)

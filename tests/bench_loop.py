@@ -25,7 +25,7 @@ COPY = os.path.join(HERE, "..", "recipes", "copy_agent.py")
 
 def rl_flags(model: str, out: str, steps: int, *extra: str) -> list[str]:
     return ["--launch.model", model, "--launch.out_dir", out, "--launch.steps", str(steps), "--agent.path", COPY,
-            "--data.path", COPY, "--train.batch_prompts", "32", "--rollout.samples_per_prompt", "8",
+            "--data.path", COPY, "--launch.batch_prompts", "32", "--launch.samples_per_prompt", "8",
             "--rollout.max_new_tokens", "8", "--vllm.max_model_len", "64", "--train.lr", "3e-3", *extra]
 
 
@@ -35,11 +35,11 @@ def main() -> int:
     ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     sft = launch.run_sft(launch.parse_args(["--launch.mode", "sft", "--launch.model", model, "--launch.out_dir",
                                             os.path.join(root, "sft"), "--launch.steps", "30", "--data.path", COPY,
-                                            "--train.batch_prompts", "16", "--train.lr", "3e-3"]))
+                                            "--launch.batch_prompts", "16", "--train.lr", "3e-3"]))
     sync = asyncio.run(launch.run_rl(launch.parse_args(rl_flags(sft["hf"], os.path.join(root, "k0"), 12))))
     rows0 = read_rows(sync["out_dir"])[2:]  # the first steps include warm-up
     k1 = asyncio.run(launch.run_rl(launch.parse_args(rl_flags(sft["hf"], os.path.join(root, "k1"), 40,
-                                                              "--train.max_staleness", "1",
+                                                              "--launch.max_staleness", "1",
                                                               "--loss.is_level", "token"))))
     rows1 = read_rows(k1["out_dir"])
     ray.shutdown()

@@ -124,7 +124,6 @@ def test_agent_file_without_make_agent_is_refused_naming_the_flag(tmp_path):
 
 
 def test_agent_args_refuse_bad_values_naming_the_flag():
-    for kwargs, flag in (({"max_turns": 0}, "--agent.max_turns"), ({"workers": 0}, "--agent.workers"),
-                         ({"max_context": 4}, "--agent.max_context")):
+    for kwargs, flag in (({"max_turns": 0}, "--agent.max_turns"), ({"max_context": 4}, "--agent.max_context")):
         with pytest.raises(ValueError, match=flag):
             AgentArgs(**kwargs)

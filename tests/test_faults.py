@@ -153,7 +153,7 @@ def kill_tree(proc: subprocess.Popen) -> None:
 
 def loop_flags(model: str, out: str, agent: str, *extra: str) -> list[str]:
     return ["--launch.model", model, "--launch.out_dir", out, "--agent.path", agent, "--data.path", agent,
-            "--train.batch_prompts", "2", "--rollout.samples_per_prompt", "2", "--rollout.max_new_tokens", "4",
+            "--launch.batch_prompts", "2", "--launch.samples_per_prompt", "2", "--rollout.max_new_tokens", "4",
             "--vllm.max_model_len", "64", "--train.lr", "1e-3", "--agent.max_turns", "2", *extra]
 
 
@@ -167,9 +167,9 @@ def test_kill_9_mid_step_then_resume_trains_every_prompt_exactly_once(copy_model
     kill_at = random.Random(seed).randint(1, steps - 2)  # killed while step kill_at trains, before its checkpoint
     out, ckpt = str(tmp_path / "run"), str(tmp_path / "ckpt")
     agent = write(tmp_path / "slow.py", SLOW_ENV)
-    argv = loop_flags(copy_model, out, agent, "--launch.steps", str(steps), "--train.max_staleness", "1",
+    argv = loop_flags(copy_model, out, agent, "--launch.steps", str(steps), "--launch.max_staleness", "1",
                       "--loss.is_level", "token", "--ckpt.dir", ckpt, "--ckpt.every", "1",
-                      *(["--train.partial_rollout"] if partial else []))
+                      *(["--launch.partial_rollout"] if partial else []))
     proc, trained = start(tmp_path, argv)
     before = []
     for line in trained:  # a "groups" line is written as a step starts training
@@ -228,8 +228,8 @@ def test_soak_resident_memory_of_every_process_stays_flat(tiny_model, tmp_path):
     agent = os.path.join(ROOT, "recipes", "calc_openai_agent.py")  # the stock openai SDK over loopback
     proc, lines = start(tmp_path, ["--launch.model", tiny_model, "--launch.out_dir", str(tmp_path / "run"),
                                    "--agent.path", agent, "--data.path", agent, "--launch.steps", str(steps),
-                                   "--train.batch_prompts", "2", "--rollout.samples_per_prompt", "4",
-                                   "--vllm.max_model_len", "1024", "--train.max_staleness", "1",
+                                   "--launch.batch_prompts", "2", "--launch.samples_per_prompt", "4",
+                                   "--vllm.max_model_len", "1024", "--launch.max_staleness", "1",
                                    "--loss.is_level", "token", "--train.lr", "1e-3"])
     assert proc.wait(timeout=900) == 0, output(tmp_path)
     rss = [r["rss"] for r in map(json.loads, lines) if "rss" in r]

@@ -265,7 +265,7 @@ def test_fsdp2_on_two_gpus_takes_the_one_gpu_step(gpu_model, ray_local):
 
 def loop(model: str, out: str, *extra: str) -> dict:
     argv = ["--launch.model", model, "--launch.out_dir", out, "--launch.steps", "4", "--agent.path", COPY,
-            "--data.path", COPY, "--train.batch_prompts", "8", "--rollout.samples_per_prompt", "4",
+            "--data.path", COPY, "--launch.batch_prompts", "8", "--launch.samples_per_prompt", "4",
             "--rollout.max_new_tokens", "8", "--vllm.max_model_len", "128", "--vllm.gpu_memory_utilization", "0.3",
             "--fsdp.param_dtype", "bfloat16", *extra]
     return run(launch.run_rl(launch.parse_args(argv)))
@@ -276,7 +276,7 @@ def check_loop(out: dict, steps: int = 4) -> None:
     rows = [json.loads(line) for line in open(os.path.join(out["out_dir"], "metrics.jsonl"))]
     kl = [r["loss/mismatch_abs"] for r in rows]
     print("mismatch_abs per step", kl, "k3", [r["loss/mismatch_k3"] for r in rows])
-    assert len(rows) == steps and all(r["audit/token_mismatch"] == 0 for r in rows)
+    assert len(rows) == steps  # the audit ran every step: it raises on a changed token
     assert [r["generator/version"] for r in rows] == list(range(1, steps + 1))
     assert max(kl) < 0.02  # lr 0: the same weights every step, so the mismatch stays at bf16 noise
 
@@ -287,7 +287,7 @@ def test_loop_colocated_on_one_gpu_with_lr_0_keeps_mismatch_flat(gpu_model, ray_
 
 @TWO_GPUS
 def test_loop_on_two_gpus_refits_over_nccl(gpu_model, ray_local, tmp_path):
-    check_loop(loop(gpu_model, str(tmp_path), "--train.lr", "0", "--train.max_staleness", "1",
+    check_loop(loop(gpu_model, str(tmp_path), "--train.lr", "0", "--launch.max_staleness", "1",
                     "--loss.is_level", "token"))
 
 

@@ -78,7 +78,7 @@ def copy_model(tmp_path_factory) -> str:
 
 def flags(model: str, out: str, agent: str, *extra: str) -> list[str]:
     return ["--launch.model", model, "--launch.out_dir", out, "--launch.steps", "2", "--agent.path", agent,
-            "--data.path", agent, "--train.batch_prompts", "2", "--rollout.samples_per_prompt", "2",
+            "--data.path", agent, "--launch.batch_prompts", "2", "--launch.samples_per_prompt", "2",
             "--rollout.max_new_tokens", "4", "--vllm.max_model_len", "64", "--train.lr", "1e-3", *extra]
 
 
@@ -114,20 +114,21 @@ def test_help_lists_every_flag_with_default():
 
 
 def test_async_without_importance_correction_is_refused(capsys):
-    for extra in (["--train.max_staleness", "1"], ["--train.partial_rollout"]):
+    for extra in (["--launch.max_staleness", "1"], ["--launch.partial_rollout"]):
         with pytest.raises(SystemExit):
             launch.parse_args(["--launch.model", "m", *extra])
         err = capsys.readouterr().err
-        assert "--loss.is_level" in err and ("--train.max_staleness" in err or "--train.partial_rollout" in err)
+        assert "--loss.is_level" in err and ("--launch.max_staleness" in err or "--launch.partial_rollout" in err)
 
 
 def test_bad_flag_values_are_refused_naming_the_flag(capsys):
     for argv, named in ((["--estimator.gamma", "2"], "--estimator.gamma"),
                         (["--rollout.top_p", "0.9", "--loss.is_level", "token"], "top_p"),
                         (["--launch.steps", "0"], "--launch.steps"), ([], "--launch.model"),
-                        (["--launch.in_flight", "1", "--train.batch_prompts", "2"], "--launch.in_flight"),
-                        (["--launch.in_flight", "9", "--train.batch_prompts", "2", "--train.max_staleness", "1",
-                          "--loss.is_level", "token"], "--train.partial_rollout"),
+                        (["--launch.workers", "0"], "--launch.workers"),
+                        (["--launch.in_flight", "1", "--launch.batch_prompts", "2"], "--launch.in_flight"),
+                        (["--launch.in_flight", "9", "--launch.batch_prompts", "2", "--launch.max_staleness", "1",
+                          "--loss.is_level", "token"], "--launch.partial_rollout"),
                         (["--train.routing_replay"], "--vllm.return_routed_experts")):
         with pytest.raises(SystemExit):
             launch.parse_args((["--launch.model", "m"] if named != "--launch.model" else []) + argv)
@@ -182,7 +183,7 @@ def test_async_loop_with_partial_rollouts_records_mixed_versions_and_corrects_th
     out = str(tmp_path / "async")
     agent = write_agent(tmp_path, TWO_TURN_ENV.replace("METRICS", repr(os.path.join(out, "metrics.jsonl"))),
                         "two_turns.py")
-    run(flags(copy_model, out, agent, "--launch.steps", "4", "--train.max_staleness", "1", "--train.partial_rollout",
+    run(flags(copy_model, out, agent, "--launch.steps", "4", "--launch.max_staleness", "1", "--launch.partial_rollout",
               "--loss.is_level", "token", "--agent.max_turns", "2", "--launch.in_flight", "6"))
     rows = read_metrics(out)
     # 4 steps of 2 groups train 8, and --launch.in_flight 6 launches 6 at once (K=1 alone would launch 2 x 2 = 4),
@@ -309,7 +310,7 @@ def test_cpu_default_recipe_runs_sft_then_rl(tmp_path):
 
 def test_smollm2_recipe_evaluates_the_real_model_before_and_after_rl(tmp_path):
     out = str(tmp_path / "smollm2")
-    printed = run_recipe("smollm2_cpu.sh", out, "--train.batch_prompts", "2", "--eval.prompts", "4",
+    printed = run_recipe("smollm2_cpu.sh", out, "--launch.batch_prompts", "2", "--eval.prompts", "4",
                          "--eval.every", "1", STEPS="1")
     (row,) = read_metrics(out)
     assert row["rollout/episodes"] == 8.0  # 2 prompts x 4 samples
