@@ -33,7 +33,7 @@ from chat_server import ChatArgs
 from estimators import EstimatorArgs
 from generator import Generator, RolloutArgs, Segment, VllmArgs
 from losses import LossArgs, mismatch_metrics
-from trainer import CkptArgs, FsdpArgs, TrainArgs, TrainerGroup, checkpoint_dirs, sft_batch
+from trainer import CkptArgs, FsdpArgs, TrainArgs, TrainerGroup, sft_batch
 
 
 @dataclass
@@ -527,9 +527,7 @@ async def run_rl(cfg: dict) -> dict:
                         **{f"rollout/dropped_{k}": float(v) for k, v in queue.counts.items()}, **counters})
         log.log(step, metrics)
     log.plot(os.path.join(launch.out_dir, "reward.png"))
-    ckpt = cfg["ckpt"]
-    saved = ckpt.every and trainer.step % ckpt.every == 0  # train_step already wrote this step's checkpoint
-    path = (checkpoint_dirs(ckpt.dir)[-1] if saved else trainer.save(queue.checkpoint_position())) if ckpt.dir else None
+    path = trainer.save(queue.checkpoint_position()) if cfg["ckpt"].dir else None  # the last step's, if not yet written
     await queue.drain()
     for w in workers:
         await w.stop.remote()

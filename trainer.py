@@ -318,18 +318,19 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None) -> float:
     return total
 
 
+EXTREMES = {"estimator/adv_max": max, "estimator/adv_min": min, "loss/mismatch_max_abs": max, "train/peak_gib": max}
+
+
 def merge_metrics(records: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
-    """Weighted mean of each key over (weight, metrics) records from every rank; keys naming a max or a min
-    take the max or min. A weight is a record's action tokens (1 for per-step records)."""
+    """Weighted mean of each key over (weight, metrics) records from every rank, except the EXTREMES, which take
+    their max or min. A weight is a record's action tokens (1 for per-step records)."""
     out, weights = {}, {}
     for weight, metrics in records:
         if weight <= 0:
             continue
         for key, value in metrics.items():
-            if key.endswith("_max") or "max_" in key:
-                out[key] = max(out.get(key, -math.inf), value)
-            elif key.endswith("_min"):
-                out[key] = min(out.get(key, math.inf), value)
+            if key in EXTREMES:
+                out[key] = EXTREMES[key](out.get(key, value), value)
             else:
                 out[key] = out.get(key, 0.0) + weight * value
                 weights[key] = weights.get(key, 0.0) + weight
@@ -877,13 +878,14 @@ class TrainerGroup:
             for a in self.actors:
                 ray.kill(a)
             raise
-        self.step, self.version, self.data_position = 0, 0, None
+        self.step, self.version, self.data_position, self.saved = 0, 0, None, (-1, None)
         if ckpt.resume:
             found = checkpoint_dirs(ckpt.dir)
             if not found:
                 raise ValueError(f"--ckpt.resume: no complete checkpoint under --ckpt.dir {ckpt.dir}; "
                                  "drop --ckpt.resume to start fresh")
             self.data_position = self.load(found[-1])
+            self.saved = (self.step, found[-1])
 
     def call(self, method: str, *args) -> list:
         """method(*args) on every rank, their results in rank order. A dead rank raises at once, naming it: the
@@ -949,12 +951,15 @@ class TrainerGroup:
         self.call("write_hf", path)
 
     def save(self, data_position: dict | None = None) -> str:
-        """Checkpoint now under --ckpt.dir; returns the step_NNNNNN directory."""
+        """Checkpoint now under --ckpt.dir, unless this step's is written already (--ckpt.every); returns the
+        step_NNNNNN directory."""
         if self.ckpt.dir is None:
             raise ValueError("save: --ckpt.dir is not set")
         if self.version == 0:  # and get_state_dict would initialise AdamW's state with a step of lr 0
             raise ValueError("save: nothing trained yet; the model directory itself is that checkpoint")
-        return self.call("save", self.ckpt.dir, data_position)[0]
+        if self.saved[0] != self.step:
+            self.saved = (self.step, self.call("save", self.ckpt.dir, data_position)[0])
+        return self.saved[1]
 
     def load(self, path: str) -> dict | None:
         """Restore every rank from a checkpoint directory; returns the data position saved with it."""

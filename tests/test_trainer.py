@@ -358,3 +358,13 @@ def test_bad_batches_are_refused_naming_the_segment(ws1, ws1_after_one_step):
         ws1.train_step(make_segments(ws1.version - 1))
     with pytest.raises(ValueError, match="newer"):
         ws1.train_step(make_segments(ws1.version + 1))
+
+
+def test_rank_metrics_merge_as_token_weighted_means_except_the_named_extremes():
+    from trainer import merge_metrics
+    records = [(2.0, {"loss/pg": 1.0, "estimator/adv_max": 3.0, "train/peak_gib": 1.5, "loss/mismatch_max_abs": 0.5}),
+               (1.0, {"loss/pg": 4.0, "estimator/adv_max": 5.0, "train/peak_gib": 2.5, "loss/mismatch_max_abs": 0.25}),
+               (0.0, {"loss/pg": 100.0})]  # a rank with no action tokens carries no weight
+    # loss/pg: (2 x 1 + 1 x 4) / 3 = 2; the extremes: max(3, 5), max(1.5, 2.5) (a mean would give 1.83), max(0.5, 0.25)
+    assert merge_metrics(records) == {"loss/pg": 2.0, "estimator/adv_max": 5.0, "train/peak_gib": 2.5,
+                                      "loss/mismatch_max_abs": 0.5}
