@@ -527,7 +527,7 @@ async def run_rl(cfg: dict) -> dict:
                         **{f"rollout/dropped_{k}": float(v) for k, v in queue.counts.items()}, **counters})
         log.log(step, metrics)
     log.plot(os.path.join(launch.out_dir, "reward.png"))
-    path = trainer.save(queue.checkpoint_position()) if cfg["ckpt"].dir else None  # the last step's, if not yet written
+    path = trainer.final_checkpoint(queue.checkpoint_position()) if cfg["ckpt"].dir else None
     await queue.drain()
     for w in workers:
         await w.stop.remote()

@@ -951,15 +951,17 @@ class TrainerGroup:
         self.call("write_hf", path)
 
     def save(self, data_position: dict | None = None) -> str:
-        """Checkpoint now under --ckpt.dir, unless this step's is written already (--ckpt.every); returns the
-        step_NNNNNN directory."""
+        """Checkpoint now under --ckpt.dir; returns the step_NNNNNN directory."""
         if self.ckpt.dir is None:
             raise ValueError("save: --ckpt.dir is not set")
         if self.version == 0:  # and get_state_dict would initialise AdamW's state with a step of lr 0
             raise ValueError("save: nothing trained yet; the model directory itself is that checkpoint")
-        if self.saved[0] != self.step:
-            self.saved = (self.step, self.call("save", self.ckpt.dir, data_position)[0])
+        self.saved = (self.step, self.call("save", self.ckpt.dir, data_position)[0])
         return self.saved[1]
+
+    def final_checkpoint(self, data_position: dict | None) -> str:
+        """This step's checkpoint at the end of a run: the one --ckpt.every already wrote, else a new one."""
+        return self.saved[1] if self.saved[0] == self.step else self.save(data_position)
 
     def load(self, path: str) -> dict | None:
         """Restore every rank from a checkpoint directory; returns the data position saved with it."""

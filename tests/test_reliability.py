@@ -180,7 +180,7 @@ def kill_inside_save(group, fifo: str, data_position: dict) -> None:
     def save():
         try:
             outcome.append(group.save(data_position))
-        except ray.exceptions.RayActorError as e:
+        except RuntimeError as e:  # TrainerGroup.call: "trainer rank N died in save"
             outcome.append(e)
         finally:
             os.write(signals, b"returned\n")  # wakes the reader if the save never reached the armed call
@@ -191,7 +191,7 @@ def kill_inside_save(group, fifo: str, data_position: dict) -> None:
     os.kill(int(pid), signal.SIGKILL)
     saving.join()
     os.close(signals)
-    assert isinstance(outcome[0], ray.exceptions.RayActorError)
+    assert isinstance(outcome[0], RuntimeError) and "died in save" in str(outcome[0]), outcome
 
 
 @pytest.mark.parametrize("same_step", [False, True], ids=["mid_write", "mid_replace"])
