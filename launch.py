@@ -259,6 +259,7 @@ class GroupQueue:
         self.reissue = [tuple(p) for p in position.get("pending", [])]  # (epoch, index): sampled again, fresh
         self.to_launch = groups - len(self.reissue)  # new positions still needed: no group is sampled in vain
         self.pending: dict[str, tuple] = {}  # group id -> (epoch, index): launched, not yet trained or dropped
+        self.order: tuple[int, list[int]] = (-1, [])  # (epoch, its row order)
         self.tasks, self.done, self.launched, self.kept, self.failed = set(), asyncio.Queue(), 0, 0, 0
         self.counts = {"agent_error": 0, "timeout": 0, "tainted": 0, "filtered": 0, "stale": 0}
         self.errors: list[str] = []
@@ -279,12 +280,14 @@ class GroupQueue:
         if not self.tasks:  # engines were idle since the last group finished
             self.engine_idle_s += time.perf_counter() - self.idle_since
         epoch, index = self.next_position()
-        order = list(range(len(self.rows)))
-        random.Random(self.seed + epoch).shuffle(order)
+        if self.order[0] != epoch:  # the epoch's seeded order, shuffled once per epoch, not once per group
+            order = list(range(len(self.rows)))
+            random.Random(self.seed + epoch).shuffle(order)
+            self.order = (epoch, order)
         group_id = f"e{epoch}i{index}"
         self.pending[group_id] = (epoch, index)
         worker = self.workers[self.launched % len(self.workers)]
-        task = asyncio.create_task(self.run(worker, self.rows[order[index - 1]], group_id))
+        task = asyncio.create_task(self.run(worker, self.rows[self.order[1][index - 1]], group_id))
         self.tasks.add(task)
         self.launched += 1
 
