@@ -10,9 +10,12 @@ EXTEND / RETRY / REWRITE / UNRELATED against the episode's open segments (README
 appends the stored sampled ids, a bridge and the delta tokens of the new messages (mask 0), never a re-render ->
 one section per wire format (parser, reply, stream, errors) -> HTTP, whose `ChatServer.parse` and `writer` are the
 only two places that switch on the protocol. Streaming is "fake": one engine call, then a protocol-exact SSE
-sequence. Not here: sampling settings (the generator's --rollout.*; client values are ignored and counted),
-stateful Responses (previous_response_id), non-text content (400), admin HTTP routes (the trainer calls
-open_episode / close_episode in process)."""
+sequence. Constrained decoding (a forced tool choice, a JSON format) is sampled under vLLM's grammar mask, its turns
+marked in Segment.info["constrained"]: the masked sampler is their behaviour policy. Reasoning goes out as an opaque
+handle (a thinking block's signature, a reasoning item's encrypted_content) that maps back to its exact text. A resend
+of a request whose client left (a runner's retry, no header) joins that turn. Not here: sampling settings (the
+generator's --rollout.*; client values are ignored and counted), stateful Responses (previous_response_id), non-text
+content (400), admin HTTP routes (the trainer calls open_episode / close_episode in process)."""
 import asyncio
 import bisect
 import gc
@@ -50,7 +53,10 @@ class ChatArgs:
         "help": "completion tokens when a request sets none (OpenAI, Responses); unset: the rest of the window"})
     max_tokens_cap: int | None = field(default=None, metadata={"help": "cap on any request's max_tokens; unset: none"})
     reject_sampling_changes: bool = field(default=True, metadata={
-        "help": "400 on n>1, logit_bias, penalties, guided decoding; False: ignore them, count chat/ignored_params"})
+        "help": "400 on n>1, logit_bias, penalties; False: ignore them, count chat/ignored_params"})
+    refuse_constrained: bool = field(default=False, metadata={
+        "help": "400 on constrained decoding (tool_choice required or named, JSON formats); False: sample under the "
+                "constraint, count chat/constrained_requests, mark the turn (training it needs --loss.is_level)"})
     append_roles: tuple[str, ...] = field(default=("tool", "user"), metadata={
         "help": "roles a turn may append as delta tokens; each must pass the start-up check", "choices": APPEND_ROLES})
     check_tool_ids: bool = field(default=True, metadata={"help": "400 for a tool result answering an unknown call id"})
@@ -274,6 +280,9 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
+    constraint: tuple = (None, "")   # (vLLM structured-output fields, the request field that asked for them)
+    server_tools: int = 0            # server-side tools (web search...) the client listed: never offered
+    namespaces: tuple = ()           # Responses namespace tools: a call of ns.name goes out as {namespace, name}
     hashes: list = field(default_factory=list)   # hashes[k]: chain over (system, tools) and msgs[:k]
 
     def template_messages(self) -> list[dict]:
@@ -351,6 +360,7 @@ class Turn:
     bridge: list         # tokens that close this turn before the next delta (mask 0)
     finish: str
     sampled: list        # the ids as the generator returned them (kept apart for the token audit)
+    constrained: bool = False   # sampled under constrained decoding: the behaviour policy is the masked sampler
 
 
 @dataclass
@@ -377,6 +387,7 @@ class Pending:
     reply_id: str
     prompt_tokens: int
     future: asyncio.Future
+    gone: bool = False   # its client left before the reply: an identical resend, marked or not, joins this turn
 
 
 @dataclass
@@ -410,6 +421,7 @@ class Reply:
     calls: tuple
     pieces: list | None           # per-token text, only when the client asked for logprobs
     logprobs: list
+    handle: str = ""              # stands for the reasoning in a thinking signature / reasoning item (opaque)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -419,6 +431,7 @@ class EpisodeState:
     api_key: str
     tracks: list = field(default_factory=list)
     pending: dict = field(default_factory=dict)   # request hash -> Pending (in flight or answered)
+    handles: dict = field(default_factory=dict)   # reasoning handle we sent -> the reasoning text it stands for
     parsed: deque = field(default_factory=lambda: deque(maxlen=4))   # recent (protocol, raw messages, request)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     tainted: bool = False
@@ -430,6 +443,7 @@ def to_segment(ep: EpisodeState, t: Track) -> Segment:
                    finish_reason=t.turns[-1].finish, truncated=t.turns[-1].finish == "length", routed_experts=t.experts,
                    info={"segment": t.index, "forked_from": t.parent, "sealed_by": t.sealed_by or "close",
                          "turns": [(u.start, u.end) for u in t.turns], "tainted": ep.tainted,
+                         "constrained": [(u.start, u.end) for u in t.turns if u.constrained],
                          "sampled": sampled_record((u.sampled, t.logprobs[u.start:u.end], t.versions[u.start:u.end])
                                                    for u in t.turns)})
 
@@ -450,8 +464,9 @@ class SegmentStore:
     def plan_turn(self, ep: EpisodeState, req: ChatRequest, retries: int) -> Plan:
         """Classify a request against the episode's open segments (call under ep.lock)."""
         key, reply_id = req.hashes[-1], secrets.token_hex(12)
-        if retries > 0 and key in ep.pending:   # an SDK retry of a turn we have (or are still generating)
-            return Plan("RETRY", ep.pending[key].reply_id, [], pending=ep.pending[key], cached=True)
+        if key in ep.pending and (retries > 0 or ep.pending[key].gone):   # an SDK's retry, or a runner's resend
+            pending, ep.pending[key].gone = ep.pending[key], False   # (best-of-n requests are all still connected)
+            return Plan("RETRY", pending.reply_id, [], pending=pending, cached=True)
         scored = [(t, common_prefix(t.hashes, req.hashes)) for t in reversed(ep.tracks) if t.is_open]
         (track, L), n = max(scored, key=lambda s: s[1], default=(None, -1)), len(req.msgs)
         if track and L == len(track.msgs) < n and all(m.role in self.template.append_roles for m in req.msgs[L:]):
@@ -489,7 +504,8 @@ class SegmentStore:
         try:
             try:
                 c = await self.generator.generate(plan.prompt, max_new_tokens=plan.max_new, seed=req.seed,
-                                                  request_id=plan.reply_id, affinity=ep.id)
+                                                  request_id=plan.reply_id, affinity=ep.id,
+                                                  constraint=req.constraint[0])
             except ValueError:
                 raise   # the prompt we built broke the generator's contract: our bug
             except Exception as e:
@@ -527,7 +543,9 @@ class SegmentStore:
         calls = tuple(Call(req.call_prefix + secrets.token_hex(12), name, args) for name, args in found)
         pieces = [self.template.decode([i]) for i in ids] if req.logprobs else None
         reply = Reply(plan.reply_id, len(plan.prompt), ids, finish, stop, plan.clamped, reasoning, content, calls,
-                      pieces, logprobs)
+                      pieces, logprobs, "vb1-" + secrets.token_urlsafe(24) if reasoning else "")
+        if reasoning:
+            ep.handles[reply.handle] = reasoning
         if ep.closed:   # the trainer already took this episode's segments
             self.counts["chat/late_turns_dropped"] += 1
             return reply
@@ -555,7 +573,8 @@ class SegmentStore:
         assistant = Msg("assistant", content, reasoning, calls)
         t.msgs += req.msgs[plan.base_msgs:] + [assistant]
         t.hashes += req.hashes[plan.base_msgs + 1:] + [hash((req.hashes[-1], assistant.key()))]
-        t.turns.append(Turn(len(t.tokens) - len(ids), len(t.tokens), self.template.bridge(ids), finish, list(ids)))
+        t.turns.append(Turn(len(t.tokens) - len(ids), len(t.tokens), self.template.bridge(ids), finish, list(ids),
+                            req.constraint[0] is not None))
         if c.routed_experts is not None:   # this call saw the whole segment
             t.experts = segment_routing(c.routed_experts, len(t.tokens))
         t.stamp += 1
@@ -616,24 +635,67 @@ def parse_arguments(raw):
     return {} if raw is None else raw
 
 
-def parse_tools(body: dict, kind: str = "function", schema: str = "parameters", nested: bool = False) -> list[dict]:
-    """Client tools of `kind` (their spec under "function" when nested) as OpenAI function tools."""
-    tools = []
-    for j, t in enumerate(get(body, "tools", list) or []):
-        if not isinstance(t, dict) or t.get("type", kind) != kind:
-            raise bad(f"tools.{j}.type", f"only {kind} tools are supported (no server-side tools)")
+def parse_tools(body: dict, kind: str = "function", schema: str = "parameters", nested: bool = False,
+                tools: list | None = None) -> tuple[list[dict], int]:
+    """Client tools of `kind` (their spec under "function" when nested) as OpenAI function tools, and the count of
+    server-side tools (another type: web search, ...), which the model is never offered. A Responses "namespace"
+    tool stands for its nested function tools, each named namespace.name."""
+    out, server = [], 0
+    for j, t in enumerate(get(body, "tools", list) or [] if tools is None else tools):
+        if not isinstance(t, dict):
+            raise bad(f"tools.{j}", "expected an object")
+        if t.get("type", kind) == "namespace" and kind == "function":
+            ns = get(t, "name", str, f"tools.{j}.", required=True)
+            inner, more = parse_tools({}, tools=get(t, "tools", list, f"tools.{j}.", required=True))
+            out += [{"type": "function", "function": {**f["function"], "name": f"{ns}.{f['function']['name']}"}}
+                    for f in inner]
+            server += more
+            continue
+        if t.get("type", kind) != kind:
+            server += 1
+            continue
         fn = get(t, "function", dict, f"tools.{j}.", required=True) if nested else t
         get(fn, "name", str, f"tools.{j}.", required=True)
         spec, params = {k: fn[k] for k in ("name", "description") if k in fn}, fn.get(schema)
-        tools.append({"type": "function", "function": spec if params is None else {**spec, "parameters": params}})
-    return tools
+        out.append({"type": "function", "function": spec if params is None else {**spec, "parameters": params}})
+    return out, server
 
 
-def guided_decoding(body: dict, name: str, fmt) -> list[str]:
-    """OpenAI-style options that constrain decoding: a non-text format, a forced tool choice."""
-    tool_choice = body.get("tool_choice")
-    return [name] * (isinstance(fmt, dict) and fmt.get("type", "text") != "text") + \
-        ["tool_choice"] * (tool_choice == "required" or isinstance(tool_choice, dict))
+def constrain(tools: list, forced: str | None, fmt: dict, paths: tuple[str, str],
+              single: bool = False) -> tuple[dict | None, str]:
+    """(vLLM structured-output fields, the field that asked) for a forced tool call (forced "": any tool, `single`:
+    one call; a name: one call of that tool), in the Hermes form parse_reply reads with each tool's schema on its
+    arguments, or a JSON format."""
+    if forced is not None:
+        calls = [t["function"] for t in tools if forced in ("", t["function"]["name"])]
+        if not calls:
+            raise bad(paths[0], f"no tool named {forced!r}" if forced else "tools are required with this choice")
+        tags = [{"type": "tag", "begin": f'<tool_call>\n{{"name": {json.dumps(f["name"])}, "arguments": ',
+                 "content": {"type": "json_schema", "json_schema": f.get("parameters") or {"type": "object"},
+                             "max_whitespace_cnt": 1},
+                 "end": "}\n</tool_call>"} for f in calls]
+        tag = {"type": "structural_tag", "format": {"type": "tags_with_separator", "tags": tags, "separator": "\n",
+                                                    "at_least_one": True, "stop_after_first": single or bool(forced)}}
+        return {"structural_tag": json.dumps(tag)}, paths[0]
+    kind = fmt.get("type", "text")
+    if kind == "json_object":
+        return {"json_object": True}, paths[1]
+    if kind == "json_schema":   # OpenAI nests the schema under json_schema; Responses and Anthropic do not
+        schema = (fmt.get("json_schema") or {}).get("schema") if "json_schema" in fmt else fmt.get("schema")
+        return {"json": schema if isinstance(schema, dict) else {"type": "object"}}, paths[1]
+    if kind != "text":
+        raise bad(paths[1] + ".type", f"unsupported format {kind!r}: use text, json_object or json_schema")
+    return None, ""
+
+
+def openai_forced(choice) -> str | None:
+    """tool_choice "required" (any tool: ""), {"type": "function", "function"|"name": ...} (that one), else None."""
+    if choice == "required":
+        return ""
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        name = (choice.get("function") or {}).get("name") if "function" in choice else choice.get("name")
+        return name if isinstance(name, str) else ""
+    return None
 
 
 def sse(event: str | None, data: dict) -> str:
@@ -683,9 +745,11 @@ def parse_openai(body: dict, prior: tuple = (0, None, ())) -> ChatRequest:
         else:
             raise bad(p + "role", f"unsupported role {role!r}")
     stop = get(body, "stop", (str, list))
-    options = get(body, "stream_options", dict) or {}
-    return ChatRequest(get(body, "model", str, required=True), system, parse_tools(body, nested=True), msgs,
-                       "call_", OPENAI_TOO_LONG,
+    options, (tools, server) = get(body, "stream_options", dict) or {}, parse_tools(body, nested=True)
+    constraint = constrain(tools, openai_forced(body.get("tool_choice")), get(body, "response_format", dict) or {},
+                           ("tool_choice", "response_format"), body.get("parallel_tool_calls") is False)
+    return ChatRequest(get(body, "model", str, required=True), system, tools, msgs, "call_", OPENAI_TOO_LONG,
+                       constraint=constraint, server_tools=server,
                        max_tokens=get(body, "max_completion_tokens", int) or get(body, "max_tokens", int),
                        stop=(stop,) if isinstance(stop, str) else tuple(s for s in stop or () if isinstance(s, str)),
                        seed=get(body, "seed", int), stream=bool(get(body, "stream", bool)),
@@ -695,8 +759,7 @@ def parse_openai(body: dict, prior: tuple = (0, None, ())) -> ChatRequest:
 def openai_changes(body: dict) -> list[str]:
     """Options of this request that would change the distribution the recorded log-probs come from."""
     found = ["n"] * ((get(body, "n", int) or 1) > 1) + ["logit_bias"] * bool(get(body, "logit_bias", dict))
-    found += [k for k in ("frequency_penalty", "presence_penalty") if get(body, k, (int, float))]
-    return found + guided_decoding(body, "response_format", get(body, "response_format", dict) or {})
+    return found + [k for k in ("frequency_penalty", "presence_penalty") if get(body, k, (int, float))]
 
 
 def openai_body(req: ChatRequest, r: Reply) -> dict:
@@ -765,7 +828,9 @@ ANTHROPIC_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "re
                    503: "overloaded_error"}   # any other status: invalid_request_error
 
 
-def parse_anthropic(body: dict, counting: bool = False, prior: tuple = (0, None, ())) -> ChatRequest:
+def parse_anthropic(body: dict, counting: bool = False, prior: tuple = (0, None, ()),
+                    handles: dict = {}) -> ChatRequest:
+    """A thinking block whose signature is one of our `handles` gets the exact reasoning text it stands for."""
     system, messages, (done, _, msgs) = body.get("system"), get(body, "messages", list, required=True), prior
     system, msgs = None if system is None else text_of(system, "system"), list(msgs)
     for i in range(done, len(messages)):
@@ -790,7 +855,7 @@ def parse_anthropic(body: dict, counting: bool = False, prior: tuple = (0, None,
                 calls.append(Call(get(b, "id", str, q, required=True), get(b, "name", str, q, required=True),
                                   get(b, "input", dict, q) or {}))
             elif kind == "thinking" and role == "assistant":
-                reasoning = get(b, "thinking", str, q) or ""
+                reasoning = handles.get(b.get("signature"), get(b, "thinking", str, q) or "")
             elif kind != "redacted_thinking" or role != "assistant":
                 raise bad(q + "type", f"unsupported content block {kind!r} in a {role} message")
         if role == "assistant":
@@ -798,15 +863,15 @@ def parse_anthropic(body: dict, counting: bool = False, prior: tuple = (0, None,
         elif texts or not results:   # tool results first, then the user's own text (the template's order)
             msgs.append(Msg("user", "\n".join(texts)))
     max_tokens = None if counting else get(body, "max_tokens", int, required=True)
-    return ChatRequest(get(body, "model", str, required=True), system, parse_tools(body, "custom", "input_schema"),
-                       msgs, "toolu_", "prompt is too long: {n} tokens > {limit} maximum", max_tokens=max_tokens,
+    (tools, server), choice = parse_tools(body, "custom", "input_schema"), get(body, "tool_choice", dict) or {}
+    forced = {"any": "", "tool": choice.get("name") if isinstance(choice.get("name"), str) else ""}
+    constraint = constrain(tools, forced.get(choice.get("type")), (get(body, "output_config", dict) or {}).get(
+        "format") or {}, ("tool_choice", "output_config.format"), bool(choice.get("disable_parallel_tool_use")))
+    return ChatRequest(get(body, "model", str, required=True), system, tools, msgs, "toolu_",
+                       "prompt is too long: {n} tokens > {limit} maximum", max_tokens=max_tokens,
+                       constraint=constraint, server_tools=server,
                        stop=tuple(s for s in get(body, "stop_sequences", list) or () if isinstance(s, str)),
                        seed=get(body, "seed", int), stream=bool(get(body, "stream", bool)))
-
-
-def anthropic_changes(body: dict) -> list[str]:
-    tool_choice = body.get("tool_choice")
-    return ["tool_choice"] * (isinstance(tool_choice, dict) and tool_choice.get("type") in ("any", "tool"))
 
 
 def anthropic_stop(r: Reply) -> str:
@@ -818,7 +883,7 @@ def anthropic_stop(r: Reply) -> str:
 
 
 def anthropic_body(req: ChatRequest, r: Reply) -> dict:
-    blocks = [{"type": "thinking", "thinking": r.reasoning, "signature": ""}] if r.reasoning else []
+    blocks = [{"type": "thinking", "thinking": r.reasoning, "signature": r.handle}] if r.reasoning else []
     if r.content or not r.calls:
         blocks.append({"type": "text", "text": r.content})
     blocks += [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments} for c in r.calls]
@@ -843,15 +908,17 @@ class AnthropicWriter:
         out = []
         for i, block in enumerate(anthropic_body(self.req, r)["content"]):
             if block["type"] == "text":
-                start, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": block["text"]}
-            elif block["type"] == "thinking":
-                start, delta = {**block, "thinking": ""}, {"type": "thinking_delta", "thinking": block["thinking"]}
+                start, deltas = {"type": "text", "text": ""}, [{"type": "text_delta", "text": block["text"]}]
+            elif block["type"] == "thinking":   # the signature comes last, in its own delta, as Anthropic sends it
+                start = {**block, "thinking": "", "signature": ""}
+                deltas = [{"type": "thinking_delta", "thinking": block["thinking"]},
+                          {"type": "signature_delta", "signature": block["signature"]}]
             else:
                 start = {**block, "input": {}}
-                delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}
-            out += [sse("content_block_start", {"type": "content_block_start", "index": i, "content_block": start}),
-                    sse("content_block_delta", {"type": "content_block_delta", "index": i, "delta": delta}),
-                    sse("content_block_stop", {"type": "content_block_stop", "index": i})]
+                deltas = [{"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}]
+            out += [sse("content_block_start", {"type": "content_block_start", "index": i, "content_block": start})]
+            out += [sse("content_block_delta", {"type": "content_block_delta", "index": i, "delta": d}) for d in deltas]
+            out.append(sse("content_block_stop", {"type": "content_block_stop", "index": i}))
         end = {"type": "message_delta", "usage": {"output_tokens": len(r.ids)},
                "delta": {"stop_reason": anthropic_stop(r), "stop_sequence": r.stop_sequence}}
         return out + [sse("message_delta", end), sse("message_stop", {"type": "message_stop"})]
@@ -873,12 +940,13 @@ class AnthropicWriter:
 
 # --- OpenAI Responses (stateless): POST /v1/responses (and /responses)
 
-def parse_responses(body: dict) -> ChatRequest:
+def parse_responses(body: dict, handles: dict = {}) -> ChatRequest:
+    """A reasoning item whose encrypted_content is one of our `handles` restores its turn's exact reasoning."""
     if body.get("previous_response_id") is not None:
         raise bad("previous_response_id", "this server is stateless: send the whole conversation as input")
     items = body.get("input")
     items = [{"role": "user", "content": items}] if isinstance(items, str) else get(body, "input", list, required=True)
-    system, msgs = get(body, "instructions", str), []
+    system, msgs, thought = get(body, "instructions", str), [], ""   # thought: a reasoning item's, for its turn
     for i, it in enumerate(items):
         p, kind = f"input.{i}.", it.get("type", "message") if isinstance(it, dict) else None
         if kind == "message":
@@ -887,38 +955,48 @@ def parse_responses(body: dict) -> ChatRequest:
             if role in ("system", "developer") and system is None and not msgs:
                 system = text
             elif role in ("system", "developer", "user", "assistant"):
-                msgs.append(Msg("system" if role == "developer" else role, text))
+                msgs.append(Msg("system" if role == "developer" else role, text, thought * (role == "assistant")))
+                thought = "" if role == "assistant" else thought
             else:
                 raise bad(p + "role", f"unsupported role {role!r}")
-        elif kind == "function_call":
-            call = Call(get(it, "call_id", str, p, required=True), get(it, "name", str, p, required=True),
+        elif kind == "function_call":   # a namespace's tool is sent back as {namespace, name}: the model saw ns.name
+            name, ns = get(it, "name", str, p, required=True), get(it, "namespace", str, p)
+            call = Call(get(it, "call_id", str, p, required=True), f"{ns}.{name}" if ns else name,
                         parse_arguments(it.get("arguments")))
-            if msgs and msgs[-1].role == "assistant":   # one turn = [message?, function_call, ...]
+            if msgs and msgs[-1].role == "assistant" and not thought:   # a turn: [reasoning?, message?, call, ...]
                 msgs[-1] = replace(msgs[-1], calls=msgs[-1].calls + (call,))
             else:
-                msgs.append(Msg("assistant", calls=(call,)))
+                msgs.append(Msg("assistant", reasoning=thought, calls=(call,)))
+                thought = ""
         elif kind == "function_call_output":
             msgs.append(Msg("tool", text_of(it.get("output"), p + "output", ("input_text", "output_text")),
                             call_id=get(it, "call_id", str, p, required=True)))
-        elif kind != "reasoning":
+        elif kind == "reasoning":   # ours carries a handle; another server's opaque content stays opaque
+            thought = handles.get(it.get("encrypted_content"), "")
+        else:
             raise bad(p + "type", f"unsupported input item {kind!r}")
-    return ChatRequest(get(body, "model", str, required=True), system, parse_tools(body), msgs, "call_",
-                       OPENAI_TOO_LONG, max_tokens=get(body, "max_output_tokens", int), seed=get(body, "seed", int),
-                       stream=bool(get(body, "stream", bool)))
-
-
-def responses_changes(body: dict) -> list[str]:
-    return guided_decoding(body, "text.format", (get(body, "text", dict) or {}).get("format") or {})
+    tools, server = parse_tools(body)
+    constraint = constrain(tools, openai_forced(body.get("tool_choice")),
+                           (get(body, "text", dict) or {}).get("format") or {}, ("tool_choice", "text.format"),
+                           body.get("parallel_tool_calls") is False)
+    return ChatRequest(get(body, "model", str, required=True), system, tools, msgs, "call_", OPENAI_TOO_LONG,
+                       max_tokens=get(body, "max_output_tokens", int), seed=get(body, "seed", int),
+                       stream=bool(get(body, "stream", bool)), constraint=constraint, server_tools=server,
+                       namespaces=tuple(t["name"] for t in body["tools"] if t.get("type") == "namespace") if tools
+                       else ())
 
 
 def responses_body(req: ChatRequest, r: Reply | None, reply_id: str = "") -> dict:
     """The Response object (id: the reply's, else reply_id); r None gives the in-progress shell a stream opens with."""
-    output = []
+    output = [{"type": "reasoning", "id": f"rs_{r.id}", "summary": [], "encrypted_content": r.handle}] \
+        if r is not None and r.reasoning else []   # the handle, never the text: a client sends it back, we map it
     if r is not None and (r.content or not r.calls):
         output.append({"type": "message", "id": f"msg_{r.id}", "status": "completed", "role": "assistant",
                        "content": [{"type": "output_text", "text": r.content, "annotations": [], "logprobs": []}]})
-    output += [{"type": "function_call", "id": f"fc_{c.id}", "call_id": c.id, "name": c.name,
-                "arguments": arguments_json(c), "status": "completed"} for c in (r.calls if r else ())]
+    for c in r.calls if r else ():
+        ns, _, name = c.name.rpartition(".") if c.name.partition(".")[0] in req.namespaces else ("", "", c.name)
+        output.append({"type": "function_call", "id": f"fc_{c.id}", "call_id": c.id, "name": name,
+                       "arguments": arguments_json(c), "status": "completed", **({"namespace": ns} if ns else {})})
     status = "in_progress" if r is None else "incomplete" if r.finish == "length" and not r.calls else "completed"
     usage = None if r is None else {
         "input_tokens": r.prompt_tokens, "output_tokens": len(r.ids), "total_tokens": r.prompt_tokens + len(r.ids),
@@ -948,7 +1026,8 @@ class ResponsesWriter(OpenAIWriter):
         full, out = responses_body(self.req, r), []
         for i, item in enumerate(full["output"]):
             ref = {"item_id": item["id"], "output_index": i}
-            empty = {"content": []} if item["type"] == "message" else {"arguments": ""}
+            empty = {"content": []} if item["type"] == "message" else {"arguments": ""} \
+                if item["type"] == "function_call" else {}
             out.append(self.event("response.output_item.added", output_index=i,
                                   item={**item, "status": "in_progress", **empty}))
             if item["type"] == "message":
@@ -957,7 +1036,7 @@ class ResponsesWriter(OpenAIWriter):
                         self.event("response.output_text.delta", **ref, content_index=0, delta=text, logprobs=[]),
                         self.event("response.output_text.done", **ref, content_index=0, text=text, logprobs=[]),
                         self.event("response.content_part.done", **ref, content_index=0, part=part)]
-            else:
+            elif item["type"] == "function_call":
                 out += [self.event("response.function_call_arguments.delta", **ref, delta=item["arguments"]),
                         self.event("response.function_call_arguments.done", **ref, name=item["name"],
                                    arguments=item["arguments"])]
@@ -1061,12 +1140,13 @@ class ChatServer(SegmentStore):
                 prior, memo = (len(seen), old.system, old.msgs), old
                 break
         unknown = "The model '{}' does not exist"
+        handles = ep.handles if ep is not None else {}
         if protocol == "openai":
-            req, sampling = parse_openai(body, prior), openai_changes
+            req, changes = parse_openai(body, prior), openai_changes(body)
         elif protocol == "anthropic":
-            req, sampling, unknown = parse_anthropic(body, counting, prior), anthropic_changes, "model: {}"
+            req, changes, unknown = parse_anthropic(body, counting, prior, handles), [], "model: {}"
         elif protocol == "responses":   # items merge into turns across items: always parsed whole, never remembered
-            req, sampling, raw = parse_responses(body), responses_changes, None
+            req, changes, raw = parse_responses(body, handles), [], None
         else:
             raise ValueError(f"unknown protocol {protocol!r}")
         if self.args.strict_model and req.model != self.model_name:
@@ -1074,11 +1154,15 @@ class ChatServer(SegmentStore):
                            kind="invalid_request_error")
         ignored = sum(body.get(k) is not None for k in ("temperature", "top_p", "top_k"))
         self.counts["chat/ignored_sampling_params"] += ignored   # the generator's --rollout.* settings rule
-        changes = sampling(body)
         if changes and self.args.reject_sampling_changes:
             raise bad(changes[0], "changes the sampling distribution the trainer learns from; the server samples with "
                                   "the trainer's settings (--chat.reject_sampling_changes false ignores it)")
         self.counts["chat/ignored_params"] += len(changes)
+        if req.constraint[0] and self.args.refuse_constrained:
+            raise bad(req.constraint[1], "constrained decoding is refused here (--chat.refuse_constrained); "
+                                         "--chat.refuse_constrained false samples under the constraint")
+        self.counts["chat/constrained_requests"] += req.constraint[0] is not None
+        self.counts["chat/server_tools_ignored"] += req.server_tools
         if req.max_tokens is not None and req.max_tokens < 1:
             raise bad("max_tokens", "must be >= 1")
         if req.seed is not None and not -1 << 63 <= req.seed < 1 << 63:   # OpenAI's range; vLLM fails past 2**64
@@ -1176,13 +1260,26 @@ class ChatServer(SegmentStore):
         if req.stream:
             return StreamingResponse(self.stream(ep, writer(protocol)(req, plan), task, plan, start),
                                      media_type="text/event-stream", headers={"cache-control": "no-cache"})
-        response = JSONResponse(writer(protocol).body(req, await asyncio.shield(task)))
+        watch = asyncio.ensure_future(self.watch(request, plan.pending))
+        try:
+            response = JSONResponse(writer(protocol).body(req, await asyncio.shield(task)))
+        finally:
+            watch.cancel()
         self.overheads_ms.append((time.perf_counter() - start - plan.gen_s) * 1000)
         return response
 
+    @staticmethod
+    async def watch(request: Request, pending: Pending) -> None:
+        """Mark the turn when its client disconnects before the reply (the body is read: only that message is left)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        pending.gone = True
+
     async def stream(self, ep: EpisodeState, w, task: asyncio.Task, plan: Plan, start: float):
         """Headers and first frames at once, keep-alive frames while generating, then the whole turn.
-        Errors after the headers become the protocol's error event (validation ran before)."""
+        Errors after the headers become the protocol's error event (validation ran before). A client that leaves
+        before the whole turn marks it, as `watch` does."""
+        sent = False
         try:
             for frame in w.head:
                 yield frame
@@ -1190,7 +1287,8 @@ class ChatServer(SegmentStore):
                 await asyncio.wait({task}, timeout=self.args.ping_s)
                 if not task.done():
                     yield w.ping
-            for frame in w.tail(task.result()):
+            frames, sent = w.tail(task.result()), True
+            for frame in frames:
                 yield frame
             self.overheads_ms.append((time.perf_counter() - start - plan.gen_s) * 1000)
         except ApiError as e:
@@ -1198,7 +1296,8 @@ class ChatServer(SegmentStore):
             yield w.error_event(e)
         except Exception as e:
             yield w.error_event(self.taint(ep, e))
-
+        finally:
+            plan.pending.gone = plan.pending.gone or not sent
     async def count_tokens(self, request: Request, protocol: str) -> Response:
         self.attribute(request)
         req = self.parse(protocol, (await self.read_json(request))[0], counting=True)

@@ -15,7 +15,8 @@ Refit tensors carry checkpoint names and the engine's dtype (never cast), packed
 `--vllm.refit_bucket_mb` buckets, one `collective_rpc` each: bytes from a CPU trainer, a CUDA IPC buffer
 (opened once) to an engine on the trainer's GPU, an NCCL broadcast to engines on other GPUs. Unquantized
 dense weights on CUDA are copied in place; others go through vLLM's layerwise reload.
-Not here: text, tokenizers, chat templates (chat_server.py, agent.py): this file moves token ids only.
+Not here: text, chat templates (chat_server.py, agent.py): this file moves token ids only (vLLM loads the
+tokenizer only to compile constrained-decoding grammars).
 """
 import asyncio
 import json
@@ -280,6 +281,7 @@ def build_engine_args(model_path: str, vllm: VllmArgs, *, cuda: bool):
     if not cuda:  # the worker runs in the engine-core process (one spawn fewer: start-up ~2x faster) with
         # --vllm.cpu_threads threads; that process reads both variables when it starts.
         os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(vllm.cpu_threads)})
+    from vllm.config import StructuredOutputsConfig
     from vllm.engine.arg_utils import AsyncEngineArgs  # vLLM only where an engine runs: trainer.py imports this file
     spec = {"method": "mtp", "num_speculative_tokens": vllm.num_speculative_tokens}
     return AsyncEngineArgs(
@@ -292,16 +294,21 @@ def build_engine_args(model_path: str, vllm: VllmArgs, *, cuda: bool):
         speculative_config=spec if vllm.num_speculative_tokens > 0 else None,
         enable_return_routed_experts=vllm.return_routed_experts,
         logprobs_mode="processed_logprobs",   # the sampled token's log-prob after temperature
-        skip_tokenizer_init=True,             # ids in, ids out: the engine never needs text
+        # constrained decoding writes compact JSON (an unbounded run of whitespace is legal JSON, and a weak policy
+        # samples one); vLLM's default backend, xgrammar
+        structured_outputs_config=StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True),
+        # ids in, ids out, but the tokenizer loads: constrained decoding compiles its grammar over the vocabulary
         worker_extension_cls="generator.WeightLoader", disable_log_stats=True)
 
 
 def build_sampling_params(rollout: RolloutArgs, *, max_new_tokens: int | None, stop_token_ids: list[int] | None,
-                          seed: int | None, ignore_eos: bool):
-    """The one place where --rollout.* flags reach vLLM."""
+                          seed: int | None, ignore_eos: bool, constraint: dict | None = None):
+    """The one place where --rollout.* flags reach vLLM. `constraint`: vLLM StructuredOutputsParams fields (json,
+    regex, structural_tag...); the processed log-probs are then those of the masked distribution sampled from."""
     from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
     return SamplingParams(
+        structured_outputs=StructuredOutputsParams(**constraint) if constraint else None,
         temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k or 0,  # vLLM: 0 = off
         max_tokens=rollout.max_new_tokens if max_new_tokens is None else max_new_tokens,
         stop_token_ids=stop_token_ids, seed=seed, ignore_eos=ignore_eos,
@@ -585,8 +592,9 @@ class Generator:
     async def generate(self, prompt_ids: list[int], *, max_new_tokens: int | None = None,
                        stop_token_ids: list[int] | None = None, seed: int | None = None,
                        request_id: str | None = None, affinity: str | None = None,
-                       ignore_eos: bool = False) -> Completion:
-        """Sample one completion; requests sharing an affinity key (an episode id) go to one engine."""
+                       ignore_eos: bool = False, constraint: dict | None = None) -> Completion:
+        """Sample one completion; requests sharing an affinity key (an episode id) go to one engine.
+        `constraint` (constrained decoding, see build_sampling_params) makes the sampler the behaviour policy."""
         if not prompt_ids:
             raise ValueError("generate: empty prompt (at least one token id is needed)")
         # a float, str, None or bool would fail as a TypeError in `<` or in vLLM; numpy ints are sent as ints
@@ -604,7 +612,7 @@ class Generator:
             i = pick_engine(affinity, len(self._engines))
         ref = self._engines[i].generate.remote(
             [int(t) for t in prompt_ids], self.rollout, request_id or uuid.uuid4().hex, max_new_tokens=max_new_tokens,
-            stop_token_ids=stop_token_ids, seed=seed, ignore_eos=ignore_eos)
+            stop_token_ids=stop_token_ids, seed=seed, ignore_eos=ignore_eos, constraint=constraint)
         return await self._await(i, ref)
 
     # --- refit: pause, update_weights, resume

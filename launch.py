@@ -382,6 +382,7 @@ def rollout_metrics(segments: list, version: int, lag_bins: int) -> dict:
            "rollout/episodes": float(len(rewards)), "rollout/segments": float(len(segments)),
            "rollout/segments_per_episode": len(segments) / len(rewards),  # > 1: compactions, rewrites, sub-agents
            "rollout/action_tokens": float(len(lags)),
+           "rollout/constrained_tokens": float(sum(e - b for s in segments for b, e in s.info.get("constrained", ()))),
            "rollout/truncated_frac": sum(s.truncated for s in segments) / len(segments),
            "rollout/mixed_version_rows": float(sum(len({v for v in s.versions if v >= 0}) > 1 for s in segments))}
     for k in range(lag_bins + 1):  # rollout/lag_0 .. lag_K: share of action tokens sampled k versions ago
@@ -494,6 +495,11 @@ async def run_rl(cfg: dict) -> dict:
         # --- audit: every trained token is the id, log-prob and version the generator returned (else it raises)
         audit(segments)
         metrics = rollout_metrics(segments, trainer.version, launch.max_staleness)
+        if metrics["rollout/constrained_tokens"] and cfg["loss"].is_level == "off":
+            raise ValueError("an agent asked for constrained decoding (tool_choice required or named, a JSON format): "
+                             "its tokens were sampled from the masked distribution, so the trainer's log-probs are "
+                             "not the behaviour policy's; set --loss.is_level token (or seq, geo), or refuse such "
+                             "requests with --chat.refuse_constrained")
         metrics["rollout/group_s"] = sorted(g["seconds"] for g in groups)[len(groups) // 2]  # median launch-to-finish
         # --- train one step (in a thread: finished groups keep arriving meanwhile)
         t1 = time.perf_counter()

@@ -6,6 +6,8 @@ wrapped by `Recorder` so each segment can be compared id for id with what the en
 """
 import asyncio
 import json
+import threading
+import time
 
 import anthropic
 import httpx
@@ -13,8 +15,8 @@ import httpx2
 import openai
 import pytest
 
-from chat_server import (ChatArgs, ChatServer, ChatTemplate, chain_hashes, cut_at_stop, openai_body,
-                         parse_anthropic, parse_openai, parse_reply, parse_responses)
+from chat_server import (Call, ChatArgs, ChatServer, ChatTemplate, Reply, anthropic_body, chain_hashes, cut_at_stop,
+                         openai_body, parse_anthropic, parse_openai, parse_reply, parse_responses, responses_body)
 from conftest import call
 from generator import Completion, VllmArgs
 from recipes.tiny_model import CHAT_TEMPLATE
@@ -708,12 +710,13 @@ def test_every_error_row_has_exact_status_shape_and_no_retry(loop, tiny_generato
     prompt, c = recorder.of(ep.id)[-1]
     assert out.usage.output_tokens == len(c.token_ids) <= 512 - len(prompt) < 100
     assert out.stop_reason == ("end_turn" if c.finish_reason == "stop" else "model_context_window_exceeded")
-    # options that change the sampling distribution
+    # options that change the sampling distribution (constrained decoding is sampled, not refused)
     assert sdk_error(openai.BadRequestError, 400, create, model=name, messages=hi,
                      logit_bias={"5": 3}).body["param"] == "logit_bias"
     sdk_error(openai.BadRequestError, 400, create, model=name, messages=hi, n=2)
-    sdk_error(anthropic.BadRequestError, 400, message, model=name, max_tokens=4, messages=hi,
-              tools=ANTHROPIC_TOOLS, tool_choice={"type": "any"})
+    assert sdk_error(anthropic.BadRequestError, 400, message, model=name, max_tokens=4, messages=hi,
+                     tools=ANTHROPIC_TOOLS, tool_choice={"type": "tool", "name": "nope"}).body["error"]["message"] == \
+        "tool_choice: no tool named 'nope'"
     # unknown key or episode
     sdk_error(openai.AuthenticationError, 401, oai.with_options(api_key="sk-unknown").chat.completions.create,
               model=name, messages=hi)
@@ -752,3 +755,158 @@ def test_every_error_row_has_exact_status_shape_and_no_retry(loop, tiny_generato
     assert "episode closed" in e.message
     sdk_error(anthropic.BadRequestError, 400, message, model=name, max_tokens=4, messages=hi)
     call(loop, server.stop)
+
+
+# --- constrained decoding, reasoning handles, resends no header marks, Codex's request shapes
+
+def test_constrained_decoding_is_sampled_under_the_mask_and_marks_the_turn(served, loop, tiny_model):
+    """Named / any tool choices and JSON formats on all three protocols are sampled under the constraint. Masking
+    renormalises over the allowed tokens, so each recorded log-prob is >= the unconstrained model's for that token
+    (log p(a) - log Z_allowed, Z_allowed <= 1), with equality only where the mask removed nothing."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    server, recorder = served
+    ep = call(loop, server.open_episode)
+    oai = openai.OpenAI(base_url=ep.openai_base_url, api_key=ep.api_key, max_retries=0)
+    ant = anthropic.Anthropic(base_url=ep.anthropic_base_url, api_key=ep.api_key, max_retries=0)
+    before = server.counts["chat/constrained_requests"]
+    hi = [{"role": "user", "content": "add two numbers"}]
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": schema}}]
+    named = oai.chat.completions.create(model="m", messages=hi, tools=tools, max_tokens=100,   # a call: ~40 tokens
+                                        tool_choice={"type": "function", "function": {"name": "calc"}})
+    assert named.choices[0].finish_reason == "tool_calls" and named.choices[0].message.tool_calls[0].function.name \
+        == "calc"
+    anyone = ant.messages.create(model="m", max_tokens=100, messages=hi,
+                                 tools=[{"name": "calc", "input_schema": schema}],
+                                 tool_choice={"type": "any", "disable_parallel_tool_use": True})
+    assert anyone.stop_reason == "tool_use" and anyone.content[-1].name == "calc"
+    fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}
+    as_json = oai.chat.completions.create(model="m", messages=hi, max_tokens=40, response_format=fmt)
+    assert set(json.loads(as_json.choices[0].message.content)) == {"ok"}
+    out = ant.messages.create(model="m", max_tokens=40, messages=hi,
+                              extra_body={"output_config": {"format": {"type": "json_schema", "schema": schema}}})
+    assert isinstance(json.loads(out.content[0].text)["ok"], bool)
+    out = oai.responses.create(model="m", input="add", max_output_tokens=40,
+                               text={"format": {"type": "json_schema", "name": "r", "schema": schema}})
+    assert isinstance(json.loads(out.output_text)["ok"], bool)
+    assert server.counts["chat/constrained_requests"] == before + 5
+    segs = call(loop, server.close_episode, ep.id)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    gain = 0.0
+    for seg in segs:
+        [(start, end)] = seg.info["constrained"]
+        assert (start, end) == seg.info["turns"][-1]
+        with torch.no_grad():
+            logp = model(torch.tensor([seg.token_ids])).logits[0].float().log_softmax(-1)
+        free = [logp[t - 1, seg.token_ids[t]].item() for t in range(start, end)]
+        assert all(lp >= f - 1e-3 for lp, f in zip(seg.logprobs[start:end], free))
+        gain += sum(seg.logprobs[start:end]) - sum(free)
+    assert gain > 1.0   # the masks removed real probability mass
+    strict, _ = start_server(loop, recorder.generator, tiny_model, refuse_constrained=True)
+    ep = call(loop, strict.open_episode)
+    with pytest.raises(openai.BadRequestError) as e:
+        openai.OpenAI(base_url=ep.openai_base_url, api_key=ep.api_key, max_retries=0).chat.completions.create(
+            model="m", messages=hi, tools=TOOLS, tool_choice="required")
+    assert e.value.body["param"] == "tool_choice" and "--chat.refuse_constrained" in e.value.message
+    call(loop, strict.stop)
+
+
+def test_reasoning_round_trips_through_opaque_handles(tiny_model):
+    """A turn's reasoning goes out as a handle (Responses encrypted_content, Anthropic signature), never as the text
+    in the handle; sent back, the handle restores the exact reasoning, whatever text the client put beside it."""
+    server, ep = unit_server(tiny_model, ["<think>\nplan é\n</think>\n\nhi", "ok", "<think>\nsecond\n</think>\n\nyo",
+                                          "ok"])
+    state = server.episodes[ep.id]
+    body = {"model": "m", "input": [{"role": "user", "content": "go"}]}
+    req = server.parse("responses", body, state)
+    kind, r = asyncio.run(ask(server, ep.id, "responses", body))
+    output = responses_body(req, r)["output"]
+    assert output[0]["type"] == "reasoning" and output[0]["encrypted_content"] == r.handle
+    assert r.handle.startswith("vb1-") and "plan" not in json.dumps(output[0])
+    body["input"] += output + [{"role": "user", "content": "more"}]
+    assert server.parse("responses", body, state).msgs[1].reasoning == "plan é"
+    assert asyncio.run(ask(server, ep.id, "responses", body))[0] == "EXTEND"
+    body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "go"}]}
+    kind, r = asyncio.run(ask(server, ep.id, "anthropic", body))
+    thinking = anthropic_body(server.parse("anthropic", body, state), r)["content"][0]
+    assert thinking == {"type": "thinking", "thinking": "second", "signature": r.handle}
+    body["messages"] = body["messages"] + [{"role": "assistant", "content": [{**thinking, "thinking": "edited"}]},
+                                           {"role": "user", "content": "more"}]   # a fresh list, as a client sends
+    assert server.parse("anthropic", body, state).msgs[1].reasoning == "second"
+    body["messages"] = body["messages"][:1] + [{"role": "assistant", "content": [
+        {**thinking, "thinking": "edited", "signature": "another server's"}]}, body["messages"][2]]
+    assert server.parse("anthropic", body, state).msgs[1].reasoning == "edited"
+
+
+def test_codex_request_shapes_parse(tiny_model):
+    """Codex's Responses requests: developer messages, a namespace tool (its nested function tools, named
+    namespace.name), a server-side web_search tool (accepted, never offered, counted), and its extra keys."""
+    server, ep = unit_server(tiny_model)
+    fn = {"type": "function", "name": "exec_command", "description": "run", "parameters": {"type": "object"}}
+    body = {"model": "m", "instructions": "You are Codex.", "stream": True, "store": False, "parallel_tool_calls": True,
+            "include": ["reasoning.encrypted_content"], "reasoning": {"summary": "auto"}, "prompt_cache_key": "k",
+            "client_metadata": {"a": "b"}, "tool_choice": "auto",
+            "tools": [fn, {"type": "namespace", "name": "multi_agent_v1", "description": "agents",
+                           "tools": [{**fn, "name": "spawn"}, {**fn, "name": "wait"}]},
+                      {"type": "web_search", "external_web_access": False}],
+            "input": [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "perm"}]},
+                      {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "ls"}]}]}
+    req = server.parse("responses", body, server.episodes[ep.id])
+    assert [t["function"]["name"] for t in req.tools] == ["exec_command", "multi_agent_v1.spawn", "multi_agent_v1.wait"]
+    assert req.system == "You are Codex." and [(m.role, m.content) for m in req.msgs] == [("system", "perm"),
+                                                                                       ("user", "ls")]
+    assert req.constraint == (None, "") and server.counts["chat/server_tools_ignored"] == 1
+    # a call of a namespace's tool goes out as {namespace, name} (Codex refuses "ns.name") and comes back so
+    reply = Reply("r1", 9, [1], "stop", None, False, "", "", (Call("call_1", "multi_agent_v1.spawn", {"m": 1}),),
+                  None, [0.0])
+    [item] = responses_body(req, reply)["output"]
+    assert (item["namespace"], item["name"]) == ("multi_agent_v1", "spawn")
+    body["input"] += [item, {"type": "function_call_output", "call_id": "call_1", "output": "{}"}]
+    assert server.parse("responses", body, server.episodes[ep.id]).msgs[2].calls[0].name == "multi_agent_v1.spawn"
+
+
+def wait_until(condition, timeout_s: float = 60.0) -> None:
+    """Block until condition() holds (polled), failing after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def test_unmarked_resend_joins_the_turn_its_client_left_and_best_of_n_stays_separate(served, loop):
+    """openai-agents' runner-managed retry: the first attempt times out on the client while the engine still
+    works, and the runner resends the same body with no retry header. The resend joins the turn in flight: one
+    engine call, one turn, and the reply the agent finally sees is the one trained. Two identical requests whose
+    clients both stay connected (best-of-n) are two samples."""
+    server, recorder = served
+    ep = call(loop, server.open_episode)
+    body = {"model": "m", "messages": [{"role": "user", "content": "slow one"}], "max_tokens": 5}
+    release, retries = threading.Event(), server.counts["chat/requests_retry"]
+    recorder.hold = release.is_set
+    client = openai.OpenAI(base_url=ep.openai_base_url, api_key=ep.api_key, max_retries=0)
+    with pytest.raises(openai.APITimeoutError):
+        client.with_options(timeout=0.5).chat.completions.create(**body)
+    wait_until(lambda: any(p.gone for p in server.episodes[ep.id].pending.values()))
+    got = {}
+    resend = threading.Thread(target=lambda: got.update(reply=client.chat.completions.create(**body)))
+    resend.start()
+    wait_until(lambda: server.counts["chat/requests_retry"] == retries + 1)
+    release.set()
+    resend.join()
+    [(prompt, c)] = recorder.of(ep.id)
+    assert got["reply"].usage.completion_tokens == len(c.token_ids)
+    [seg] = call(loop, server.close_episode, ep.id)
+    assert len(seg.info["turns"]) == 1
+    assert_exact_replay(seg, recorder.of(ep.id))
+    ep = call(loop, server.open_episode)
+    client = openai.OpenAI(base_url=ep.openai_base_url, api_key=ep.api_key, max_retries=0)
+    unrelated = server.counts["chat/requests_unrelated"]   # the first sample waits until both are in flight
+    recorder.hold = lambda: server.counts["chat/requests_unrelated"] == unrelated + 2
+    threads = [threading.Thread(target=lambda: client.chat.completions.create(**body)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(recorder.of(ep.id)) == 2 and len(call(loop, server.close_episode, ep.id)) == 2
