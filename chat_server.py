@@ -838,8 +838,11 @@ def parse_anthropic(body: dict, counting: bool = False, prior: tuple = (0, None,
         if not isinstance(m, dict):
             raise bad(p[:-1], "expected an object")
         role, content = get(m, "role", str, p, required=True), m.get("content")
+        if role == "system":   # Claude Code sends its environment block as a system message inside messages
+            msgs.append(Msg("system", text_of(content, p + "content")))
+            continue
         if role not in ("user", "assistant"):
-            raise bad(p + "role", f"unsupported role {role!r}: use user or assistant")
+            raise bad(p + "role", f"unsupported role {role!r}: use user, assistant or system")
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else \
             get(m, "content", list, p, required=True)
         texts, reasoning, calls, results = [], "", [], 0

@@ -910,3 +910,20 @@ def test_unmarked_resend_joins_the_turn_its_client_left_and_best_of_n_stays_sepa
     for t in threads:
         t.join()
     assert len(recorder.of(ep.id)) == 2 and len(call(loop, server.close_episode, ep.id)) == 2
+
+
+def test_claude_code_request_shapes_parse():
+    """Claude Code 2.1.328: a system message inside messages (its environment block, a one-block list first, a plain
+    string on later turns), cache_control on blocks, deferred tools, thinking and context-management keys."""
+    env = {"role": "system", "content": [{"type": "text", "text": "# Environment", "cache_control": {"type": "x"}}]}
+    body = {"model": "m", "max_tokens": 32000, "stream": True, "thinking": {"type": "adaptive"},
+            "context_management": {"edits": []}, "output_config": {"effort": "high"}, "metadata": {"user_id": "u"},
+            "system": [{"type": "text", "text": "You are Claude Code."}],
+            "tools": [{"name": "Bash", "input_schema": {"type": "object"}},
+                      {"name": "Deferred", "input_schema": {"type": "object"}, "defer_loading": True}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "ls"}]}, env]}
+    first = parse_anthropic(body)
+    assert [(m.role, m.content) for m in first.msgs] == [("user", "ls"), ("system", "# Environment")]
+    body["messages"] = [body["messages"][0], {"role": "system", "content": "# Environment"}]
+    assert chain_hashes(None, [], parse_anthropic(body).msgs) == chain_hashes(None, [], first.msgs)
+    assert first.constraint == (None, "") and [t["function"]["name"] for t in first.tools] == ["Bash", "Deferred"]
