@@ -124,6 +124,23 @@ class TestOneGpuShared:
         assert 0 <= m["loss/mismatch_k3"] < 1e-3   # k3 ~ Delta^2 / 2: (0.02)^2 / 2 = 2e-4, with margin
         assert m["loss/mismatch_frac"] > 0          # bf16: two kernels do differ somewhere (else nothing was measured)
 
+    def test_constrained_decoding_samples_under_the_mask(self, colocated, gpu_model):
+        """A regex constraint on vLLM 0.26 (the chat server's forced tool choices and JSON formats use the same
+        path): the text matches; with one token per character, "copy " leaves one allowed token per step, whose
+        log-prob under the mask is exactly log 1 = 0; a digit's is >= the free model's (renormalised over 10)."""
+        gen, trainer = colocated
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(gpu_model)
+        outs = run(asyncio.gather(*(gen.generate(p, seed=i, max_new_tokens=16, constraint={"regex": "copy [0-9]{3}"})
+                                    for i, p in enumerate(PROMPTS[:4]))))
+        free = trainer.logprobs([segment(p, o) for p, o in zip(PROMPTS, outs)])
+        for p, o, f in zip(PROMPTS, outs, free):
+            text = tok.decode(o.token_ids[:8])
+            assert text[:5] == "copy " and text[5:].isdigit() and len(text) == 8
+            assert o.logprobs[:5] == [0.0] * 5
+            digits = f[len(p) + 5:len(p) + 8].tolist()
+            assert all(lp >= d - 0.05 for lp, d in zip(o.logprobs[5:8], digits))   # 0.05: bf16 recompute noise
+
     def test_refit_over_ipc_loads_trained_weights_and_versions_are_exact(self, colocated, gpu_model):
         gen, trainer = colocated
         from transformers import AutoTokenizer
