@@ -131,8 +131,11 @@ class TestOneGpuShared:
         gen, trainer = colocated
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(gpu_model)
-        outs = run(asyncio.gather(*(gen.generate(p, seed=i, max_new_tokens=16, constraint={"regex": "copy [0-9]{3}"})
-                                    for i, p in enumerate(PROMPTS[:4]))))
+        async def all_():
+            return await asyncio.gather(*(gen.generate(p, seed=i, max_new_tokens=16,
+                                                       constraint={"regex": "copy [0-9]{3}"})
+                                          for i, p in enumerate(PROMPTS[:4])))
+        outs = run(all_())
         free = trainer.logprobs([segment(p, o) for p, o in zip(PROMPTS, outs)])
         for p, o, f in zip(PROMPTS, outs, free):
             text = tok.decode(o.token_ids[:8])
