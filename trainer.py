@@ -351,8 +351,9 @@ def read_chat_jsonl(path: str) -> list[dict]:
 
 
 def sft_batch(examples: list[dict], tokenizer, *, end_token: str = "<|im_end|>") -> list[Segment]:
-    """Chat examples -> Segments whose action tokens are each assistant turn's tokens after the template's
-    `<|im_start|>assistant\\n` up to and including its closing end_token (the newline after it is glue).
+    """Chat examples ({"messages", optional "tools"}) -> Segments whose action tokens are each assistant turn's
+    tokens after the template's `<|im_start|>assistant\\n` up to and including its closing end_token (the newline
+    after it is glue); an assistant message with "weight": 0 is context only, as in OpenAI's fine-tuning format.
     Token-exact: each turn's boundaries come from rendering the message prefixes with the chat template,
     and every prefix must be a token prefix of the full rendering, else ValueError. SFT rows carry version 0."""
     end_id = tokenizer.convert_tokens_to_ids(end_token)
@@ -361,17 +362,17 @@ def sft_batch(examples: list[dict], tokenizer, *, end_token: str = "<|im_end|>")
                          "pass the template's end-of-turn token")
     segments = []
     for i, example in enumerate(examples):
-        messages = example["messages"]
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+        messages, tools = example["messages"], example.get("tools") or None
+        ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=False)
         mask = [False] * len(ids)
         for turn, message in enumerate(messages):
-            if message["role"] != "assistant":
+            if message["role"] != "assistant" or message.get("weight", 1) == 0:   # OpenAI's fine-tuning format
                 continue
             if turn == 0:
                 raise ValueError(f"example {i}: starts with an assistant turn; nothing precedes it to condition on")
-            start = len(before := tokenizer.apply_chat_template(messages[:turn], tokenize=True,
+            start = len(before := tokenizer.apply_chat_template(messages[:turn], tools=tools, tokenize=True,
                                                                 add_generation_prompt=True, return_dict=False))
-            upto = tokenizer.apply_chat_template(messages[:turn + 1], tokenize=True, return_dict=False)
+            upto = tokenizer.apply_chat_template(messages[:turn + 1], tools=tools, tokenize=True, return_dict=False)
             if ids[:start] != before or ids[:len(upto)] != upto or end_id not in upto[start:]:
                 raise ValueError(f"example {i}, message {turn}: the chat template does not render this prefix as a "
                                  f"token prefix of the conversation (or the turn lacks {end_token}); "

@@ -178,6 +178,9 @@ def test_sft_mask_covers_exactly_each_assistant_turn_and_its_end_token(tiny_char
     assert [t for t, m in zip(tokens, seg.action_mask) if m] == ["3", "4", "<|im_end|>", "6", "<|im_end|>"]
     assert [i for i, m in enumerate(seg.action_mask) if m] == [10, 11, 12, 23, 24]
     seg.check()  # a valid Segment: versions 0 on action tokens, -1 elsewhere
+    # "weight": 0 (OpenAI's fine-tuning format) keeps a turn as context: the same tokens, only turn 2 trained
+    (kept,) = sft_batch([{"messages": [messages[0], {**messages[1], "weight": 0}] + messages[2:]}], tok)
+    assert kept.token_ids == seg.token_ids and [i for i, m in enumerate(kept.action_mask) if m] == [23, 24]
 
 
 # --- the actor: forward consistency and refit export need the untouched weights
