@@ -57,8 +57,9 @@ class ChatArgs:
     refuse_constrained: bool = field(default=False, metadata={
         "help": "400 on constrained decoding (tool_choice required or named, JSON formats); False: sample under the "
                 "constraint, count chat/constrained_requests, mark the turn (training it needs --loss.is_level)"})
-    append_roles: tuple[str, ...] = field(default=("tool", "user"), metadata={
-        "help": "roles a turn may append as delta tokens; each must pass the start-up check", "choices": APPEND_ROLES})
+    append_roles: tuple[str, ...] = field(default=APPEND_ROLES, metadata={
+        "help": "roles a turn may append as delta tokens (Claude Code appends system notes); each must pass the "
+                "start-up check, else its turns open a new segment", "choices": APPEND_ROLES})
     check_tool_ids: bool = field(default=True, metadata={"help": "400 for a tool result answering an unknown call id"})
     ping_s: float = field(default=10.0, metadata={"help": "seconds between keep-alive frames during a streamed turn"})
 
