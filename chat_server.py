@@ -6,7 +6,7 @@
     segments = server.close_episode(ep.id)   # list[Segment]: token_ids, action_mask, logprobs, versions (T,)
 Reading order: the chat template as token ids (`ChatTemplate`: full render, delta, bridge, start-up check; shared
 with agent.py) -> the canonical request all protocols parse into -> the matcher, this file's one idea: a request is
-EXTEND / RETRY / REWRITE / UNRELATED against the episode's open segments (README, How it works), and an EXTEND
+EXTEND / RETRY / REWRITE / UNRELATED against the episode's segments (README, How it works), and an EXTEND
 appends the stored sampled ids, a bridge and the delta tokens of the new messages (mask 0), never a re-render ->
 one section per wire format (parser, reply, stream, errors) -> HTTP, whose `ChatServer.parse` and `writer` are the
 only two places that switch on the protocol. Streaming is "fake": one engine call, then a protocol-exact SSE
@@ -352,7 +352,7 @@ def cut_at_stop(template: ChatTemplate, ids: list[int], stops: tuple) -> tuple[i
     return kept, stop, text[:pos]
 
 
-# --- matcher: classify a request against the episode's open segments, generate, commit
+# --- matcher: classify a request against the episode's segments, generate, commit
 
 @dataclass
 class Turn:
@@ -378,8 +378,7 @@ class Track:
     hashes: list = field(default_factory=list)   # len(msgs) + 1, as ChatRequest.hashes
     turns: list = field(default_factory=list)
     stamp: int = 0                # bumped by every commit: a plan made on an older stamp forks
-    is_open: bool = True
-    sealed_by: str = ""
+    rewrite_of: int | None = None   # the segment whose conversation this one carries on, rewritten
     experts: object = None          # (T, layers, top_k) int16 routing of the last engine call
 
 
@@ -402,7 +401,7 @@ class Plan:
     base_msgs: int = 0
     stamp: int = 0
     added: list = field(default_factory=list)   # prompt tokens appended after base (mask 0)
-    seal: Track | None = None
+    rewrite_of: Track | None = None
     max_new: int = 0
     clamped: bool = False
     cached: bool = False          # RETRY answered from the earlier turn, no engine call
@@ -442,7 +441,7 @@ class EpisodeState:
 def to_segment(ep: EpisodeState, t: Track) -> Segment:
     return Segment(token_ids=t.tokens, action_mask=t.mask, logprobs=t.logprobs, versions=t.versions, episode_id=ep.id,
                    finish_reason=t.turns[-1].finish, truncated=t.turns[-1].finish == "length", routed_experts=t.experts,
-                   info={"segment": t.index, "forked_from": t.parent, "sealed_by": t.sealed_by or "close",
+                   info={"segment": t.index, "forked_from": t.parent, "rewrite_of": t.rewrite_of,
                          "turns": [(u.start, u.end) for u in t.turns], "tainted": ep.tainted,
                          "constrained": [(u.start, u.end) for u in t.turns if u.constrained],
                          "sampled": sampled_record((u.sampled, t.logprobs[u.start:u.end], t.versions[u.start:u.end])
@@ -463,12 +462,13 @@ class SegmentStore:
         self.counts = Counter()
 
     def plan_turn(self, ep: EpisodeState, req: ChatRequest, retries: int) -> Plan:
-        """Classify a request against the episode's open segments (call under ep.lock)."""
+        """Classify a request against the episode's segments (call under ep.lock). None is ever sealed: a request
+        that rewrites a conversation may be a sub-agent sharing its opening, and the parent goes on extending."""
         key, reply_id = req.hashes[-1], secrets.token_hex(12)
         if key in ep.pending and (retries > 0 or ep.pending[key].gone):   # an SDK's retry, or a runner's resend
             pending, ep.pending[key].gone = ep.pending[key], False   # (best-of-n requests are all still connected)
             return Plan("RETRY", pending.reply_id, [], pending=pending, cached=True)
-        scored = [(t, common_prefix(t.hashes, req.hashes)) for t in reversed(ep.tracks) if t.is_open]
+        scored = [(t, common_prefix(t.hashes, req.hashes)) for t in reversed(ep.tracks)]
         (track, L), n = max(scored, key=lambda s: s[1], default=(None, -1)), len(req.msgs)
         if track and L == len(track.msgs) < n and all(m.role in self.template.append_roles for m in req.msgs[L:]):
             added = track.turns[-1].bridge + self.template.render_delta([m.to_template() for m in req.msgs[L:]],
@@ -482,7 +482,7 @@ class SegmentStore:
             same_task = [s for s in scored if s[0].first == req.first()] if n > 1 else []
             added = self.template.render_full(req.template_messages(), req.tools)
             plan = Plan("REWRITE" if same_task else "UNRELATED", reply_id, added, added=added,
-                        seal=max(same_task, key=lambda s: s[1])[0] if same_task else None)
+                        rewrite_of=max(same_task, key=lambda s: s[1])[0] if same_task else None)
         plan.stamp = plan.track.stamp if plan.track else 0
         room = self.window - len(plan.prompt)
         if room < 1:
@@ -551,22 +551,21 @@ class SegmentStore:
             self.counts["chat/late_turns_dropped"] += 1
             return reply
         src = plan.track
-        if src is not None and src.is_open and src.stamp == plan.stamp:
+        if src is not None and src.stamp == plan.stamp:
             t = src   # in place; a RETRY rolls the last turn back first
             for rows in (t.tokens, t.mask, t.logprobs, t.versions):
                 del rows[plan.base:]
             del t.msgs[plan.base_msgs:], t.hashes[plan.base_msgs + 1:]
-        else:   # a new segment, or a fork when another commit moved or sealed the planned one
+        else:   # a new segment, or a fork when another commit moved the planned one
             self.counts["chat/forks"] += src is not None
-            t = Track(len(ep.tracks), req.first(), parent=None if src is None else src.index, hashes=req.hashes[:1])
+            t = Track(len(ep.tracks), req.first(), parent=None if src is None else src.index, hashes=req.hashes[:1],
+                      rewrite_of=plan.rewrite_of and plan.rewrite_of.index)
             if src is not None:
                 rows = (src.tokens, src.mask, src.logprobs, src.versions)
                 t.tokens, t.mask, t.logprobs, t.versions = (r[:plan.base] for r in rows)
                 t.msgs, t.hashes = src.msgs[:plan.base_msgs], src.hashes[:plan.base_msgs + 1]
             ep.tracks.append(t)
         t.turns = [u for u in src.turns if u.end <= plan.base] if src is not None else []
-        if plan.seal is not None and plan.seal.is_open:
-            plan.seal.is_open, plan.seal.sealed_by = False, "rewrite"
         t.tokens += plan.added + ids
         t.mask += [False] * len(plan.added) + [True] * len(ids)
         t.logprobs += [0.0] * len(plan.added) + logprobs

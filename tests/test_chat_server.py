@@ -284,7 +284,7 @@ def test_retry_header_returns_the_cached_reply_and_no_header_resamples(tiny_mode
 
 @pytest.mark.parametrize("rewrite", ["truncated_middle", "summary", "edited_tool_result", "system", "tools",
                                      "foreign_assistant"])
-def test_rewrites_seal_the_segment_and_open_one_from_a_full_render(tiny_model, rewrite):
+def test_rewrites_open_a_segment_from_a_full_render(tiny_model, rewrite):
     server, ep = unit_server(tiny_model, ["a1", "a2", "a3", "new"])
     msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "task"}]
     tools = TOOLS
@@ -311,10 +311,30 @@ def test_rewrites_seal_the_segment_and_open_one_from_a_full_render(tiny_model, r
     kind, body = asyncio.run(main())
     assert kind == "REWRITE"
     old, new = server.close_episode(ep.id)
-    assert old.info["sealed_by"] == "rewrite" and len(old.info["turns"]) == 3 and new.info["sealed_by"] == "close"
+    assert new.info["rewrite_of"] == old.info["segment"] and len(old.info["turns"]) == 3
     req = parse_openai(body)
     rendered = server.template.render_full(req.template_messages(), req.tools)
     assert new.token_ids[:-len(server.generator.calls[-1][1].token_ids)] == rendered
+
+
+def test_a_subagent_sharing_the_opening_leaves_the_parent_extending_its_segment(tiny_model):
+    """Codex's sub-agent resends the parent's opening messages with its own task: it looks like a rewrite, yet the
+    parent goes on. Nothing is sealed, so the parent's next turns extend its own segment (no turn trained twice)."""
+    server, ep = unit_server(tiny_model, ["p1", "c1", "p2", "c2"])
+    opening = [{"role": "system", "content": "You are Codex."}, {"role": "user", "content": "<environment>"}]
+    parent, child = opening + [{"role": "user", "content": "main task"}], opening + [{"role": "user", "content": "sub"}]
+
+    async def main():
+        kinds = []
+        for msgs in (parent, child, parent, child):
+            kind, r = await ask(server, ep.id, "openai", {"model": "m", "messages": msgs})
+            msgs += [echo({"model": "m", "messages": msgs}, r), {"role": "user", "content": "next"}]
+            kinds.append(kind)
+        return kinds
+    assert asyncio.run(main()) == ["UNRELATED", "REWRITE", "EXTEND", "EXTEND"]
+    first, sub = server.close_episode(ep.id)
+    assert len(first.info["turns"]) == len(sub.info["turns"]) == 2 and sub.info["rewrite_of"] == 0
+    assert first.info["forked_from"] is None and server.counts["chat/forks"] == 0
 
 
 def test_side_request_opens_an_unrelated_segment_and_the_main_one_stays_open(tiny_model):
@@ -330,7 +350,7 @@ def test_side_request_opens_an_unrelated_segment_and_the_main_one_stays_open(tin
         assert (await ask(server, ep.id, "openai", {"model": "m", "messages": main_msgs}))[0] == "EXTEND"
     asyncio.run(main())
     segs = server.close_episode(ep.id)
-    assert len(segs) == 2 and all(s.info["sealed_by"] == "close" for s in segs)
+    assert len(segs) == 2 and all(s.info["rewrite_of"] is None for s in segs)
 
 
 def test_dropped_reasoning_and_reordered_arguments_still_match(tiny_model):
@@ -549,7 +569,7 @@ def test_compaction_seals_segment_and_opens_new_one(served, loop):
         compacted += [out.choices[0].message.model_dump(), {"role": "user", "content": "continue"}]
     old, new = call(loop, server.close_episode, ep.id)
     calls = recorder.of(ep.id)
-    assert old.info["sealed_by"] == "rewrite" and len(old.info["turns"]) == 5 and len(new.info["turns"]) == 2
+    assert new.info["rewrite_of"] == old.info["segment"] and len(old.info["turns"]) == 5 and len(new.info["turns"]) == 2
     assert_exact_replay(old, calls[:5])
     assert_exact_replay(new, calls[5:])
     assert calls[5][0] == server.template.render_full(compacted[:3])
@@ -592,7 +612,7 @@ def test_subagent_calls_open_parallel_segments(served, loop):
         await asyncio.gather(agent("sub-agent A", "Read file a."), agent("sub-agent B", "Read file b."))
     asyncio.run(main())
     segs = call(loop, server.close_episode, ep.id)
-    assert len(segs) == 3 and all(s.info["sealed_by"] == "close" and len(s.info["turns"]) == 3 for s in segs)
+    assert len(segs) == 3 and all(s.info["rewrite_of"] is None and len(s.info["turns"]) == 3 for s in segs)
     for seg in segs:
         mine = [(p, c) for p, c in recorder.of(ep.id) if p == seg.token_ids[:len(p)] and
                 seg.token_ids[len(p):len(p) + len(c.token_ids)] == c.token_ids]

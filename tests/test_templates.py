@@ -263,7 +263,7 @@ def test_chat_agent_segments_are_exact_and_a_non_prefix_preserving_template_open
         sampled = [i for _, c in gen.calls for i in c.token_ids]
         assert [i for i, m in zip(seg.token_ids, seg.action_mask) if m] == sampled
     else:   # one segment per request: the template's render of that request, then the sampled ids
-        assert [s.info["sealed_by"] for s in segs] == ["rewrite", "rewrite", "close"]
+        assert [s.info["rewrite_of"] for s in segs] == [None, 0, 1]
         t = ChatTemplate(path, ())
         for seg, (prompt, c), request_msgs in zip(segs, gen.calls, sent):
             rendered = t.encode(t.tokenizer.apply_chat_template(request_msgs, tokenize=False,
