@@ -1,0 +1,172 @@
+"""A tiny model that calls tools as a real agent expects, made through our own SFT path (a random model never does).
+
+    example = await capture(tokenizer_dir, run_agent, script)   # {"messages": [...], "tools": [...]}
+    model_dir = build_tool_model(out_dir, [example, ...])       # HF directory of a tiny BPE model that replays it
+    python tests/tool_model.py OUT_DIR --agent recipes/claude_code_agent.py   # both, for a recipe
+
+capture: the real agent (a CLI, a framework) talks to a real ChatServer whose generator is ScriptedGenerator, which
+answers script(turn, prompt_text) per episode. The agent runs its real tools, so the requests carry its exact prompts,
+tool schemas and tool-result formats; the last request's canonical conversation plus the final reply is the example.
+build_tool_model: a BPE tokenizer learnt on the examples' text (long prompts tokenize compactly), then
+`launch.py --launch.mode sft` overfits the model to the examples, on purpose.
+script_for: the replies keyed on the last message: the task -> `ls`; a tool result listing the task file ->
+`touch done.txt`; any other tool result -> FINAL.
+Not here: the engine under test. ScriptedGenerator only collects SFT data; real runs use generator.Generator.
+"""
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+from collections import Counter
+from typing import Awaitable, Callable
+
+from transformers import AutoTokenizer
+
+from agent import ChatContext, load_module
+from chat_server import ChatArgs, ChatServer, ChatTemplate, Msg
+from generator import Completion, VllmArgs
+from recipes.tiny_model import build_tiny_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FINAL = "Done: done.txt is created."
+
+
+def tool_call(name: str, arguments: dict) -> str:
+    """A call in the Hermes form the tiny template renders (recipes/tiny_model.py): SFT tokens match the replies."""
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def script_for(tool: str, argument: str, task_file: str, create: str = "touch done.txt") -> Callable[[int, str], str]:
+    """The scripted episode (module docstring) for a tool that takes the shell command in one string argument;
+    `create` makes done.txt (Codex needs one that prints: its result of an empty output looks like a failure)."""
+    def script(turn: int, prompt: str) -> str:
+        last = prompt[prompt.rindex("<|im_start|>", 0, prompt.rindex("<|im_start|>assistant")):]
+        if "<tool_response>" not in last:
+            return tool_call(tool, {argument: "ls"})
+        return tool_call(tool, {argument: create}) if task_file in last else FINAL
+    return script
+
+
+def context(ep, model: str, prompt: str) -> ChatContext:
+    """What run_chat_episode hands a ChatAgent, for a chat_server.Episode."""
+    return ChatContext(ep.openai_base_url, ep.anthropic_base_url, ep.api_key, model,
+                       [{"role": "user", "content": prompt}], [])
+
+
+class ScriptedGenerator:
+    """generator.Generator's surface that ChatServer uses: the next scripted reply of the episode, tokenized, + eos."""
+
+    def __init__(self, tokenizer_dir: str, script: Callable[[int, str], str], max_model_len: int = 65536):
+        self.template, self.script = ChatTemplate(tokenizer_dir, append_roles=()), script
+        self.vllm, self.dead, self.turns = VllmArgs(max_model_len=max_model_len), None, Counter()
+
+    async def generate(self, prompt_ids, *, max_new_tokens=None, seed=None, request_id=None, affinity=None,
+                       **kw) -> Completion:
+        turn, self.turns[affinity] = self.turns[affinity], self.turns[affinity] + 1   # affinity: the episode id
+        ids = self.template.encode(self.script(turn, self.template.decode(prompt_ids))) + [self.template.eos_id]
+        ids, finish = (ids, "stop") if max_new_tokens is None or len(ids) <= max_new_tokens else \
+            (ids[:max_new_tokens], "length")
+        return Completion(ids, [0.0] * len(ids), [0] * len(ids), finish)
+
+
+class RecordingServer(ChatServer):
+    """The real server, keeping each committed turn's canonical request and the assistant message it answered."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.turns_done = []
+
+    def commit(self, ep, req, plan, c):
+        reply = super().commit(ep, req, plan, c)
+        self.turns_done.append((req, Msg("assistant", reply.content, reply.reasoning, reply.calls)))
+        return reply
+
+
+async def capture(tokenizer_dir: str, run_agent: Callable[[object], Awaitable], script: Callable[[int, str], str],
+                  chat_args: ChatArgs | None = None) -> dict:
+    """Run one episode of the agent (run_agent(chat_server.Episode)) against scripted replies; returns the example.
+    Raises if the server answered any request with an error: such a capture is not what the agent does."""
+    server = RecordingServer(ScriptedGenerator(tokenizer_dir, script), tokenizer_dir, chat_args or ChatArgs())
+    await server.start()
+    try:
+        ep = server.open_episode()
+        try:
+            await run_agent(ep)
+        finally:
+            server.close_episode(ep.id)
+    finally:
+        await server.stop()
+    errors = {k: v for k, v in server.metrics().items() if k.startswith("chat/errors_")}
+    if errors or not server.turns_done:
+        raise RuntimeError(f"capture: the chat server answered errors {errors} or no turn at all")
+    req, reply = server.turns_done[-1]
+    return {"messages": req.template_messages() + [reply.to_template()], "tools": req.tools}
+
+
+def variants(example: dict, n: int, rng: random.Random) -> list[dict]:
+    """The example and n copies whose messages before the first assistant turn are random slices of themselves, the
+    tools kept in a third, and whose tool results have every digit re-drawn: the replies must follow from the recent
+    turns, not from positions (the prompts of a capture and of a real run differ early on: working directory, date,
+    ids; Codex's tool results start with a random chunk id and a wall time, which tokenize to varying lengths)."""
+    first = next(i for i, m in enumerate(example["messages"]) if m["role"] == "assistant")
+    out = [example]
+    for _ in range(n):
+        messages = [dict(m) for m in example["messages"]]
+        for m in messages[:first]:
+            a = rng.randrange(len(m["content"]) + 1)
+            m["content"] = m["content"][a:rng.randrange(a, len(m["content"]) + 1)]
+        for m in messages[first:]:
+            if m["role"] == "tool":
+                m["content"] = re.sub(r"\d", lambda _: str(rng.randrange(10)), m["content"])
+        out.append({"messages": messages, "tools": example.get("tools", []) if rng.random() < 1 / 3 else []})
+    return out
+
+
+def build_tool_model(out_dir: str, examples: list[dict], *, steps: int = 80, seed: int = 0, lr: float = 5e-3,
+                     augment: int = 4, vocab_size: int = 4096, flags: tuple = ()) -> str:
+    """A tiny BPE model SFT'd by launch.py (its own Ray, a subprocess; `flags` are more of its flags) on the examples
+    and `augment` variants of each; returns its HF directory."""
+    os.makedirs(out_dir, exist_ok=True)
+    rng = random.Random(seed)
+    data_rows = [v for ex in examples for v in variants(ex, augment, rng)]
+    corpus, data = os.path.join(out_dir, "corpus.txt"), os.path.join(out_dir, "sft.jsonl")
+    with open(corpus, "w") as f:   # the BPE merges: every message and tool schema, as the template will show them
+        for ex in examples:
+            f.write("\n".join([json.dumps(t) for t in ex.get("tools", [])] +
+                              [json.dumps(m.get("tool_calls", "")) + m["content"] for m in ex["messages"]]) + "\n")
+    with open(data, "w") as f:
+        f.writelines(json.dumps(ex) + "\n" for ex in data_rows)
+    init = build_tiny_model(os.path.join(out_dir, "init"), seed=seed, vocab_size=vocab_size, corpus_path=corpus,
+                            max_positions=1 << 16)
+    tokenizer = AutoTokenizer.from_pretrained(init)
+    longest = max(len(tokenizer.apply_chat_template(ex["messages"], tools=ex.get("tools") or None, tokenize=True,
+                                                    return_dict=False)) for ex in examples)
+    argv = [sys.executable, os.path.join(ROOT, "launch.py"), "--launch.mode", "sft", "--launch.model", init,
+            "--launch.out_dir", os.path.join(out_dir, "sft"), "--data.path", data, "--launch.steps", str(steps),
+            "--launch.batch_prompts", str(len(data_rows)), "--launch.seed", str(seed), "--train.lr", str(lr),
+            "--train.max_tokens_per_microbatch", str(max(4096, longest)), *flags]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"SFT of the tool model failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+    return os.path.join(out_dir, "sft", "hf")
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description="SFT a tiny model to call a tool the way an agent file's CLI expects.")
+    p.add_argument("out_dir")
+    p.add_argument("--agent", required=True, help="file with make_agent(), rows(split) and TASK_FILE")
+    p.add_argument("--tool", default="Bash", help="the agent's shell tool")
+    p.add_argument("--argument", default="command", help="that tool's argument holding the command")
+    p.add_argument("--create", default="touch done.txt", help="the command of the second call")
+    a = p.parse_args()
+    module = load_module(a.agent, "make_agent", "--agent")
+    model = os.path.join(a.out_dir, "sft", "hf")   # launch.py names the model by its path: the same text in the prompt
+    base = build_tiny_model(os.path.join(a.out_dir, "base"))
+    prompt = module.rows("train")[0]["prompt"]
+    example = asyncio.run(capture(base, lambda ep: module.make_agent().run(context(ep, model, prompt)),
+                                  script_for(a.tool, a.argument, module.TASK_FILE, a.create)))
+    print(f"tool model written to {build_tool_model(a.out_dir, [example])}")
