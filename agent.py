@@ -208,7 +208,7 @@ class AgentWorker:
             run = run_env_episode(agent, self.generator, self.template, row, args=self.args,
                                   episode_id=episode_id, group_id=group_id)
         elif isinstance(agent, ChatAgent):
-            run = run_chat_episode(agent, self.server, row, model=self.model_path,
+            run = run_chat_episode(agent, self.server, row, model=self.server.model_name,   # --chat.model_name
                                    episode_id=episode_id, group_id=group_id)
         else:
             raise ValueError(f"--agent.path {self.args.path}: make_agent() returned {type(agent).__name__}, "

@@ -17,5 +17,5 @@ $PY recipes/clis.py claude
 [ -d "$OUT/tool_model/sft/hf" ] || $PY tests/tool_model.py "$OUT/tool_model" --agent "$AGENT"
 exec $PY launch.py --launch.model "$OUT/tool_model/sft/hf" --launch.out_dir "$OUT" --launch.steps "${STEPS:-4}" \
   --agent.path "$AGENT" --data.path "$AGENT" \
-  --launch.batch_prompts 2 --launch.samples_per_prompt 4 --chat.max_tokens_cap 64 \
+  --launch.batch_prompts 2 --launch.samples_per_prompt 4 --chat.max_tokens_cap 64 --chat.model_name verbatim-tiny \
   --vllm.max_model_len 16384 --vllm.enable_prefix_caching --train.lr 1e-4 "$@"

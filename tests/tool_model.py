@@ -162,9 +162,11 @@ if __name__ == "__main__":
     p.add_argument("--tool", default="Bash", help="the agent's shell tool")
     p.add_argument("--argument", default="command", help="that tool's argument holding the command")
     p.add_argument("--create", default="touch done.txt", help="the command of the second call")
+    p.add_argument("--model_name", default="verbatim-tiny",
+                   help="the model name the CLI is given (its prompt shows it): pass the same --chat.model_name")
     a = p.parse_args()
     module = load_module(a.agent, "make_agent", "--agent")
-    model = os.path.join(a.out_dir, "sft", "hf")   # launch.py names the model by its path: the same text in the prompt
+    model = a.model_name
     base = build_tiny_model(os.path.join(a.out_dir, "base"))
     prompt = module.rows("train")[0]["prompt"]
     example = asyncio.run(capture(base, lambda ep: module.make_agent().run(context(ep, model, prompt)),
