@@ -239,8 +239,12 @@ def test_soak_resident_memory_of_every_process_stays_flat(tiny_model, tmp_path):
     curve = {name: [round(r.get(name, 0.0)) for r in rss] for name in rss[-1]}
     print(f"soak: {steps} steps in {seconds[-1]:.0f} s ({seconds[warm - 1]:.0f} s of warm-up, {warm} steps); "
           "resident MiB per step after warm-up:")
+    # the baseline is the last 10 warm-up steps' peak, not one sample: a trainer rank's RSS moves by ~3% step to
+    # step (575-590 MiB), and one low sample as the baseline read a 637 MiB spike as 10.4% growth. A leak of 1 MiB
+    # a step still ends 70 MiB (~12%) above that peak.
     for name, mb in curve.items():
-        growth = max(mb[warm:]) / mb[warm - 1] - 1
+        growth = max(mb[warm:]) / max(mb[warm - 10:warm]) - 1
         print(f"  {name:32s} {mb[warm - 1]:6d} -> {mb[-1]:6d} MiB (max growth {100 * growth:+.1f}%): {mb[warm:]}")
     for name, mb in curve.items():
-        assert mb[warm - 1] > 0 and max(mb[warm:]) < 1.10 * mb[warm - 1], (name, mb)  # > 0: none started late
+        assert min(mb[warm - 10:warm]) > 0, (name, mb)   # none started late
+        assert max(mb[warm:]) < 1.10 * max(mb[warm - 10:warm]), (name, mb)
