@@ -54,6 +54,16 @@ class EstimatorArgs:
             raise ValueError(f"--estimator.lam with --estimator.name {self.name}: lambda only exists in gae; "
                              "set --estimator.lam 1 or --estimator.name gae")
 
+    @property
+    def needs_values(self) -> bool:
+        """compute_advantages needs a critic's values (B, T): the trainer builds a critic exactly then."""
+        return self.name == "gae"
+
+    @property
+    def needs_kl(self) -> bool:
+        """compute_advantages needs the per-token kl (B, T), for its -kl_coef * kl reward."""
+        return self.kl_coef > 0.0
+
 
 # --- helpers: input checks, rows <-> episodes, group means, packing action tokens
 

@@ -11,10 +11,10 @@ tokens vLLM had emitted when the pause completed, read once its output handler h
 (`Engine.sampled_counts` says why that count is exact). vLLM >= 0.32 also labels tokens with weight-version
 spans: there every boundary is checked against them. vLLM 0.26 (the GPU build here) has no spans.
 Log-probs are vLLM's processed log-probs: the sampled token's under logits / temperature.
-Refit tensors carry checkpoint names and the engine's dtype (never cast), packed into
-`--vllm.refit_bucket_mb` buckets, one `collective_rpc` each: bytes from a CPU trainer, a CUDA IPC buffer
-(opened once) to an engine on the trainer's GPU, an NCCL broadcast to engines on other GPUs. Unquantized
-dense weights on CUDA are copied in place; others go through vLLM's layerwise reload.
+Refit tensors carry checkpoint names and the engine's dtype (never cast), packed into `--vllm.refit_bucket_mb`
+buckets, one `collective_rpc` each: bytes from a CPU trainer; from a GPU, as `colocated` (--launch.colocate) says,
+a CUDA IPC buffer (opened once) to the engine on its GPU or an NCCL broadcast to engines on other GPUs.
+Unquantized dense weights on CUDA are copied in place; others go through vLLM's layerwise reload.
 Not here: text, chat templates (chat_server.py, agent.py): this file moves token ids only (vLLM loads the
 tokenizer only to compile constrained-decoding grammars).
 """
@@ -232,6 +232,20 @@ def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
         with safe_open(os.path.join(model_path, f), framework="pt") as st:
             shapes.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
     return shapes
+
+
+def refit_transport(device_uuid: str | None, engine_gpus: list[str], colocated: bool) -> str:
+    """How a bucket on the trainer's device (its GPU's uuid; None on CPU) reaches the engines' GPUs: "bytes" from
+    CPU; "ipc" when colocated (--launch.colocate), which needs every engine on this GPU; "nccl" to other GPUs."""
+    if device_uuid is None:
+        return "bytes"
+    if colocated and set(engine_gpus) != {device_uuid}:
+        raise ValueError(f"--launch.colocate: the engines' GPUs {engine_gpus} are not the trainer's {device_uuid}, "
+                         "and CUDA IPC reaches only its own GPU; drop --launch.colocate to refit over NCCL")
+    if not colocated and device_uuid in engine_gpus:
+        raise ValueError(f"an engine shares the trainer's GPU {device_uuid}, and NCCL needs two: set --launch.colocate "
+                         "to refit over CUDA IPC")
+    return "ipc" if colocated else "nccl"
 
 
 def check_tensor(name: str, tensor: torch.Tensor, shapes: dict, dtype: str, seen: set) -> tuple[str, torch.Tensor]:
@@ -623,13 +637,15 @@ class Generator:
         await self._all("pause")
         self._timings["generator/pause_s"] = time.perf_counter() - start
 
-    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *,
+                             colocated: bool = False) -> dict:
         """Load every (checkpoint name, tensor) into every engine; tokens sampled next carry `version`.
 
         Takes pairs, streamed (a generator works: a trainer's export), only while paused; every
         checkpoint parameter exactly once, in the engine's dtype. Tensors travel in packed buckets of
-        --vllm.refit_bucket_mb: CPU tensors as bytes; CUDA tensors over CUDA IPC to an engine on this
-        GPU, else broadcast over NCCL from this process (which joins the engines' group on first use).
+        --vllm.refit_bucket_mb: CPU tensors as bytes; CUDA tensors, as the caller's `colocated` says
+        (--launch.colocate, checked by refit_transport): over CUDA IPC to the engine on this GPU, else
+        broadcast over NCCL from this process (which joins the engines' group on first use).
         Returns {"applied": per bucket, the (name, dtype) list engine 0 loaded; "refit_s": seconds;
         "worker_s": of those, the seconds engine 0's worker spent loading; "transport": "bytes" | "ipc" | "nccl"}.
         """
@@ -645,9 +661,9 @@ class Generator:
             try:
                 following = next(buckets, None)
             except ValueError:  # a bad tensor further on: close the load opened by earlier buckets, then raise
-                await self._load(bucket, not applied, True)
+                await self._load(bucket, not applied, True, colocated)
                 raise
-            (loaded, seconds), transport = await self._load(bucket, not applied, following is None)
+            (loaded, seconds), transport = await self._load(bucket, not applied, following is None, colocated)
             applied.append(loaded)
             worker_s += seconds
             bucket = following
@@ -662,11 +678,12 @@ class Generator:
                               "generator/refit_messages": len(applied)})
         return {"applied": applied, "refit_s": refit_s, "worker_s": worker_s, "transport": transport}
 
-    async def _load(self, bucket: list, first: bool, last: bool) -> tuple[tuple[list, float], str]:
-        """One bucket into every engine, over the transport its device calls for; (engine 0's report, transport)."""
+    async def _load(self, bucket: list, first: bool, last: bool, colocated: bool) -> tuple[tuple[list, float], str]:
+        """One bucket into every engine, over refit_transport's choice; (engine 0's report, transport)."""
         device = bucket[0][1].device
-        ipc = (device.type == "cuda"
-               and self._gpus == [str(torch.cuda.get_device_properties(device).uuid)] * len(self._gpus))
+        here = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None
+        transport = refit_transport(here, self._gpus, colocated)
+        ipc = transport == "ipc"
         need = packed_layout(bucket)[1] if ipc else 0
         if ipc and (self._ipc is None or self._ipc[0].numel() < need):
             # CUDA IPC through one buffer kept across buckets and refits: the workers open its handle once
@@ -675,15 +692,15 @@ class Generator:
             buffer = torch.empty(max(need, self._bucket_bytes), dtype=torch.uint8, device=device)
             self._ipc = (buffer, pickle.dumps(reduce_tensor(buffer)))
         layout, flat = pack(bucket, self._ipc[0] if ipc else None)
-        if device.type == "cpu":
-            transport, payload = "bytes", flat.numpy().tobytes()
+        if transport == "bytes":
+            payload = flat.numpy().tobytes()
         elif ipc:
             torch.cuda.current_stream(device).synchronize()  # the bytes are in place before another process reads
-            transport, payload = "ipc", (self._ipc[1], flat.numel())
+            payload = (self._ipc[1], flat.numel())
         else:
             if self._nccl is None:
                 await self._join_nccl(flat.device)
-            transport, payload = "nccl", flat.numel()
+            payload = flat.numel()
         wire = ray.put((transport, layout, payload))
         refs = [e.load_bucket.remote(wire, first, last) for e in self._engines]
         if transport == "nccl":  # the engines' workers wait in broadcast for these bytes

@@ -153,8 +153,7 @@ def parse_args(argv: list[str] | None = None) -> dict:
 def check_cross_flags(cfg: dict) -> None:
     """Rules that span two files' flags; each names the flags to change."""
     launch, train, loss, rollout = cfg["launch"], cfg["train"], cfg["loss"], cfg["rollout"]
-    corrected = loss.is_level != "off"
-    if (launch.max_staleness > 0 or launch.partial_rollout) and not corrected:
+    if (launch.max_staleness > 0 or launch.partial_rollout) and not loss.importance_correction:
         raise ValueError(f"--launch.max_staleness {launch.max_staleness} / --launch.partial_rollout with "
                          "--loss.is_level off: stale or mixed-version tokens need an importance correction; set "
                          "--loss.is_level token (or seq, geo)")
@@ -167,9 +166,8 @@ def check_cross_flags(cfg: dict) -> None:
     if train.routing_replay and not cfg["vllm"].return_routed_experts:
         raise ValueError("--train.routing_replay without --vllm.return_routed_experts: the engine records no "
                          "routing to replay; set --vllm.return_routed_experts")
-    rollout.check_logprobs_usable(importance_correction=corrected,
-                                  kl_to_rollout=loss.kl_coef > 0 and loss.kl_ref == "rollout")
-    if not cfg["launch"].model:
+    rollout.check_logprobs_usable(importance_correction=loss.importance_correction, kl_to_rollout=loss.kl_to_rollout)
+    if not launch.model:
         raise ValueError("--launch.model is required: a Hugging Face model directory "
                          "(recipes/tiny_model.py builds one)")
 
@@ -231,14 +229,11 @@ class MetricsLog:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-        for key in ("rollout/reward_mean", "eval/reward_mean"):
+        for ax, key in ((top, "rollout/reward_mean"), (top, "eval/reward_mean"), (bottom, "loss/vllm_kl"),
+                        (bottom, "loss/mismatch_k3")):
             pts = [(r["step"], r[key]) for r in self.rows if key in r]
             if pts:
-                top.plot(*zip(*pts), label=key)
-        for key in ("loss/vllm_kl", "loss/mismatch_k3"):
-            pts = [(r["step"], r[key]) for r in self.rows if key in r]
-            if pts:
-                bottom.plot(*zip(*pts), label=key)
+                ax.plot(*zip(*pts), label=key)
         top.set_ylabel("reward"), bottom.set_ylabel("rollout vs trainer"), bottom.set_xlabel("step")
         top.legend(), bottom.legend()
         fig.savefig(path, dpi=100)
@@ -466,7 +461,7 @@ async def run_rl(cfg: dict) -> dict:
     engine_gpus, rank_gpus = gpu_shares(launch, train, cfg["vllm"])
     generator = Generator(launch.model, cfg["vllm"], rollout, actor_options=engine_gpus)  # first: it sizes its KV cache
     trainer = TrainerGroup(launch.model, train, cfg["fsdp"], cfg["ckpt"], cfg["loss"], cfg["estimator"],
-                           temperature=rollout.temperature, gpus_per_rank=rank_gpus)
+                           temperature=rollout.temperature, gpus_per_rank=rank_gpus, colocated=launch.colocate)
     if trainer.version != generator.version:  # resumed: the engines start from the checkpoint's weights
         await refit(generator, trainer)
     worker_class = ray.remote(num_cpus=0)(AgentWorker)
@@ -495,7 +490,7 @@ async def run_rl(cfg: dict) -> dict:
         # --- audit: every trained token is the id, log-prob and version the generator returned (else it raises)
         audit(segments)
         metrics = rollout_metrics(segments, trainer.version, launch.max_staleness)
-        if metrics["rollout/constrained_tokens"] and cfg["loss"].is_level == "off":
+        if metrics["rollout/constrained_tokens"] and not cfg["loss"].importance_correction:
             raise ValueError("an agent asked for constrained decoding (tool_choice required or named, a JSON format): "
                              "its tokens were sampled from the masked distribution, so the trainer's log-probs are "
                              "not the behaviour policy's; set --loss.is_level token (or seq, geo), or refuse such "
@@ -536,7 +531,7 @@ async def run_rl(cfg: dict) -> dict:
                         **{f"rollout/dropped_{k}": float(v) for k, v in queue.counts.items()}, **counters})
         log.log(step, metrics)
     log.plot(os.path.join(launch.out_dir, "reward.png"))
-    path = trainer.final_checkpoint(queue.checkpoint_position()) if cfg["ckpt"].dir else None
+    path = trainer.final_checkpoint(queue.checkpoint_position())
     await queue.drain()
     for w in workers:
         await w.stop.remote()
@@ -561,7 +556,7 @@ def run_sft(cfg: dict) -> dict:
         log.log(step, metrics)
     hf = os.path.join(launch.out_dir, "hf")
     trainer.export_hf(hf)
-    path = trainer.save({"index": launch.steps * launch.batch_prompts}) if cfg["ckpt"].dir else None
+    path = trainer.final_checkpoint({"index": launch.steps * launch.batch_prompts})
     trainer.shutdown()
     return {"metrics": metrics, "checkpoint": path, "hf": hf, "out_dir": launch.out_dir}
 

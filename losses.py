@@ -89,6 +89,28 @@ class LossArgs:
             raise ValueError("--loss.kl_estimator k1 with --loss.kl_coef > 0: k1 = logp - ref has gradient grad(logp), "
                              "zero in expectation, so as a loss it penalises nothing; set --loss.kl_estimator k2 or k3")
 
+    # other files ask these, never the flags themselves: each flag's meaning is decided in this file only
+
+    @property
+    def needs_ref_model(self) -> bool:
+        """The KL reference is a frozen copy of the loaded weights, which the trainer builds and runs."""
+        return self.kl_ref == "model"
+
+    @property
+    def kl_to_rollout(self) -> bool:
+        """The loss penalises the KL to the engine's sampling log-probs (so those must be of the full distribution)."""
+        return self.kl_coef > 0.0 and self.kl_ref == "rollout"
+
+    @property
+    def importance_correction(self) -> bool:
+        """The loss reweights by old/rollout, so stale, mixed-version or constrained tokens may train."""
+        return self.is_level != "off"
+
+    @property
+    def needs_entropy_grad(self) -> bool:
+        """The entropy enters the loss, so it needs a graph; otherwise it is only logged."""
+        return self.entropy_coef != 0.0
+
 
 @dataclass
 class Denoms:

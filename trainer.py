@@ -151,10 +151,10 @@ def check_args(train: TrainArgs, fsdp: FsdpArgs, loss: LossArgs, estimator: Esti
     if fsdp.offload != "none" and train.world_size == 1:
         raise ValueError("--fsdp.offload optimizer with one data-parallel rank: NeMo's FSDP2 does not shard "
                          "(nor offload) then; set --fsdp.offload none or raise --train.world_size")
-    if (estimator.name == "gae") != (train.critic_lr is not None):
-        raise ValueError(f"--estimator.name {estimator.name} with --train.critic_lr {train.critic_lr}: "
-                         "gae needs a critic and only gae uses one; set both or neither")
-    if estimator.kl_coef > 0.0 and loss.kl_ref != "model":
+    if estimator.needs_values != (train.critic_lr is not None):
+        raise ValueError(f"--estimator.name {estimator.name} with --train.critic_lr {train.critic_lr}: an estimator "
+                         "that reads a critic's values (gae) needs one, no other uses one; set both or neither")
+    if estimator.needs_kl and not loss.needs_ref_model:
         raise ValueError("--estimator.kl_coef > 0 with --loss.kl_ref rollout: the per-token KL reward is measured "
                          "against a frozen reference model; set --loss.kl_ref model")
 
@@ -463,9 +463,8 @@ class TrainerRank:
         adamw = lambda params: torch.optim.AdamW(params, lr=0.0, betas=self.train.betas,
                                                  weight_decay=self.train.weight_decay, fused=True)
         self.optimizer = adamw(self.model.parameters())
-        self.entropy_grad = self.loss.entropy_coef != 0.0  # entropy is logged always; it needs a graph only in the loss
         self.ref = self.critic = self.critic_optimizer = None
-        if self.loss.kl_ref == "model":
+        if self.loss.needs_ref_model:
             self.ref = self.build(AutoModelForCausalLM).requires_grad_(False)  # the loaded weights, frozen
         if self.train.critic_lr is not None:
             self.critic = self.build(AutoModelForTokenClassification, num_labels=1)
@@ -489,6 +488,7 @@ class TrainerRank:
         elif nemo_moe:  # NeMo's loader needs CUDA, and so does the class's rotary cache at construction
             from nemo_automodel.components.models.qwen3_moe.model import Qwen3MoeForCausalLM
             config.dtype = torch.float32
+            # no argument or device context reaches it: Qwen3MoeModel calls torch.cuda.current_device() itself
             with mock.patch.object(torch.cuda, "current_device", return_value=0):
                 model = Qwen3MoeForCausalLM(config, **kwargs)
             model.model.rotary_emb.device = self.device
@@ -553,7 +553,7 @@ class TrainerRank:
         self.replay = routed  # read by replayed_ids in this forward and in its checkpoint recompute
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast(model)):
             logits = model(input_ids=ids, use_cache=False).logits  # (B, T, V)
-        return token_logprobs(logits, ids, temperature, entropy=entropy, entropy_grad=self.entropy_grad,
+        return token_logprobs(logits, ids, temperature, entropy=entropy, entropy_grad=self.loss.needs_entropy_grad,
                               compiled=self.cuda and self.fsdp.compile_logprobs)
 
     def critic_values(self, ids: torch.Tensor) -> torch.Tensor:
@@ -732,7 +732,7 @@ class TrainerRank:
                if self.rank == 0]  # every rank joins each gather; only rank 0 copies to host
         return (out if self.rank == 0 else None), len(buckets)
 
-    def refit(self, generator) -> dict | None:
+    def refit(self, generator, colocated: bool) -> dict | None:
         """Every rank gathers each full parameter in turn; rank 0 streams them, cast to the engine's dtype
         and on its own device, into generator.update_weights (which must be paused). Rank 0 keeps its
         first router copy: that copy holds the NCCL group a refit to other GPUs opens once."""
@@ -740,23 +740,18 @@ class TrainerRank:
             self.router = generator
         dtype = getattr(torch, generator.dtype)
         pairs = ((name, full.to(dtype)) for name, full in self.full_params(self.model.named_parameters()))
-        if self.rank != 0:
-            for _ in pairs:  # join every gather rank 0 makes
-                pass
-            return None
         try:
-            return asyncio.run(self.router.update_weights(pairs, self.version))
+            if self.rank == 0:
+                return asyncio.run(self.router.update_weights(pairs, self.version, colocated=colocated))
         finally:
-            for _ in pairs:  # a refused refit leaves no rank waiting in a gather
+            for _ in pairs:  # the other ranks join every gather rank 0 makes; a refused refit leaves none waiting
                 pass
+        return None
 
     def write_hf(self, path: str) -> None:
         """An HF model directory: one safetensors file of the full weights, and model_path's other files."""
-        tensors, index, count = {}, 0, 1
-        while index < count:
-            bucket, count = self.export_bucket(index, 1024, None)
-            tensors.update(bucket or [])
-            index += 1
+        tensors = {name: full.to("cpu", copy=True) for name, full in self.full_params(self.model.named_parameters())
+                   if self.rank == 0}  # every rank joins each gather; only rank 0 copies to host
         if self.rank == 0:
             os.makedirs(path, exist_ok=True)
             save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"),
@@ -855,10 +850,12 @@ class TrainerRank:
 
 
 class TrainerGroup:
-    """--train.world_size TrainerRank actors forming one process group, driven from this process."""
+    """--train.world_size TrainerRank actors forming one process group, driven from this process. colocated: the
+    refit's engines share this trainer's GPU (--launch.colocate; generator.py picks CUDA IPC over NCCL by it)."""
 
     def __init__(self, model_path: str, train: TrainArgs, fsdp: FsdpArgs, ckpt: CkptArgs, loss: LossArgs,
-                 estimator: EstimatorArgs, *, temperature: float, gpus_per_rank: float | None = None):
+                 estimator: EstimatorArgs, *, temperature: float, gpus_per_rank: float | None = None,
+                 colocated: bool = False):
         gpus = (1.0 if torch.cuda.is_available() else 0.0) if gpus_per_rank is None else gpus_per_rank
         check_args(train, fsdp, loss, estimator, cuda=gpus > 0)
         config, ep = AutoConfig.from_pretrained(model_path), fsdp.ep_size
@@ -868,7 +865,7 @@ class TrainerGroup:
                              f"with {getattr(config, 'num_experts', 0)} experts; set another ep_size")
         if not temperature > 0.0:
             raise ValueError(f"temperature {temperature}: must be > 0, the rollout's --rollout.temperature")
-        self.ckpt = ckpt
+        self.ckpt, self.colocated = ckpt, colocated
         actor_class = ray.remote(num_cpus=0, num_gpus=gpus)(TrainerRank)
         self.actors = [actor_class.remote(r, train.world_size, model_path, train, fsdp, ckpt, loss, estimator,
                                           temperature) for r in range(train.world_size)]
@@ -905,8 +902,7 @@ class TrainerGroup:
         """One step on every rank; merged metrics with throughput; a checkpoint when --ckpt.every says so."""
         start = time.perf_counter()
         batch = collate(segments)  # refuse bad input here, before any rank sees it
-        ref = ray.put(segments)  # one copy in the object store, read by every rank
-        results = self.call(method, ref)
+        results = self.call(method, ray.put(segments))  # one copy in the object store, read by every rank
         metrics = merge_metrics([record for records, _ in results for record in records])
         self.step, self.version = self.step + 1, results[0][1]
         step_s = time.perf_counter() - start
@@ -927,9 +923,8 @@ class TrainerGroup:
 
     def logprobs(self, segments: list[Segment], *, temperature: float | None = None) -> list[torch.Tensor]:
         """Each segment's (T,) log-probs under the current weights at temperature (default: the rollout's)."""
-        collate(segments)
-        ref = ray.put(segments)
-        return self.call("logprobs", ref, temperature)[0]
+        collate(segments)  # refused here, before any rank sees it
+        return self.call("logprobs", ray.put(segments), temperature)[0]
 
     def export_weights(self, bucket_mb: float = 256, *, dtype: torch.dtype | None = None):
         """Yield lists of (checkpoint name, full CPU tensor), at most bucket_mb each (a larger tensor alone), every
@@ -943,7 +938,7 @@ class TrainerGroup:
     def refit(self, generator) -> dict:
         """Load the current weights into every engine of a paused generator as version self.version;
         returns rank 0's update_weights report. The caller resumes the engines."""
-        report = self.call("refit", generator)[0]
+        report = self.call("refit", generator, self.colocated)[0]
         generator.version = self.version
         return report
 
@@ -960,8 +955,11 @@ class TrainerGroup:
         self.saved = (self.step, self.call("save", self.ckpt.dir, data_position)[0])
         return self.saved[1]
 
-    def final_checkpoint(self, data_position: dict | None) -> str:
-        """This step's checkpoint at the end of a run: the one --ckpt.every already wrote, else a new one."""
+    def final_checkpoint(self, data_position: dict | None) -> str | None:
+        """This step's checkpoint at the end of a run: the one --ckpt.every already wrote, else a new one; None
+        without --ckpt.dir."""
+        if self.ckpt.dir is None:
+            return None
         return self.saved[1] if self.saved[0] == self.step else self.save(data_position)
 
     def load(self, path: str) -> dict | None:

@@ -226,8 +226,8 @@ async def bench_generator(model: str, n: int = 256, new: int = 256, rounds: int 
                  agents_to_ours=paired("agents", "ours"), rounds=rates)
 
     # refit: the trainer on this GPU (IPC), then one on the other GPU (NCCL) when there is one
-    for rank_gpus in [0.5] + ([1.0] if torch.cuda.device_count() > 1 else []):
-        await time_refits(gen, model, rank_gpus, vllm.refit_bucket_mb)
+    for colocated in [True] + ([False] if torch.cuda.device_count() > 1 else []):
+        await time_refits(gen, model, colocated, vllm.refit_bucket_mb)
     # the weights were loaded in place under the engine's CUDA graphs: sampling must keep its speed
     after = statistics.median([await timed("ours", rounds + 1 + r) for r in range(2)])
     report("generator_after_refit", ours_tokens_per_s=after, ratio_to_before=after / med["ours"])
@@ -235,13 +235,15 @@ async def bench_generator(model: str, n: int = 256, new: int = 256, rounds: int 
     return out
 
 
-async def time_refits(gen, model: str, rank_gpus: float, bucket_mb: int, count: int = 6) -> dict:
-    """pause + trainer.refit + resume, `count` times (the first opens the transport and warms up)."""
+async def time_refits(gen, model: str, colocated: bool, bucket_mb: int, count: int = 6) -> dict:
+    """pause + trainer.refit + resume, `count` times (the first opens the transport and warms up); colocated: the
+    trainer takes the other half of the engine's GPU (CUDA IPC), else a GPU of its own (NCCL)."""
     from estimators import EstimatorArgs
     from losses import LossArgs
     from trainer import CkptArgs, FsdpArgs, TrainArgs, TrainerGroup
     trainer = TrainerGroup(model, TrainArgs(), FsdpArgs(param_dtype="bfloat16"), CkptArgs(), LossArgs(),
-                           EstimatorArgs(), temperature=1.0, gpus_per_rank=rank_gpus)
+                           EstimatorArgs(), temperature=1.0, gpus_per_rank=0.5 if colocated else 1.0,
+                           colocated=colocated)
     cycles, loads, workers = [], [], []
     for _ in range(count):
         start = time.perf_counter()
@@ -264,8 +266,8 @@ async def bench_refit(model: str, bucket_mb: int = 1024) -> None:
     from generator import Generator, RolloutArgs, VllmArgs
     gen = Generator(model, VllmArgs(gpu_memory_utilization=0.3, max_model_len=1024, refit_bucket_mb=bucket_mb),
                     RolloutArgs(max_new_tokens=8), actor_options={"num_gpus": 0.5})
-    for rank_gpus in [0.5] + ([1.0] if torch.cuda.device_count() > 1 else []):
-        await time_refits(gen, model, rank_gpus, bucket_mb)
+    for colocated in [True] + ([False] if torch.cuda.device_count() > 1 else []):
+        await time_refits(gen, model, colocated, bucket_mb)
     await gen.shutdown()
 
 

@@ -297,6 +297,13 @@ def test_unknown_name_lists_the_choices():
         EstimatorArgs(name="ppo")
 
 
+def test_only_gae_needs_values_and_only_a_kl_coef_needs_kl():
+    # gae is the one estimator with a value baseline; the others read rewards alone.
+    assert [n for n in ESTIMATORS if EstimatorArgs(name=n).needs_values] == ["gae"]
+    assert [EstimatorArgs(name=n, kl_coef=c).needs_kl for n, c in
+            (("grpo", 0.0), ("reinforce", 0.0), ("reinforce", 0.1), ("gae", 0.1))] == [False, False, True, True]
+
+
 @pytest.mark.parametrize("flags, flag", [
     (dict(gamma=1.5), "--estimator.gamma"),
     (dict(gamma=-0.1, name="gae"), "--estimator.gamma"),

@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import generator
 from generator import (Completion, Generator, RolloutArgs, Segment, VllmArgs, build_engine_args, check_tensor,
-                       engine_dtype, iter_buckets, pack, pick_engine, unpack, versions_from_spans)
+                       engine_dtype, iter_buckets, pack, pick_engine, refit_transport, unpack, versions_from_spans)
 
 run = asyncio.run
 PROMPT = [5, 17, 300, 42, 9, 77]
@@ -203,6 +203,20 @@ def test_pack_keeps_dtype_shape_and_bits_of_every_tensor_at_aligned_offsets():
     assert all(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
                for (_, a), (_, b) in zip(unpack(layout, flat2), unpack(layout, flat)))
     assert bool((buffer[1024:] == 255).all())
+
+
+def test_refit_transport_follows_colocate_and_refuses_a_placement_that_contradicts_it():
+    # CPU tensors (no uuid) go as bytes whatever the flag says; on a GPU the flag picks IPC or NCCL.
+    assert refit_transport(None, [], True) == refit_transport(None, ["GPU-a"], False) == "bytes"
+    assert refit_transport("GPU-a", ["GPU-a"], True) == "ipc"
+    assert refit_transport("GPU-a", ["GPU-b", "GPU-c"], False) == "nccl"
+    # colocated, but one engine (or every one) is elsewhere: IPC cannot reach it
+    for engines in (["GPU-b"], ["GPU-a", "GPU-b"], []):
+        with pytest.raises(ValueError, match="--launch.colocate: the engines' GPUs"):
+            refit_transport("GPU-a", engines, True)
+    # not colocated, but an engine is on the trainer's GPU: NCCL needs two GPUs
+    with pytest.raises(ValueError, match="set --launch.colocate"):
+        refit_transport("GPU-a", ["GPU-b", "GPU-a"], False)
 
 
 def test_check_tensor_refuses_unknown_repeated_reshaped_and_recast_parameters():

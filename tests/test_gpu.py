@@ -38,11 +38,13 @@ def gpu_model(tmp_path_factory) -> str:
                             alphabet="0123456789copy \n")
 
 
-def make_trainer(model: str, rank_gpus: float, world_size: int = 1, lr: float = 1e-3) -> TrainerGroup:
+def make_trainer(model: str, colocated: bool, world_size: int = 1, lr: float = 1e-3) -> TrainerGroup:
+    """colocated: half of the engine's GPU (refit over CUDA IPC), else a GPU of its own per rank (NCCL)."""
     from estimators import EstimatorArgs
     from losses import LossArgs
     return TrainerGroup(model, TrainArgs(world_size=world_size, lr=lr), FsdpArgs(param_dtype="bfloat16"), CkptArgs(),
-                        LossArgs(), EstimatorArgs(), temperature=1.0, gpus_per_rank=rank_gpus)
+                        LossArgs(), EstimatorArgs(), temperature=1.0, gpus_per_rank=0.5 if colocated else 1.0,
+                        colocated=colocated)
 
 
 @pytest.fixture(scope="class")
@@ -51,7 +53,7 @@ def colocated(gpu_model, ray_local):
     tests after it need whole GPUs."""
     gen = Generator(gpu_model, VllmArgs(gpu_memory_utilization=0.3, max_model_len=1024, refit_bucket_mb=4),
                     RolloutArgs(max_new_tokens=64), actor_options={"num_gpus": 0.5})
-    trainer = make_trainer(gpu_model, 0.5)
+    trainer = make_trainer(gpu_model, colocated=True)
     yield gen, trainer
     trainer.shutdown()
     run(gen.shutdown())
@@ -209,7 +211,7 @@ def test_trainer_loads_with_nemo_and_learns_on_gpu(gpu_model, ray_local):
     batch = sft_batch([{"messages": [{"role": "user", "content": "copy 42"},
                                      {"role": "assistant", "content": "42"}]}] * 4,
                       AutoTokenizer.from_pretrained(gpu_model))
-    trainer = make_trainer(gpu_model, 1.0, lr=1e-3)
+    trainer = make_trainer(gpu_model, colocated=False, lr=1e-3)
     try:
         losses = [trainer.sft_step(batch)["loss/sft_nll"] for _ in range(5)]
     finally:
@@ -234,7 +236,7 @@ def test_real_model_loads_with_nemo_refits_its_tied_embedding_and_exports(ray_lo
     batch = sft_batch([{"messages": ask(12, 40) + [{"role": "assistant", "content": "40"}]}] * 8, tok)
     gen = Generator(model, VllmArgs(gpu_memory_utilization=0.3, max_model_len=1024), RolloutArgs(max_new_tokens=32),
                     actor_options={"num_gpus": 0.5})
-    trainer = make_trainer(model, 0.5, lr=1e-4)
+    trainer = make_trainer(model, colocated=True, lr=1e-4)
     try:
         before = sample(gen, prompts, max_new_tokens=32)
         m_before = compare(trainer, prompts, before)
@@ -273,7 +275,7 @@ def test_fsdp2_on_two_gpus_takes_the_one_gpu_step(gpu_model, ray_local):
                        for i in range(8)], AutoTokenizer.from_pretrained(gpu_model))
     nll = {}
     for ws in (1, 2):
-        trainer = make_trainer(gpu_model, 1.0, world_size=ws, lr=1e-3)
+        trainer = make_trainer(gpu_model, colocated=False, world_size=ws, lr=1e-3)
         try:
             nll[ws] = [trainer.sft_step(batch)["loss/sft_nll"] for _ in range(3)]
         finally:

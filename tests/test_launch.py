@@ -124,6 +124,7 @@ def test_async_without_importance_correction_is_refused(capsys):
 def test_bad_flag_values_are_refused_naming_the_flag(capsys):
     for argv, named in ((["--estimator.gamma", "2"], "--estimator.gamma"),
                         (["--rollout.top_p", "0.9", "--loss.is_level", "token"], "top_p"),
+                        (["--rollout.top_p", "0.9", "--loss.kl_coef", "0.1"], "top_p"),
                         (["--launch.steps", "0"], "--launch.steps"), ([], "--launch.model"),
                         (["--launch.workers", "0"], "--launch.workers"),
                         (["--launch.in_flight", "1", "--launch.batch_prompts", "2"], "--launch.in_flight"),
@@ -133,6 +134,12 @@ def test_bad_flag_values_are_refused_naming_the_flag(capsys):
         with pytest.raises(SystemExit):
             launch.parse_args((["--launch.model", "m"] if named != "--launch.model" else []) + argv)
         assert named in capsys.readouterr().err
+
+
+def test_truncated_sampling_is_allowed_when_the_loss_never_reads_the_rollout_logprobs():
+    # The KL to a frozen model and no importance correction: nothing compares with vLLM's truncated log-probs.
+    launch.parse_args(["--launch.model", "m", "--rollout.top_p", "0.9", "--loss.kl_coef", "0.1",
+                       "--loss.kl_ref", "model"])
 
 
 def test_gpu_placement_flags_are_checked_against_the_cluster(ray_local):

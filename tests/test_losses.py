@@ -537,6 +537,19 @@ def test_loss_args_errors_name_the_flag(flags, flag):
         LossArgs(**flags)
 
 
+def test_flag_owner_predicates_answer_for_the_other_files():
+    # The trainer builds a reference model iff kl_ref is model (its KL is logged even at kl_coef 0).
+    assert not LossArgs().needs_ref_model and LossArgs(kl_ref="model").needs_ref_model
+    # The rollout's log-probs are a KL reference in the loss only with kl_coef > 0 and kl_ref rollout.
+    assert [LossArgs(kl_coef=c, kl_ref=r).kl_to_rollout for c, r in
+            ((0.0, "rollout"), (0.1, "rollout"), (0.1, "model"))] == [False, True, False]
+    # Every is_level but off reweights by old/rollout.
+    assert [LossArgs(is_level=lv, is_mode="mask").importance_correction for lv in
+            ("off", "token", "seq", "geo")] == [False, True, True, True]
+    # A bonus of either sign needs the entropy's gradient; 0 only logs it.
+    assert [LossArgs(entropy_coef=c).needs_entropy_grad for c in (0.0, 0.01, -0.01)] == [False, True, True]
+
+
 def test_allowed_combinations_construct():
     LossArgs()
     LossArgs(surrogate="cispo", is_level="token", is_mode="trunc", clip_low=1.0, clip_high=5.0)

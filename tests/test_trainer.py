@@ -157,6 +157,11 @@ def test_flag_combinations_are_refused_naming_the_flags():
         check_args(TrainArgs(), FsdpArgs(), LossArgs(), EstimatorArgs(name="gae"), cuda=False)
     with pytest.raises(ValueError, match="--estimator.name grpo with --train.critic_lr 0.1"):
         check_args(TrainArgs(critic_lr=0.1), FsdpArgs(), LossArgs(), EstimatorArgs(), cuda=False)
+    check_args(TrainArgs(critic_lr=0.1), FsdpArgs(), LossArgs(), EstimatorArgs(name="gae"), cuda=False)
+    with pytest.raises(ValueError, match="--estimator.kl_coef > 0 with --loss.kl_ref rollout"):
+        check_args(TrainArgs(), FsdpArgs(), LossArgs(), EstimatorArgs(name="reinforce", kl_coef=0.1), cuda=False)
+    check_args(TrainArgs(), FsdpArgs(), LossArgs(kl_ref="model"), EstimatorArgs(name="reinforce", kl_coef=0.1),
+               cuda=False)
     with pytest.raises(ValueError, match="--fsdp.param_dtype bfloat16 on CPU"):
         TrainerGroup("unused", TrainArgs(), FsdpArgs(param_dtype="bfloat16"), CkptArgs(), LossArgs(), EstimatorArgs(),
                      temperature=1.0, gpus_per_rank=0)  # refused before any actor starts
