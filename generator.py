@@ -11,6 +11,9 @@ tokens vLLM had emitted when the pause completed, read once its output handler h
 (`Engine.sampled_counts` says why that count is exact). vLLM >= 0.32 also labels tokens with weight-version
 spans: there every boundary is checked against them. vLLM 0.26 (the GPU build here) has no spans.
 Log-probs are vLLM's processed log-probs: the sampled token's under logits / temperature.
+A VLM's row holds each image's placeholder run as its processor expands it (`images`: spans and encoded bytes);
+the engine is sent one image id per image with the decoded images, and checks that vLLM expands them back into
+exactly the row's ids.
 Refit tensors carry checkpoint names and the engine's dtype (never cast), packed into `--vllm.refit_bucket_mb`
 buckets, one `collective_rpc` each: bytes from a CPU trainer; from a GPU, as `colocated` (--launch.colocate) says,
 a CUDA IPC buffer (opened once) to the engine on its GPU or an NCCL broadcast to engines on other GPUs.
@@ -19,6 +22,7 @@ Not here: text, chat templates (chat_server.py, agent.py): this file moves token
 tokenizer only to compile constrained-decoding grammars).
 """
 import asyncio
+import io
 import json
 import os
 import pickle
@@ -248,6 +252,34 @@ def refit_transport(device_uuid: str | None, engine_gpus: list[str], colocated: 
     return "ipc" if colocated else "nccl"
 
 
+def contract_images(ids: list[int], images: list, image_id: int | None) -> list[int]:
+    """The engine's prompt for a row with images [(start, end, encoded image)]: each image's placeholder run
+    ids[start:end] (as the HF processor expands it) becomes the one image id vLLM expands again itself."""
+    if image_id is None:
+        raise ValueError("generate: images given, but the model's config.json names no image_token_id (not a VLM)")
+    out, at = [], 0
+    for k, (start, end, _) in enumerate(images):
+        if not at <= start < end <= len(ids) or image_id not in ids[start:end]:
+            raise ValueError(f"generate: images[{k}] spans ({start}, {end}), which is not an image's placeholder run "
+                             f"inside the {len(ids)}-token prompt, after the image before it")
+        out += ids[at:start] + [image_id]
+        at = end
+    out += ids[at:]
+    if out.count(image_id) != len(images):   # vLLM would put an image's run at such a stray id (a sampled one)
+        raise ValueError(f"generate: {out.count(image_id) - len(images)} image token id(s) {image_id} outside the "
+                         "images' spans; the engine would place an image there")
+    return out
+
+
+def decode_image(data: bytes, where: str):
+    """An encoded image (PNG, JPEG, ...) as the RGB PIL image the engine's and the trainer's processors both read."""
+    from PIL import Image, UnidentifiedImageError
+    try:
+        return Image.open(io.BytesIO(data)).convert("RGB")
+    except (UnidentifiedImageError, OSError, TypeError) as e:
+        raise ValueError(f"{where}: not a decodable image ({e})") from None
+
+
 def check_tensor(name: str, tensor: torch.Tensor, shapes: dict, dtype: str, seen: set) -> tuple[str, torch.Tensor]:
     """Refuse a refit tensor the engine would misload: unknown or repeated name, other shape or dtype."""
     if name not in shapes:
@@ -426,16 +458,22 @@ class Engine:
         self.spans = hasattr(self.llm, "update_weight_version")
         await self.set_version(version)
         config = self.llm.model_config
+        self.image_id = getattr(config.hf_config, "image_token_id", None)
         return {"vocab_size": config.get_vocab_size(), "dtype": str(config.dtype).removeprefix("torch."),
                 "gpus": await self.llm.collective_rpc("device_uuid") if cuda else []}
 
-    async def generate(self, prompt_ids: list[int], rollout: RolloutArgs, request_id: str, **kw) -> Completion:
+    async def generate(self, prompt_ids: list[int], rollout: RolloutArgs, request_id: str, images: list = (),
+                       **kw) -> Completion:
         await self.open.wait()  # a request sent during a refit waits for it: all its tokens get the new version
         start, version, marks = time.perf_counter(), self.version, []
+        prompt = {"prompt_token_ids": prompt_ids}
+        if images:   # vLLM expands each image id into its run; the row already holds the runs
+            prompt = {"prompt_token_ids": contract_images(prompt_ids, images, self.image_id),
+                      "multi_modal_data": {"image": [decode_image(b, f"images[{k}]") for k, (*_, b) in
+                                                     enumerate(images)]}}
         self.adding += 1
         try:  # add_request returns once vLLM's output processor tracks the request (pause waits for that)
-            q = await self.llm.add_request(request_id, {"prompt_token_ids": prompt_ids},
-                                           build_sampling_params(rollout, **kw))
+            q = await self.llm.add_request(request_id, prompt, build_sampling_params(rollout, **kw))
         finally:
             self.adding -= 1
         self.refits[request_id] = marks
@@ -448,6 +486,8 @@ class Engine:
             raise
         finally:
             del self.refits[request_id]
+        if images and list(final.prompt_token_ids) != prompt_ids:
+            raise RuntimeError(f"request {request_id}: vLLM expanded the images into other ids than the row's runs")
         out = final.outputs[0]
         ids = list(out.token_ids)
         versions = [version] * len(ids)
@@ -576,6 +616,7 @@ class Generator:
             except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
                 raise engine_error(i, e) from e
         self._vocab_size, self.dtype = infos[0]["vocab_size"], infos[0]["dtype"]
+        self._image_id = json.load(open(os.path.join(model_path, "config.json"))).get("image_token_id")
         self._gpus = [uuid for info in infos for uuid in info["gpus"]]  # each engine worker's GPU
         self._next, self._nccl, self._ipc, self._timings, self.dead = 0, None, None, {}, None
 
@@ -606,9 +647,11 @@ class Generator:
     async def generate(self, prompt_ids: list[int], *, max_new_tokens: int | None = None,
                        stop_token_ids: list[int] | None = None, seed: int | None = None,
                        request_id: str | None = None, affinity: str | None = None,
-                       ignore_eos: bool = False, constraint: dict | None = None) -> Completion:
+                       ignore_eos: bool = False, constraint: dict | None = None, images: list = ()) -> Completion:
         """Sample one completion; requests sharing an affinity key (an episode id) go to one engine.
-        `constraint` (constrained decoding, see build_sampling_params) makes the sampler the behaviour policy."""
+        `constraint` (constrained decoding, see build_sampling_params) makes the sampler the behaviour policy.
+        `images` (a VLM): [(start, end, encoded image bytes)], prompt_ids[start:end] being each image's placeholder
+        run as the model's processor expands it; the engine checks that it expands them into the same ids."""
         if not prompt_ids:
             raise ValueError("generate: empty prompt (at least one token id is needed)")
         # a float, str, None or bool would fail as a TypeError in `<` or in vLLM; numpy ints are sent as ints
@@ -620,13 +663,18 @@ class Generator:
         if len(prompt_ids) >= self.vllm.max_model_len:
             raise ValueError(f"generate: a prompt of {len(prompt_ids)} tokens leaves no room under "
                              f"--vllm.max_model_len {self.vllm.max_model_len}")
+        if images or self._image_id is not None:   # a VLM's stray image id (a sampled one) is refused too
+            contract_images(list(prompt_ids), images, self._image_id)
+            for k, (*_, data) in enumerate(images):
+                decode_image(data, f"generate: images[{k}]")
         if affinity is None:
             i, self._next = self._next % len(self._engines), self._next + 1
         else:
             i = pick_engine(affinity, len(self._engines))
         ref = self._engines[i].generate.remote(
             [int(t) for t in prompt_ids], self.rollout, request_id or uuid.uuid4().hex, max_new_tokens=max_new_tokens,
-            stop_token_ids=stop_token_ids, seed=seed, ignore_eos=ignore_eos, constraint=constraint)
+            stop_token_ids=stop_token_ids, seed=seed, ignore_eos=ignore_eos, constraint=constraint,
+            images=[(int(a), int(b), bytes(data)) for a, b, data in images])
         return await self._await(i, ref)
 
     # --- refit: pause, update_weights, resume
