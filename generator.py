@@ -119,6 +119,7 @@ class Segment:
     finish_reason: str = ""
     truncated: bool = False
     routed_experts: object = None  # numpy (T, layers, top_k) int16 experts per token (-1: not recorded), or None
+    images: list = field(default_factory=list)   # VLM: [(start, end, encoded image)], token_ids[start:end] its run
     info: dict = field(default_factory=dict)
 
     def check(self) -> None:
@@ -128,6 +129,12 @@ class Segment:
             value = getattr(self, name)
             if value is not None and len(value) != T:
                 raise ValueError(f"{where}: {name} has {len(value)} rows, token_ids has {T}")
+        at = 0
+        for k, (start, end, _) in enumerate(self.images):
+            if not at <= start < end <= T or any(self.action_mask[start:end]):
+                raise ValueError(f"{where}: images[{k}] spans ({start}, {end}): not inside the row after the image "
+                                 "before it, or over action tokens (an image is never sampled)")
+            at = end
         for t, (act, lp, v) in enumerate(zip(self.action_mask, self.logprobs, self.versions)):
             if act and (v < 0 or not lp <= 0.0):
                 raise ValueError(f"{where}: action token {t} has version {v}, log-prob {lp} (needs >= 0, <= 0)")

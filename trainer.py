@@ -41,10 +41,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText,
+                          AutoModelForTokenClassification, AutoProcessor)
 
 from estimators import EstimatorArgs, compute_advantages
-from generator import Segment
+from generator import Segment, decode_image
 from losses import Denoms, LossArgs, compute_policy_loss, compute_value_loss, sft_loss
 
 SCHEDULES = ("constant", "cosine")
@@ -162,9 +163,10 @@ def check_args(train: TrainArgs, fsdp: FsdpArgs, loss: LossArgs, estimator: Esti
 # --- pure functions: batch layout, log-probs, schedule, gradient norm, SFT rows
 
 
-def collate(segments: list[Segment], moe: tuple[int, int, int] | None = None) -> dict[str, torch.Tensor]:
+def collate(segments: list[Segment], moe: tuple[int, int, int] | None = None, images=None) -> dict[str, torch.Tensor]:
     """The whole batch as right-padded (B, T) tensors plus per-row (B,) ones; ValueError names the first bad segment.
-    moe = (MoE layers, top_k, experts) adds "routed" (B, T, layers, top_k) int16, -1 where not recorded."""
+    moe = (MoE layers, top_k, experts) adds "routed" (B, T, layers, top_k) int16, -1 where not recorded; a VLM's
+    image processor (images) adds "pixels" (collate_pixels)."""
     if not segments:
         raise ValueError("segments: empty batch; train_step needs at least one segment with an action token")
     for i, seg in enumerate(segments):
@@ -196,7 +198,33 @@ def collate(segments: list[Segment], moe: tuple[int, int, int] | None = None) ->
              "lengths": torch.tensor([len(seg.token_ids) for seg in segments])}  # (B,)
     if moe is not None:  # --train.routing_replay
         batch["routed"] = torch.from_numpy(collate_routing(segments, T, *moe))  # (B, T, layers, top_k)
+    if images is not None:
+        batch["pixels"] = collate_pixels(segments, images)
+    elif any(seg.images for seg in segments):
+        raise ValueError("segments carry images, but the model has no vision_config (not a VLM)")
     return batch
+
+
+def image_processor(model_path: str):
+    """A VLM's image processor, the one its engine runs (from the model directory); None for a text model."""
+    vlm = hasattr(AutoConfig.from_pretrained(model_path), "vision_config")
+    return AutoProcessor.from_pretrained(model_path).image_processor if vlm else None
+
+
+def collate_pixels(segments: list[Segment], processor) -> torch.Tensor:
+    """(B, N, 3, H, W) pixel values of each row's images in order, as the engine's processor computes them from the
+    same bytes; zero-padded, and the model skips all-zero images. N >= 1, so every forward runs the vision tower
+    (FSDP ranks must all run the same modules)."""
+    from PIL import Image
+    pixels = lambda images: processor(images=[images], return_tensors="pt")["pixel_values"][0]  # (n, 3, H, W)
+    rows = [pixels([decode_image(data, f"segment {i}: images[{k}]") for k, (*_, data) in enumerate(seg.images)])
+            if seg.images else None for i, seg in enumerate(segments)]
+    shape = next((r.shape[1:] for r in rows if r is not None), None) or pixels([Image.new("RGB", (8, 8))]).shape[1:]
+    out = torch.zeros(len(segments), max([1] + [len(r) for r in rows if r is not None]), *shape)
+    for i, r in enumerate(rows):
+        if r is not None:
+            out[i, :len(r)] = r
+    return out
 
 
 def collate_routing(segments: list[Segment], T: int, layers: int, top_k: int, experts: int) -> np.ndarray:
@@ -450,6 +478,7 @@ class TrainerRank:
         dp_mesh = self.dist_setup.mesh_context.device_mesh["dp"]
         self.dp_rank, self.dp_size, self.dp_group = dp_mesh.get_local_rank(), dp_mesh.size(), dp_mesh.get_group()
         self.model = self.build(AutoModelForCausalLM)
+        self.images = image_processor(self.model_path)
         if self.train.routing_replay:
             self.moe = self.install_replay(self.model)
         # names transformers keeps fused (an MoE layer's experts in one tensor): export reverts them as save_pretrained
@@ -475,13 +504,17 @@ class TrainerRank:
         policies load as NeMo's own MoE class (expert parallelism, a replay hook in its gate, an adapter to the
         checkpoint's names); other models, the critic too, as their transformers class (the checkpoint's names)."""
         config = AutoConfig.from_pretrained(self.model_path)
+        if auto_class is AutoModelForCausalLM and hasattr(config, "vision_config"):   # a VLM: its own class
+            auto_class = AutoModelForImageTextToText
         nemo_moe = auto_class is AutoModelForCausalLM and config.model_type == "qwen3_moe"
         if nemo_moe:  # aux_loss_coeff 0: in train mode NeMo would add a load-balancing loss to ours
             from nemo_automodel.components.models.common import BackendConfig
             kwargs.update(backend=BackendConfig(experts="torch_mm"), moe_overrides={"aux_loss_coeff": 0.0})
         if self.cuda:
-            from nemo_automodel import NeMoAutoModelForCausalLM, NeMoAutoModelForTokenClassification
+            from nemo_automodel import (NeMoAutoModelForCausalLM, NeMoAutoModelForImageTextToText,
+                                        NeMoAutoModelForTokenClassification)
             nemo_class = {AutoModelForCausalLM: NeMoAutoModelForCausalLM,
+                          AutoModelForImageTextToText: NeMoAutoModelForImageTextToText,
                           AutoModelForTokenClassification: NeMoAutoModelForTokenClassification}[auto_class]
             model = nemo_class.from_pretrained(self.model_path, dtype=torch.float32, force_hf=not nemo_moe,
                                                use_liger_kernel=False, **kwargs)  # no Liger: the engine's math
@@ -541,18 +574,21 @@ class TrainerRank:
     def microbatch(self, batch: dict, rows: list[int]) -> dict[str, torch.Tensor]:
         """The rows' tensors cropped to their longest row, on this rank's device; no rows give one masked pad token."""
         if not rows:
-            return {k: torch.full_like(v[:1, :1] if v.ndim >= 2 else v[:1], -1 if k == "routed" else 0).to(self.device)
-                    for k, v in batch.items()}
+            return {k: torch.full_like(v[:1, :1] if v.ndim >= 2 and k != "pixels" else v[:1],
+                                       -1 if k == "routed" else 0).to(self.device) for k, v in batch.items()}
         width = int(batch["lengths"][rows].max())
-        return {k: (v[rows, :width] if v.ndim >= 2 else v[rows]).to(self.device) for k, v in batch.items()}
+        return {k: (v[rows, :width] if v.ndim >= 2 and k != "pixels" else v[rows]).to(self.device)
+                for k, v in batch.items()}
 
-    def policy_logprobs(self, model, ids: torch.Tensor, temperature: float, *, entropy: bool = False,
-                        routed: torch.Tensor | None = None):
-        """(B, T) log-probs of ids under model's logits / temperature, and (B, T) entropy when asked; with
-        --train.routing_replay, model's MoE layers replay routed (B, T, layers, top_k) (None: live routing)."""
-        self.replay = routed  # read by replayed_ids in this forward and in its checkpoint recompute
+    def policy_logprobs(self, model, x: dict, temperature: float, *, entropy: bool = False):
+        """(B, T) log-probs of a microbatch's ids under model's logits / temperature, and (B, T) entropy when asked;
+        with --train.routing_replay, the policy's MoE layers replay x["routed"] (B, T, layers, top_k); a VLM sees
+        x["pixels"] (B, N, 3, H, W)."""
+        ids = x["ids"]
+        self.replay = x.get("routed")  # read by replayed_ids in this forward and in its checkpoint recompute
+        images = {"pixel_values": x["pixels"]} if "pixels" in x else {}
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast(model)):
-            logits = model(input_ids=ids, use_cache=False).logits  # (B, T, V)
+            logits = model(input_ids=ids, use_cache=False, **images).logits  # (B, T, V)
         return token_logprobs(logits, ids, temperature, entropy=entropy, entropy_grad=self.loss.needs_entropy_grad,
                               compiled=self.cuda and self.fsdp.compile_logprobs)
 
@@ -580,7 +616,7 @@ class TrainerRank:
         """One RL step on the whole batch: advantages, old log-probs, then epochs x minibatches optimizer steps.
         Returns (weight, metrics) records for the driver to merge, and the policy version after the step."""
         # --- rollout batch: the same padded tensors and the same plan on every rank
-        batch = collate(segments, self.moe)
+        batch = collate(segments, self.moe, self.images)
         mask = batch["mask"]  # (B, T)
         plan = self.plan(batch, self.train.minibatches)
         start_version, records = self.version, []
@@ -594,10 +630,10 @@ class TrainerRank:
                      and bool((batch["versions"][mask] == self.version).all()))
         kl = None
         if not on_policy or self.ref is not None:
-            policy = lambda x: self.policy_logprobs(self.model, x["ids"], self.temperature, routed=x.get("routed"))[0]
+            policy = lambda x: self.policy_logprobs(self.model, x, self.temperature)[0]
             batch["old_logp"] = self.forward_rows(policy, batch, plan)
         if self.ref is not None:
-            ref = lambda x: self.policy_logprobs(self.ref, x["ids"], self.temperature)[0]
+            ref = lambda x: self.policy_logprobs(self.ref, x, self.temperature)[0]
             batch["ref_logp"] = self.forward_rows(ref, batch, plan)
             kl = torch.where(mask, batch["old_logp"] - batch["ref_logp"], 0.0)  # (B, T) k1: the estimator's KL reward
         if self.critic is not None:
@@ -624,8 +660,7 @@ class TrainerRank:
                 step_loss = torch.zeros((), device=self.device)
                 for micro in minibatch[self.dp_rank]:
                     x = self.microbatch(batch, micro)
-                    logp, entropy = self.policy_logprobs(self.model, x["ids"], self.temperature, entropy=True,
-                                                         routed=x.get("routed"))
+                    logp, entropy = self.policy_logprobs(self.model, x, self.temperature, entropy=True)
                     loss, loss_metrics = compute_policy_loss(
                         self.loss, logp, x.get("old_logp", logp.detach()), x["rollout_logp"], x["adv"], x["mask"],
                         versions=x["versions"], current_version=start_version, denoms=denoms, entropy=entropy,
@@ -677,7 +712,7 @@ class TrainerRank:
     def sft_step(self, segments: list[Segment]) -> tuple[list[tuple[float, dict]], int]:
         """One optimizer step of token NLL on the action tokens, at temperature 1 (the model's own distribution);
         MoE layers route live (SFT rows were never sampled, so there is no routing to replay)."""
-        batch = collate(segments)
+        batch = collate(segments, images=self.images)
         mask, records = batch["mask"], []
         plan = self.plan(batch, 1)
         denoms = Denoms(num_tokens=float(mask.sum()), num_seqs=float(mask.any(1).sum()),
@@ -685,7 +720,7 @@ class TrainerRank:
         step_loss = torch.zeros((), device=self.device)
         for micro in plan[0][self.dp_rank]:
             x = self.microbatch(batch, micro)
-            loss, metrics = sft_loss(self.policy_logprobs(self.model, x["ids"], 1.0)[0], x["mask"], denoms=denoms)
+            loss, metrics = sft_loss(self.policy_logprobs(self.model, x, 1.0)[0], x["mask"], denoms=denoms)
             (loss * self.dp_size).backward()
             step_loss += loss.detach()
             records.append((float(x["mask"].sum()) if micro else 0.0, metrics))
@@ -695,10 +730,10 @@ class TrainerRank:
 
     def logprobs(self, segments: list[Segment], temperature: float | None) -> list[torch.Tensor] | None:
         """Every segment's (T,) recomputed log-probs (0 at t = 0) on rank 0; None on the others."""
-        batch = collate(segments, self.moe)
+        batch = collate(segments, self.moe, self.images)
         plan = self.plan(batch, 1)
         temperature = self.temperature if temperature is None else temperature
-        policy = lambda x: self.policy_logprobs(self.model, x["ids"], temperature, routed=x.get("routed"))[0]
+        policy = lambda x: self.policy_logprobs(self.model, x, temperature)[0]
         logp = self.forward_rows(policy, batch, plan)
         return [logp[i, :n] for i, n in enumerate(batch["lengths"].tolist())] if self.rank == 0 else None
 
@@ -863,9 +898,12 @@ class TrainerGroup:
             raise ValueError(f"--fsdp.ep_size {ep}: expert parallelism needs a Qwen3-MoE policy whose expert count "
                              f"it divides, and no critic (a transformers class); {model_path} is {config.model_type} "
                              f"with {getattr(config, 'num_experts', 0)} experts; set another ep_size")
+        if hasattr(config, "vision_config") and train.world_size > 1:   # a 2-rank run hung in a vision all-gather
+            raise ValueError(f"--train.world_size {train.world_size} with a VLM ({config.model_type}): sharding a VLM "
+                             "over several ranks is not supported yet; set --train.world_size 1")
         if not temperature > 0.0:
             raise ValueError(f"temperature {temperature}: must be > 0, the rollout's --rollout.temperature")
-        self.ckpt, self.colocated = ckpt, colocated
+        self.ckpt, self.colocated, self.images = ckpt, colocated, image_processor(model_path)
         actor_class = ray.remote(num_cpus=0, num_gpus=gpus)(TrainerRank)
         self.actors = [actor_class.remote(r, train.world_size, model_path, train, fsdp, ckpt, loss, estimator,
                                           temperature) for r in range(train.world_size)]
@@ -901,7 +939,7 @@ class TrainerGroup:
     def run_step(self, method: str, segments: list[Segment], data_position: dict | None) -> dict[str, float]:
         """One step on every rank; merged metrics with throughput; a checkpoint when --ckpt.every says so."""
         start = time.perf_counter()
-        batch = collate(segments)  # refuse bad input here, before any rank sees it
+        batch = collate(segments, images=self.images)  # refuse bad input here, before any rank sees it
         results = self.call(method, ray.put(segments))  # one copy in the object store, read by every rank
         metrics = merge_metrics([record for records, _ in results for record in records])
         self.step, self.version = self.step + 1, results[0][1]
@@ -923,7 +961,7 @@ class TrainerGroup:
 
     def logprobs(self, segments: list[Segment], *, temperature: float | None = None) -> list[torch.Tensor]:
         """Each segment's (T,) log-probs under the current weights at temperature (default: the rollout's)."""
-        collate(segments)  # refused here, before any rank sees it
+        collate(segments, images=self.images)  # refused here, before any rank sees it
         return self.call("logprobs", ray.put(segments), temperature)[0]
 
     def export_weights(self, bucket_mb: float = 256, *, dtype: torch.dtype | None = None):

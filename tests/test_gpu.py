@@ -373,7 +373,7 @@ def experts_run(rank, x, routed) -> torch.Tensor:
              for m in rank.model.modules() if isinstance(m, GroupedExperts)]
     try:
         with torch.no_grad():
-            logp = rank.policy_logprobs(rank.model, x["ids"], 1.0, routed=routed)[0]
+            logp = rank.policy_logprobs(rank.model, {"ids": x["ids"], "routed": routed}, 1.0)[0]
     finally:
         for h in hooks:
             h.remove()

@@ -115,7 +115,7 @@ def forward_observed(rank, segments, *, grad: bool):
     seen = Observed(rank.model)
     try:
         with torch.set_grad_enabled(grad):
-            logp = rank.policy_logprobs(rank.model, x["ids"], 1.0, routed=x["routed"])[0]
+            logp = rank.policy_logprobs(rank.model, x, 1.0)[0]
         if grad:
             rank.model.zero_grad(set_to_none=True)
             (logp * x["mask"]).sum().backward()

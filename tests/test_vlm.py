@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 
-from generator import Generator, RolloutArgs, VllmArgs, contract_images, decode_image
+from generator import Generator, RolloutArgs, Segment, VllmArgs, checkpoint_shapes, contract_images, decode_image
 from recipes.tiny_vlm import build_tiny_vlm
 
 run = asyncio.run
@@ -61,41 +61,51 @@ def test_contract_images_keeps_one_image_id_per_run_and_refuses_strays():
         decode_image(b"GIF89a but not really", "images[3]")
 
 
-def test_two_images_in_two_turns_are_token_exact_against_the_hf_forward(vlm):
-    from transformers import Idefics3ForConditionalGeneration
-    path, gen, proc = vlm
+def two_turns(gen, proc, seed: int, colours=((220, 30, 30), (30, 30, 220))) -> Segment:
+    """A Segment of two sampled turns of 16 tokens: an image in the prompt, another in the later user turn (its ids
+    appended as a delta after the sampled ones; no eos was sampled, so the bridge is the whole end of turn)."""
     tok = proc.tokenizer
-    red, blue = square((220, 30, 30), (8, 8)), square((30, 30, 220), (32, 24))
+    first_png, second_png = square(colours[0], (8, 8)), square(colours[1], (32, 24))
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "which colour?"}]}]
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    prompt = proc(text=text, images=[decode_image(red, "red")])["input_ids"][0]
+    prompt = proc(text=text, images=[decode_image(first_png, "first")])["input_ids"][0]
     (first,) = image_runs(prompt, tok)
     assert first[1] - first[0] == 19   # 16 <image> (64 px, patch 8, 2x2 pixel shuffle) + 3 markers (recipe docstring)
-    c1 = run(gen.generate(prompt, images=[(*first, red)], seed=1, ignore_eos=True))
+    c1 = run(gen.generate(prompt, images=[(*first, first_png)], seed=seed, ignore_eos=True))
     assert len(c1.token_ids) == 16 and proc.image_token_id not in c1.token_ids
-    # a later user turn with the second image, appended as delta ids after the sampled ones (no eos was sampled:
-    # the bridge is the whole end of turn)
     later = [{"role": "assistant", "content": "x"},
              {"role": "user", "content": [{"type": "text", "text": "and now?"}, {"type": "image"}]}]
     base = tok.apply_chat_template(messages + later[:1], tokenize=False)
     full = tok.apply_chat_template(messages + later, add_generation_prompt=True, tokenize=False)
-    delta = proc(text="<|im_end|>\n" + full[len(base):], images=[decode_image(blue, "blue")])["input_ids"][0]
+    delta = proc(text="<|im_end|>\n" + full[len(base):], images=[decode_image(second_png, "second")])["input_ids"][0]
     row = prompt + c1.token_ids + delta
     runs = image_runs(row, tok)
     assert runs[0] == first and runs[1][0] > len(prompt) + len(c1.token_ids)
-    c2 = run(gen.generate(row, images=[(*runs[0], red), (*runs[1], blue)], seed=2, ignore_eos=True))
-    assert len(c2.token_ids) == 16 and c1.versions == c2.versions == [0] * 16
+    images = [(*runs[0], first_png), (*runs[1], second_png)]
+    c2 = run(gen.generate(row, images=images, seed=seed + 1, ignore_eos=True))
+    assert len(c2.token_ids) == 16
+    pad = lambda n: [False] * n
+    seg = Segment(token_ids=row + c2.token_ids, images=images, group_id="g", episode_id=f"e{seed}",
+                  action_mask=pad(len(prompt)) + [True] * 16 + pad(len(delta)) + [True] * 16,
+                  logprobs=[0.0] * len(prompt) + c1.logprobs + [0.0] * len(delta) + c2.logprobs,
+                  versions=[-1] * len(prompt) + c1.versions + [-1] * len(delta) + c2.versions)
+    seg.check()
+    return seg
 
+
+def test_two_images_in_two_turns_are_token_exact_against_the_hf_forward(vlm):
+    from transformers import Idefics3ForConditionalGeneration
+    path, gen, proc = vlm
+    seg = two_turns(gen, proc, seed=1)
+    assert {v for v, m in zip(seg.versions, seg.action_mask) if m} == {0}
     model = Idefics3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    whole = row + c2.token_ids
-    pixels = proc.image_processor(images=[[decode_image(red, "red"), decode_image(blue, "blue")]],
+    pixels = proc.image_processor(images=[[decode_image(b, "image") for *_, b in seg.images]],
                                   return_tensors="pt")["pixel_values"]
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor([whole]), pixel_values=pixels).logits[0]
-    logp = torch.log_softmax(logits.float(), -1)[:-1].gather(1, torch.tensor(whole[1:])[:, None])[:, 0]
-    # token t's log-prob sits at t - 1; turn 1's tokens start at len(prompt), turn 2's at len(row)
-    ours = torch.cat([logp[len(prompt) - 1:len(prompt) - 1 + 16], logp[len(row) - 1:]])
-    assert (ours - torch.tensor(c1.logprobs + c2.logprobs)).abs().max() <= 1e-4
+        logits = model(input_ids=torch.tensor([seg.token_ids]), pixel_values=pixels).logits[0]
+    logp = torch.log_softmax(logits.float(), -1)[:-1].gather(1, torch.tensor(seg.token_ids[1:])[:, None])[:, 0]
+    mask = torch.tensor(seg.action_mask[1:])   # token t's log-prob sits at t - 1
+    assert (logp[mask] - torch.tensor(seg.logprobs[1:])[mask]).abs().max() <= 1e-4
 
 
 def test_bad_image_input_is_refused_before_the_engine(vlm):
@@ -111,3 +121,34 @@ def test_bad_image_input_is_refused_before_the_engine(vlm):
         run(gen.generate(row, images=[(*image_runs(row, proc.tokenizer)[0], b"\x89PNG truncated")]))
     c = run(gen.generate(row, images=[(*image_runs(row, proc.tokenizer)[0], square((0, 0, 0), (0, 0)))]))
     assert c.finish_reason in ("stop", "length")   # the engine still serves after the refusals
+
+
+def test_trainer_recomputes_the_engines_logprobs_trains_and_refits_the_vlm(vlm):
+    from estimators import EstimatorArgs
+    from losses import LossArgs
+    from trainer import CkptArgs, FsdpArgs, TrainArgs, TrainerGroup
+    path, gen, proc = vlm
+    segs = [two_turns(gen, proc, seed=s, colours=c) for s, c in
+            ((3, ((220, 30, 30), (30, 30, 220))), (5, ((30, 200, 30), (220, 220, 30))))]
+    segs[0].reward = 1.0   # one group of two, rewards 1 and 0: non-zero advantages for both
+    with pytest.raises(ValueError, match="--train.world_size 2 with a VLM"):   # refused before any rank starts
+        TrainerGroup(path, TrainArgs(world_size=2), FsdpArgs(), CkptArgs(), LossArgs(), EstimatorArgs(),
+                     temperature=1.0, gpus_per_rank=0)
+    trainer = TrainerGroup(path, TrainArgs(lr=1e-2), FsdpArgs(), CkptArgs(), LossArgs(), EstimatorArgs(),
+                           temperature=1.0, gpus_per_rank=0)
+    try:
+        def gap(segments):   # the largest |trainer - engine| log-prob over every action token
+            return max((lp - torch.tensor(s.logprobs))[torch.tensor(s.action_mask)].abs().max().item()
+                       for s, lp in zip(segments, trainer.logprobs(segments)))
+        assert gap(segs) <= 1e-4
+        trainer.train_step(segs)
+        assert gap(segs) > 1e-3   # the step moved the weights: the old samples are now off-policy
+        run(gen.pause())
+        report = trainer.refit(gen)
+        run(gen.resume())
+        assert sum(len(b) for b in report["applied"]) == len(checkpoint_shapes(path))   # tower, connector, text
+        fresh = two_turns(gen, proc, seed=7)
+        assert {v for v, m in zip(fresh.versions, fresh.action_mask) if m} == {1}
+        assert gap([fresh]) <= 1e-4
+    finally:
+        trainer.shutdown()
