@@ -474,10 +474,12 @@ class Engine:
         await self.open.wait()  # a request sent during a refit waits for it: all its tokens get the new version
         start, version, marks = time.perf_counter(), self.version, []
         prompt = {"prompt_token_ids": prompt_ids}
-        if images:   # vLLM expands each image id into its run; the row already holds the runs
-            prompt = {"prompt_token_ids": contract_images(prompt_ids, images, self.image_id),
-                      "multi_modal_data": {"image": [decode_image(b, f"images[{k}]") for k, (*_, b) in
-                                                     enumerate(images)]}}
+        if images or self.image_id is not None:   # vLLM expands each image id into its run; the row holds the runs
+            # (a ValueError here reaches the caller as itself: engine_error); a VLM's stray image id is refused too
+            prompt["prompt_token_ids"] = contract_images(prompt_ids, images, self.image_id)
+        if images:
+            prompt["multi_modal_data"] = {"image": [decode_image(b, f"generate: images[{k}]")
+                                                    for k, (*_, b) in enumerate(images)]}
         self.adding += 1
         try:  # add_request returns once vLLM's output processor tracks the request (pause waits for that)
             q = await self.llm.add_request(request_id, prompt, build_sampling_params(rollout, **kw))
@@ -623,7 +625,6 @@ class Generator:
             except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
                 raise engine_error(i, e) from e
         self._vocab_size, self.dtype = infos[0]["vocab_size"], infos[0]["dtype"]
-        self._image_id = json.load(open(os.path.join(model_path, "config.json"))).get("image_token_id")
         self._gpus = [uuid for info in infos for uuid in info["gpus"]]  # each engine worker's GPU
         self._next, self._nccl, self._ipc, self._timings, self.dead = 0, None, None, {}, None
 
@@ -670,10 +671,6 @@ class Generator:
         if len(prompt_ids) >= self.vllm.max_model_len:
             raise ValueError(f"generate: a prompt of {len(prompt_ids)} tokens leaves no room under "
                              f"--vllm.max_model_len {self.vllm.max_model_len}")
-        if images or self._image_id is not None:   # a VLM's stray image id (a sampled one) is refused too
-            contract_images(list(prompt_ids), images, self._image_id)
-            for k, (*_, data) in enumerate(images):
-                decode_image(data, f"generate: images[{k}]")
         if affinity is None:
             i, self._next = self._next % len(self._engines), self._next + 1
         else:
