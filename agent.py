@@ -5,6 +5,8 @@ Two kinds of agent, both plain Python in a file passed by `--agent.path FILE` th
   `step(action_text, state) -> Result` per turn. The prompt is rendered once; sampled ids are appended
   verbatim and each observation as delta tokens (mask 0) by the chat server's `ChatTemplate`; an episode
   whose template cannot make that delta fails with the reason (any template works for a one-turn Env).
+  An observation is a str or a list of parts, str (text) or bytes (an encoded image, for a VLM): each image
+  becomes its placeholder run and lands in Segment.images; an episode that samples the image token id fails.
 - `ChatAgent`: the agent owns the loop. `run(ctx) -> Result` talks to the loopback chat server with a
   stock OpenAI or Anthropic SDK (`ctx.base_url`, `ctx.anthropic_base_url`, `ctx.api_key`); its
   episode's segments come from the server.
@@ -45,17 +47,18 @@ class AgentArgs:
 @dataclass
 class Result:
     reward: float
-    observation: str = ""
+    observation: str | list = ""   # the next user turn: a str, or parts in order, str (text) or bytes (an image)
     terminated: bool = True
     truncated: bool = False
     info: dict = field(default_factory=dict)
 
 
 class Env:
-    """Subclass and implement reset and step; one instance serves one episode."""
+    """Subclass and implement reset and step; one instance serves one episode. reset returns the first user turn,
+    as Result.observation is: a str, or a list of str (text) and bytes (an encoded PNG/JPEG image) parts."""
     system_prompt: str | None = None
 
-    async def reset(self, prompt: str, label) -> str:
+    async def reset(self, prompt: str, label) -> str | list:
         raise NotImplementedError
 
     async def step(self, action_text: str, state: dict) -> Result:
@@ -117,16 +120,29 @@ async def run_sandboxed(argv: list[str], *, stdin: str = "", timeout_s: float = 
 # --- runners: one episode -> Segments
 
 
+def user_turn(observation: str | list, template: ChatTemplate) -> tuple[dict, list[bytes]]:
+    """An observation -> its chat-template user message (one {"type": "image"} part per image) and its images."""
+    if isinstance(observation, str):
+        return {"role": "user", "content": observation}, []
+    if not all(isinstance(p, (str, bytes)) for p in observation):
+        raise ValueError(f"observation parts {[type(p).__name__ for p in observation]}: each must be str or bytes")
+    images = [p for p in observation if isinstance(p, bytes)]
+    if images and template.processor is None:   # before any render: a text template may fail on parts
+        raise ValueError(f"model {template.tokenizer.name_or_path} takes no images (its config.json names no "
+                         f"image_token_id); an observation holds {len(images)}")
+    return {"role": "user", "content": [{"type": "image"} if isinstance(p, bytes) else {"type": "text", "text": p}
+                                        for p in observation]}, images
+
+
 async def run_env_episode(env: Env, generator: Generator, template: ChatTemplate, row: dict, *, args: AgentArgs,
                           episode_id: str, group_id: str) -> list[Segment]:
     """The framework-owned loop: render the first observation once, then append sampled ids verbatim and
-    each observation as delta tokens. One segment; it ends terminated, truncated (turn or context limit)
-    or aborted."""
+    each observation as delta tokens; an image becomes its placeholder run (expand_images; a text model raises).
+    One segment; it ends terminated, truncated (turn or context limit) or aborted."""
     state = {"label": row.get("label"), "prompt": row["prompt"], "turn": 0, "finish_reason": ""}
-    first = await env.reset(row["prompt"], row.get("label"))
+    first, images = user_turn(await env.reset(row["prompt"], row.get("label")), template)
     system = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []
-    messages = system + [{"role": "user", "content": first}]
-    ids = template.render_full(messages)
+    ids, spans = template.expand_images(template.render_full(system + [first]), images)
     mask, logps, versions, sampled = [False] * len(ids), [0.0] * len(ids), [-1] * len(ids), []
     result, truncated, routed = None, False, None
     while True:
@@ -135,7 +151,9 @@ async def run_env_episode(env: Env, generator: Generator, template: ChatTemplate
             truncated = True
             break
         out = await generator.generate(ids, max_new_tokens=min(room, generator.rollout.max_new_tokens),
-                                       affinity=episode_id)
+                                       affinity=episode_id, images=spans)
+        if template.image_id in out.token_ids:   # the HF forward would take it for an image's place: untrainable
+            raise ValueError(f"episode {episode_id}: sampled the image token id {template.image_id}")
         ids += out.token_ids
         mask += [True] * len(out.token_ids)
         logps += out.logprobs
@@ -148,8 +166,10 @@ async def run_env_episode(env: Env, generator: Generator, template: ChatTemplate
         if result.terminated or result.truncated or out.finish_reason == "abort":
             truncated = result.truncated
             break
-        observation = template.render_delta([{"role": "user", "content": result.observation}])  # raises, naming why
-        delta = template.bridge(out.token_ids) + observation
+        message, images = user_turn(result.observation, template)
+        bridge, observation = template.bridge(out.token_ids), template.render_delta([message])  # raises, naming why
+        observation, new = template.expand_images(observation, images, len(ids) + len(bridge))
+        delta, spans = bridge + observation, spans + new
         ids += delta
         mask += [False] * len(delta)
         logps += [0.0] * len(delta)
@@ -158,7 +178,7 @@ async def run_env_episode(env: Env, generator: Generator, template: ChatTemplate
     info = dict(result.info if result is not None else {}, sampled=sampled_record(sampled), turns=state["turn"])
     return [Segment(token_ids=ids, action_mask=mask, logprobs=logps, versions=versions, reward=reward,
                     episode_id=episode_id, group_id=group_id, finish_reason=state["finish_reason"],
-                    truncated=truncated, info=info,
+                    truncated=truncated, info=info, images=spans,
                     routed_experts=None if routed is None else segment_routing(routed, len(ids)))]
 
 

@@ -14,13 +14,18 @@ sequence. Constrained decoding (a forced tool choice, a JSON format) is sampled 
 marked in Segment.info["constrained"]: the masked sampler is their behaviour policy. Reasoning goes out as an opaque
 handle (a thinking block's signature, a reasoning item's encrypted_content) that maps back to its exact text. A resend
 of a request whose client left (a runner's retry, no header) joins that turn. Not here: sampling settings (the
-generator's --rollout.*; client values are ignored and counted), stateful Responses (previous_response_id), non-text
-content (400), admin HTTP routes (the trainer calls open_episode / close_episode in process)."""
+generator's --rollout.*; client values are ignored and counted), stateful Responses (previous_response_id), remote
+images (only inline ones: a data URL or base64; a VLM's image lands in its segment as its placeholder run plus its
+bytes), other non-text content (400), admin HTTP routes (the trainer calls open_episode / close_episode in process)."""
 import asyncio
+import base64
+import binascii
 import bisect
+import functools
 import gc
 import json
 import logging
+import os
 import re
 import secrets
 import time
@@ -35,7 +40,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from generator import Completion, Segment, sampled_record, segment_routing
+from generator import Completion, Segment, decode_image, sampled_record, segment_routing
 
 log = logging.getLogger("chat_server")
 APPEND_ROLES = ("tool", "user", "system")
@@ -113,11 +118,17 @@ class ChatTemplate:
     equal to the segment; a failing role lands in `refused`, and such turns open a new segment instead."""
 
     def __init__(self, tokenizer_path: str, append_roles: tuple = ("tool", "user")):
-        from transformers import AutoTokenizer
+        from transformers import AutoConfig, AutoProcessor, AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         self.eos_id = self.tokenizer.eos_token_id
         self.special_ids = set(self.tokenizer.all_special_ids)
         self.atomic_ids = self.special_ids | set(self.tokenizer.added_tokens_decoder)   # never merged with neighbours
+        config = os.path.exists(f"{tokenizer_path}/config.json") and AutoConfig.from_pretrained(tokenizer_path)
+        self.image_id = getattr(config, "image_token_id", None)   # LLaVA's config.json spells it image_token_index
+        self.processor = None   # a VLM's: expands an image's one rendered image id into its placeholder run
+        if self.image_id is not None:
+            self.processor = AutoProcessor.from_pretrained(tokenizer_path)
+            self.image_run = functools.lru_cache(RECENT)(self.image_run)   # a group's samples share their images
         self.recent = OrderedDict()  # the last RECENT full renders: a group's episodes share their first prompt
         probe = self.render_text([{"role": "user", "content": "u"}, {"role": "assistant", "content": MARK}],
                                  add_generation_prompt=False)
@@ -183,6 +194,29 @@ class ChatTemplate:
             raise refuse("the whole render's tokens do not end with the delta's tokens")
         return delta
 
+    def expand_images(self, ids: list[int], images: list[bytes], at: int = 0) -> tuple[list[int], list[tuple]]:
+        """Rendered ids with one image id per image part (in order) -> the ids with each replaced by that image's
+        placeholder run, as the model's processor expands it, and the runs' spans [(start + at, end + at, bytes)].
+        Raises ValueError when the model takes no images or the template rendered another number of them."""
+        if not images:
+            return ids, []
+        spots = [k for k, i in enumerate(ids) if i == self.image_id] if self.processor else []
+        if len(spots) != len(images):
+            raise ValueError(f"model {self.tokenizer.name_or_path} takes no images" if self.processor is None else
+                             f"the chat template rendered {len(spots)} image tokens for {len(images)} images")
+        out, spans = [], []
+        for k, (spot, data) in enumerate(zip(spots, images)):
+            out += ids[spots[k - 1] + 1 if k else 0:spot]
+            run = self.image_run(data)
+            spans.append((at + len(out), at + len(out) + len(run), data))
+            out += run
+        return out + ids[spots[-1] + 1:], spans
+
+    def image_run(self, data: bytes) -> list[int]:
+        text = self.tokenizer.convert_ids_to_tokens(self.image_id)
+        return list(self.processor(text=text, images=[decode_image(data, "image")],
+                                   add_special_tokens=False)["input_ids"][0])
+
     def bridge(self, sampled_ids: list[int]) -> list[int]:
         """Tokens the template puts after a sampled turn: the rest of its end-of-turn text (mask 0)."""
         if self.after_eos is None:
@@ -243,7 +277,7 @@ class Call:
 @dataclass
 class Msg:
     role: str            # system | user | assistant | tool
-    content: str = ""
+    content: str | tuple = ""   # a tuple when it holds images: its parts in order, str (text) or bytes (an image)
     reasoning: str = ""
     calls: tuple = ()    # assistant: Call, ...
     call_id: str = ""    # tool: the call it answers
@@ -256,7 +290,8 @@ class Msg:
         return self.role, self.content.strip(), calls
 
     def to_template(self) -> dict:
-        m = {"role": self.role, "content": self.content}
+        m = {"role": self.role, "content": self.content if isinstance(self.content, str) else [
+            {"type": "image"} if isinstance(p, bytes) else {"type": "text", "text": p} for p in self.content]}
         if self.reasoning:
             m["reasoning_content"] = self.reasoning
         if self.calls:
@@ -292,6 +327,10 @@ class ChatRequest:
 
     def first(self) -> int:
         return hash(self.msgs[0].key()) if self.msgs else 0
+
+    def images(self, start: int = 0) -> list[bytes]:
+        """The images of msgs[start:], in order."""
+        return [p for m in self.msgs[start:] if isinstance(m.content, tuple) for p in m.content if isinstance(p, bytes)]
 
 
 def chain_hashes(system: str | None, tools: list, msgs: list, prior: list = ()) -> list[int]:
@@ -380,6 +419,7 @@ class Track:
     stamp: int = 0                # bumped by every commit: a plan made on an older stamp forks
     rewrite_of: int | None = None   # the segment whose conversation this one carries on, rewritten
     experts: object = None          # (T, layers, top_k) int16 routing of the last engine call
+    images: list = field(default_factory=list)   # [(start, end, encoded image)]: Segment.images
 
 
 @dataclass
@@ -401,6 +441,7 @@ class Plan:
     base_msgs: int = 0
     stamp: int = 0
     added: list = field(default_factory=list)   # prompt tokens appended after base (mask 0)
+    images: list = field(default_factory=list)  # the image spans of the whole prompt
     rewrite_of: Track | None = None
     max_new: int = 0
     clamped: bool = False
@@ -441,6 +482,7 @@ class EpisodeState:
 def to_segment(ep: EpisodeState, t: Track) -> Segment:
     return Segment(token_ids=t.tokens, action_mask=t.mask, logprobs=t.logprobs, versions=t.versions, episode_id=ep.id,
                    finish_reason=t.turns[-1].finish, truncated=t.turns[-1].finish == "length", routed_experts=t.experts,
+                   images=t.images,
                    info={"segment": t.index, "forked_from": t.parent, "rewrite_of": t.rewrite_of,
                          "turns": [(u.start, u.end) for u in t.turns], "tainted": ep.tainted,
                          "constrained": [(u.start, u.end) for u in t.turns if u.constrained],
@@ -470,19 +512,27 @@ class SegmentStore:
             return Plan("RETRY", pending.reply_id, [], pending=pending, cached=True)
         scored = [(t, common_prefix(t.hashes, req.hashes)) for t in reversed(ep.tracks)]
         (track, L), n = max(scored, key=lambda s: s[1], default=(None, -1)), len(req.msgs)
-        if track and L == len(track.msgs) < n and all(m.role in self.template.append_roles for m in req.msgs[L:]):
-            added = track.turns[-1].bridge + self.template.render_delta([m.to_template() for m in req.msgs[L:]],
-                                                                        bool(track.msgs[-1].calls))
-            plan = Plan("EXTEND", reply_id, track.tokens + added, track=track, base=len(track.tokens), base_msgs=L,
-                        added=added)
-        elif track and L == n == len(track.msgs) - 1:   # the last turn's prompt again: resample it (roll back)
-            start = track.turns[-1].start
-            plan = Plan("RETRY", reply_id, track.tokens[:start], track=track, base=start, base_msgs=n)
-        else:   # a rewrite carries on a conversation we hold (same first message); a side call at most quotes it
-            same_task = [s for s in scored if s[0].first == req.first()] if n > 1 else []
-            added = self.template.render_full(req.template_messages(), req.tools)
-            plan = Plan("REWRITE" if same_task else "UNRELATED", reply_id, added, added=added,
-                        rewrite_of=max(same_task, key=lambda s: s[1])[0] if same_task else None)
+        try:   # a new image becomes its placeholder run, as the processor expands it (expand_images)
+            if track and L == len(track.msgs) < n and all(m.role in self.template.append_roles
+                                                          for m in req.msgs[L:]):
+                bridge = track.turns[-1].bridge
+                delta, images = self.template.expand_images(self.template.render_delta(
+                    [m.to_template() for m in req.msgs[L:]], bool(track.msgs[-1].calls)), req.images(L),
+                    len(track.tokens) + len(bridge))
+                plan = Plan("EXTEND", reply_id, track.tokens + bridge + delta, track=track, base=len(track.tokens),
+                            base_msgs=L, added=bridge + delta, images=track.images + images)
+            elif track and L == n == len(track.msgs) - 1:   # the last turn's prompt again: resample it (roll back)
+                start = track.turns[-1].start
+                plan = Plan("RETRY", reply_id, track.tokens[:start], track=track, base=start, base_msgs=n,
+                            images=[i for i in track.images if i[1] <= start])
+            else:   # a rewrite carries on a conversation we hold (same first message); a side call at most quotes it
+                same_task = [s for s in scored if s[0].first == req.first()] if n > 1 else []
+                added, images = self.template.expand_images(
+                    self.template.render_full(req.template_messages(), req.tools), req.images())
+                plan = Plan("REWRITE" if same_task else "UNRELATED", reply_id, added, added=added, images=images,
+                            rewrite_of=max(same_task, key=lambda s: s[1])[0] if same_task else None)
+        except ValueError as e:
+            raise bad("messages", str(e)) from None
         plan.stamp = plan.track.stamp if plan.track else 0
         room = self.window - len(plan.prompt)
         if room < 1:
@@ -506,7 +556,7 @@ class SegmentStore:
             try:
                 c = await self.generator.generate(plan.prompt, max_new_tokens=plan.max_new, seed=req.seed,
                                                   request_id=plan.reply_id, affinity=ep.id,
-                                                  constraint=req.constraint[0])
+                                                  constraint=req.constraint[0], images=plan.images)
             except ValueError:
                 raise   # the prompt we built broke the generator's contract: our bug
             except Exception as e:
@@ -540,6 +590,8 @@ class SegmentStore:
         if cut:
             kept, stop, text = cut
             ids, logprobs, versions, finish = ids[:kept], logprobs[:kept], versions[:kept], "stop"
+        if self.template.image_id in ids:   # the trainer's forward would take it for an image's place: untrainable
+            raise RuntimeError(f"the model sampled the image token id {self.template.image_id}")
         reasoning, content, found = parse_reply(text)
         calls = tuple(Call(req.call_prefix + secrets.token_hex(12), name, args) for name, args in found)
         pieces = [self.template.decode([i]) for i in ids] if req.logprobs else None
@@ -575,6 +627,7 @@ class SegmentStore:
         t.hashes += req.hashes[plan.base_msgs + 1:] + [hash((req.hashes[-1], assistant.key()))]
         t.turns.append(Turn(len(t.tokens) - len(ids), len(t.tokens), self.template.bridge(ids), finish, list(ids),
                             req.constraint[0] is not None))
+        t.images = plan.images
         if c.routed_experts is not None:   # this call saw the whole segment
             t.experts = segment_routing(c.routed_experts, len(t.tokens))
         t.stamp += 1
@@ -611,19 +664,59 @@ def get(obj: dict, key: str, types, path: str = "", required: bool = False):
     return value
 
 
-def text_of(value, path: str, kinds: tuple = ("text",)) -> str:
-    """A string, null, or a list of text parts joined by newlines; any other part is refused."""
+def text_of(value, path: str, kinds: tuple = ("text",), image: str = "") -> str | tuple:
+    """A string, null, or a list of text parts joined by newlines; with `image` (the protocol's image part type),
+    image parts are kept in place (see join_parts); any other part is refused."""
     if value is None or isinstance(value, str):
         return value or ""
     if not isinstance(value, list):
         raise bad(path, "expected a string or an array of content parts")
-    texts = []
+    parts = []
     for j, part in enumerate(value):
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-        if kind not in kinds:
-            raise bad(f"{path}.{j}.type", f"only text content is supported, got {kind!r}")
-        texts.append(get(part, "text", str, f"{path}.{j}.", required=True))
-    return "\n".join(texts)
+        if image and kind == image:
+            parts.append(image_of(part, f"{path}.{j}."))
+        elif kind in kinds:
+            parts.append(get(part, "text", str, f"{path}.{j}.", required=True))
+        else:
+            raise bad(f"{path}.{j}.type", f"only text{' and ' + image if image else ''} content is supported here, "
+                                          f"got {kind!r}")
+    return join_parts(parts)
+
+
+def join_parts(parts: list) -> str | tuple:
+    """Text parts joined by newlines; with an image among them, the parts in order (Msg.content)."""
+    return tuple(parts) if any(isinstance(p, bytes) for p in parts) else "\n".join(parts)
+
+
+def image_of(part: dict, path: str) -> bytes:
+    """The encoded bytes of an image part sent inline: a data URL (OpenAI image_url.url, Responses image_url) or an
+    Anthropic base64 source. No network is assumed: a remote URL or a file id is refused, naming the part."""
+    source = part.get("source")
+    if isinstance(source, dict):   # Anthropic: {"type": "base64", "media_type": ..., "data": ...}
+        if source.get("type") != "base64":
+            raise bad(path + "source.type", f"{source.get('type')!r} image sources are not fetched (no network is "
+                                            "assumed): send the image as a base64 source")
+        where, data = path + "source.data", get(source, "data", str, path + "source.", required=True)
+    else:
+        url, where = part.get("image_url"), path + "image_url"
+        url, where = (url.get("url"), where + ".url") if isinstance(url, dict) else (url, where)
+        if not isinstance(url, str) or not url.startswith("data:"):
+            got = "a file id" if part.get("file_id") else repr(url)[:60]
+            raise bad(where, f"expected an inline data URL (data:image/png;base64,...), got {got}: remote images are "
+                             "not fetched (no network is assumed)")
+        head, _, data = url.partition(",")
+        if not head.endswith(";base64"):
+            raise bad(where, "expected a base64 data URL (data:image/...;base64,...)")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except binascii.Error as e:
+        raise bad(where, f"not valid base64 ({e})") from None
+    try:
+        decode_image(raw, where)
+    except ValueError as e:
+        raise ApiError(400, str(e), param=where) from None
+    return raw
 
 
 def parse_arguments(raw):
@@ -725,7 +818,8 @@ def parse_openai(body: dict, prior: tuple = (0, None, ())) -> ChatRequest:
         if role in ("system", "developer") and i == 0:
             system = text_of(m.get("content"), p + "content")
         elif role in ("system", "developer", "user"):
-            msgs.append(Msg("user" if role == "user" else "system", text_of(m.get("content"), p + "content")))
+            msgs.append(Msg("user" if role == "user" else "system",
+                            text_of(m.get("content"), p + "content", image="image_url" if role == "user" else "")))
         elif role == "assistant":
             calls = []
             for j, tc in enumerate(get(m, "tool_calls", list, p) or []):
@@ -850,9 +944,11 @@ def parse_anthropic(body: dict, counting: bool = False, prior: tuple = (0, None,
             q, kind = f"{p}content.{j}.", b.get("type") if isinstance(b, dict) else None
             if kind == "text":
                 texts.append(get(b, "text", str, q, required=True))
+            elif kind == "image" and role == "user":
+                texts.append(image_of(b, q))
             elif kind == "tool_result" and role == "user":
                 results += 1
-                msgs.append(Msg("tool", text_of(b.get("content"), q + "content"),
+                msgs.append(Msg("tool", text_of(b.get("content"), q + "content", image="image"),
                                 call_id=get(b, "tool_use_id", str, q, required=True)))
             elif kind == "tool_use" and role == "assistant":
                 calls.append(Call(get(b, "id", str, q, required=True), get(b, "name", str, q, required=True),
@@ -864,7 +960,7 @@ def parse_anthropic(body: dict, counting: bool = False, prior: tuple = (0, None,
         if role == "assistant":
             msgs.append(Msg("assistant", "\n".join(texts), reasoning, tuple(calls)))
         elif texts or not results:   # tool results first, then the user's own text (the template's order)
-            msgs.append(Msg("user", "\n".join(texts)))
+            msgs.append(Msg("user", join_parts(texts)))
     max_tokens = None if counting else get(body, "max_tokens", int, required=True)
     (tools, server), choice = parse_tools(body, "custom", "input_schema"), get(body, "tool_choice", dict) or {}
     forced = {"any": "", "tool": choice.get("name") if isinstance(choice.get("name"), str) else ""}
@@ -954,7 +1050,8 @@ def parse_responses(body: dict, handles: dict = {}) -> ChatRequest:
         p, kind = f"input.{i}.", it.get("type", "message") if isinstance(it, dict) else None
         if kind == "message":
             role = get(it, "role", str, p, required=True)
-            text = text_of(it.get("content"), p + "content", ("input_text", "output_text", "text"))
+            text = text_of(it.get("content"), p + "content", ("input_text", "output_text", "text"),
+                           "input_image" if role == "user" else "")
             if role in ("system", "developer") and system is None and not msgs:
                 system = text
             elif role in ("system", "developer", "user", "assistant"):
@@ -972,7 +1069,8 @@ def parse_responses(body: dict, handles: dict = {}) -> ChatRequest:
                 msgs.append(Msg("assistant", reasoning=thought, calls=(call,)))
                 thought = ""
         elif kind == "function_call_output":
-            msgs.append(Msg("tool", text_of(it.get("output"), p + "output", ("input_text", "output_text")),
+            msgs.append(Msg("tool", text_of(it.get("output"), p + "output", ("input_text", "output_text"),
+                                            "input_image"),
                             call_id=get(it, "call_id", str, p, required=True)))
         elif kind == "reasoning":   # ours carries a handle; another server's opaque content stays opaque
             thought = handles.get(it.get("encrypted_content"), "")
@@ -1172,6 +1270,9 @@ class ChatServer(SegmentStore):
             raise bad("seed", "must be a 64-bit signed integer")
         if not req.msgs and req.system is None:
             raise bad("messages", "at least one message is required")
+        if self.template.processor is None and req.images():   # before any render: a text template cannot take them
+            raise bad("messages", f"model {self.model_name} takes no images (its config.json names no "
+                                  "image_token_id): send text content only")
         if req.msgs and req.msgs[-1].role == "assistant":
             raise bad("messages", "the last message is the assistant's: "
                                   "continuing (prefilling) a turn is not supported")
@@ -1304,7 +1405,12 @@ class ChatServer(SegmentStore):
     async def count_tokens(self, request: Request, protocol: str) -> Response:
         self.attribute(request)
         req = self.parse(protocol, (await self.read_json(request))[0], counting=True)
-        return JSONResponse({"input_tokens": len(self.template.render_full(req.template_messages(), req.tools))})
+        try:
+            ids, _ = self.template.expand_images(self.template.render_full(req.template_messages(), req.tools),
+                                                 req.images())
+        except ValueError as e:
+            raise bad("messages", str(e)) from None
+        return JSONResponse({"input_tokens": len(ids)})
 
     async def models(self, request: Request, protocol: str) -> Response:
         return JSONResponse(writer(protocol).models(self.model_name, self.created))

@@ -690,11 +690,12 @@ class Generator:
         self._timings["generator/pause_s"] = time.perf_counter() - start
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *,
-                             colocated: bool = False) -> dict:
+                             colocated: bool = False, keep: Iterable[str] = ()) -> dict:
         """Load every (checkpoint name, tensor) into every engine; tokens sampled next carry `version`.
 
         Takes pairs, streamed (a generator works: a trainer's export), only while paused; every
-        checkpoint parameter exactly once, in the engine's dtype. Tensors travel in packed buckets of
+        checkpoint parameter exactly once, in the engine's dtype, except those named in `keep` (frozen in the
+        trainer: the engine keeps them as loaded). Tensors travel in packed buckets of
         --vllm.refit_bucket_mb: CPU tensors as bytes; CUDA tensors, as the caller's `colocated` says
         (--launch.colocate, checked by refit_transport): over CUDA IPC to the engine on this GPU, else
         broadcast over NCCL from this process (which joins the engines' group on first use).
@@ -719,7 +720,7 @@ class Generator:
             applied.append(loaded)
             worker_s += seconds
             bucket = following
-        missing = sorted(set(self._shapes) - seen)
+        missing = sorted(set(self._shapes) - seen - set(keep))
         if missing:
             raise ValueError(f"update_weights: parameters {missing[:5]} (of {len(missing)}) were not given; the "
                              f"engines hold a partial update: send every parameter before resume()")

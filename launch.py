@@ -26,10 +26,9 @@ from itertools import compress, zip_longest
 
 import ray
 import torch
-from transformers import AutoTokenizer
 
 from agent import AgentArgs, AgentWorker, load_module
-from chat_server import ChatArgs
+from chat_server import ChatArgs, ChatTemplate
 from estimators import EstimatorArgs
 from generator import Generator, RolloutArgs, Segment, VllmArgs
 from losses import LossArgs, mismatch_metrics
@@ -432,11 +431,13 @@ async def probe_mismatch(generator: Generator, trainer: TrainerGroup, segments: 
     steps, where every token lags): sample a few short continuations of the batch's prompts at once with
     the weights just refit, and compare those sampling log-probs with the trainer's recompute."""
     prompts = [s.token_ids[:s.action_mask.index(True)] for s in segments[:count]]
+    images = [[i for i in s.images if i[1] <= len(p)] for s, p in zip(segments, prompts)]   # a VLM's prompt images
     tokens = min(tokens, generator.rollout.max_new_tokens)
-    outs = await asyncio.gather(*(generator.generate(p, max_new_tokens=tokens, affinity="probe") for p in prompts))
+    outs = await asyncio.gather(*(generator.generate(p, max_new_tokens=tokens, affinity="probe", images=i)
+                                  for p, i in zip(prompts, images)))
     probes = [Segment(token_ids=p + o.token_ids, action_mask=[False] * len(p) + [True] * len(o.token_ids),
-                      logprobs=[0.0] * len(p) + o.logprobs, versions=[-1] * len(p) + o.versions)
-              for p, o in zip(prompts, outs)]
+                      logprobs=[0.0] * len(p) + o.logprobs, versions=[-1] * len(p) + o.versions, images=i)
+              for p, o, i in zip(prompts, outs, images)]
     recomputed = await asyncio.to_thread(trainer.logprobs, probes)
     rollout = torch.nn.utils.rnn.pad_sequence([torch.tensor(p.logprobs) for p in probes], batch_first=True)  # (B, T)
     mask = torch.nn.utils.rnn.pad_sequence([torch.tensor(p.action_mask) for p in probes], batch_first=True)  # (B, T)
@@ -544,7 +545,8 @@ def run_sft(cfg: dict) -> dict:
     """Token NLL on the assistant turns of chat examples (--data.path: JSONL of messages, or rows("sft"))."""
     launch, train = cfg["launch"], cfg["train"]
     examples = load_rows(cfg["data"].path, "sft")
-    segments = sft_batch(examples, AutoTokenizer.from_pretrained(launch.model))
+    template = ChatTemplate(launch.model, append_roles=())   # a VLM's expands an example's images
+    segments = sft_batch(examples, template.tokenizer, template=template)
     trainer = TrainerGroup(launch.model, train, cfg["fsdp"], cfg["ckpt"], cfg["loss"], cfg["estimator"],
                            temperature=cfg["rollout"].temperature)
     log = MetricsLog(launch, {p: dataclasses.asdict(a) for p, a in cfg.items()})

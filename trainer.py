@@ -70,6 +70,9 @@ class TrainArgs:
     critic_lr: float | None = field(default=None, metadata={
         "help": "AdamW lr of the critic (a value head on a model copy); set iff --estimator.name gae"})
     routing_replay: bool = field(default=False, metadata={"help": "Qwen3-MoE: forwards replay Segment.routed_experts"})
+    freeze_vision: bool = field(default=False, metadata={
+        "help": "VLM: the vision tower keeps its loaded weights (no gradient, no AdamW state, left out of refits); "
+                "the connector and the language model train"})
     seed: int = field(default=0, metadata={"help": "torch / python / numpy seed of every rank"})
 
     def __post_init__(self):
@@ -166,7 +169,8 @@ def check_args(train: TrainArgs, fsdp: FsdpArgs, loss: LossArgs, estimator: Esti
 def collate(segments: list[Segment], moe: tuple[int, int, int] | None = None, images=None) -> dict[str, torch.Tensor]:
     """The whole batch as right-padded (B, T) tensors plus per-row (B,) ones; ValueError names the first bad segment.
     moe = (MoE layers, top_k, experts) adds "routed" (B, T, layers, top_k) int16, -1 where not recorded; a VLM's
-    image processor (images) adds "pixels" (collate_pixels)."""
+    image processor (images) adds "images": each row's decoded images, which microbatch turns into the model's
+    image inputs."""
     if not segments:
         raise ValueError("segments: empty batch; train_step needs at least one segment with an action token")
     for i, seg in enumerate(segments):
@@ -199,7 +203,8 @@ def collate(segments: list[Segment], moe: tuple[int, int, int] | None = None, im
     if moe is not None:  # --train.routing_replay
         batch["routed"] = torch.from_numpy(collate_routing(segments, T, *moe))  # (B, T, layers, top_k)
     if images is not None:
-        batch["pixels"] = collate_pixels(segments, images)
+        batch["images"] = [[decode_image(data, f"segment {i}: images[{k}]") for k, (*_, data) in enumerate(seg.images)]
+                           for i, seg in enumerate(segments)]
     elif any(seg.images for seg in segments):
         raise ValueError("segments carry images, but the model has no vision_config (not a VLM)")
     return batch
@@ -209,22 +214,6 @@ def image_processor(model_path: str):
     """A VLM's image processor, the one its engine runs (from the model directory); None for a text model."""
     vlm = hasattr(AutoConfig.from_pretrained(model_path), "vision_config")
     return AutoProcessor.from_pretrained(model_path).image_processor if vlm else None
-
-
-def collate_pixels(segments: list[Segment], processor) -> torch.Tensor:
-    """(B, N, 3, H, W) pixel values of each row's images in order, as the engine's processor computes them from the
-    same bytes; zero-padded, and the model skips all-zero images. N >= 1, so every forward runs the vision tower
-    (FSDP ranks must all run the same modules)."""
-    from PIL import Image
-    pixels = lambda images: processor(images=[images], return_tensors="pt")["pixel_values"][0]  # (n, 3, H, W)
-    rows = [pixels([decode_image(data, f"segment {i}: images[{k}]") for k, (*_, data) in enumerate(seg.images)])
-            if seg.images else None for i, seg in enumerate(segments)]
-    shape = next((r.shape[1:] for r in rows if r is not None), None) or pixels([Image.new("RGB", (8, 8))]).shape[1:]
-    out = torch.zeros(len(segments), max([1] + [len(r) for r in rows if r is not None]), *shape)
-    for i, r in enumerate(rows):
-        if r is not None:
-            out[i, :len(r)] = r
-    return out
 
 
 def collate_routing(segments: list[Segment], T: int, layers: int, top_k: int, experts: int) -> np.ndarray:
@@ -378,12 +367,15 @@ def read_chat_jsonl(path: str) -> list[dict]:
     return examples
 
 
-def sft_batch(examples: list[dict], tokenizer, *, end_token: str = "<|im_end|>") -> list[Segment]:
+def sft_batch(examples: list[dict], tokenizer, *, end_token: str = "<|im_end|>", template=None) -> list[Segment]:
     """Chat examples ({"messages", optional "tools"}) -> Segments whose action tokens are each assistant turn's
     tokens after the template's `<|im_start|>assistant\\n` up to and including its closing end_token (the newline
     after it is glue); an assistant message with "weight": 0 is context only, as in OpenAI's fine-tuning format.
     Token-exact: each turn's boundaries come from rendering the message prefixes with the chat template,
-    and every prefix must be a token prefix of the full rendering, else ValueError. SFT rows carry version 0."""
+    and every prefix must be a token prefix of the full rendering, else ValueError. SFT rows carry version 0.
+    A VLM's content may be a list of {"type": "text", "text"} / {"type": "image", "image": encoded bytes} parts:
+    the checks run on the rendered ids (one image id per image), then `template` (chat_server.ChatTemplate of the
+    model) expands each image id into its placeholder run (mask 0) and Segment.images holds the runs' spans."""
     end_id = tokenizer.convert_tokens_to_ids(end_token)
     if end_id is None or end_id == tokenizer.unk_token_id:
         raise ValueError(f"end_token {end_token!r}: not a single token of this tokenizer; "
@@ -391,6 +383,11 @@ def sft_batch(examples: list[dict], tokenizer, *, end_token: str = "<|im_end|>")
     segments = []
     for i, example in enumerate(examples):
         messages, tools = example["messages"], example.get("tools") or None
+        images = [p["image"] for m in messages if isinstance(m["content"], list) for p in m["content"]
+                  if p.get("type") == "image"]
+        if images and getattr(template, "processor", None) is None:   # before any render: a text template may fail
+            raise ValueError(f"example {i}: has images; pass template=ChatTemplate(model) of a VLM (a model whose "
+                             "config.json names an image_token_id)")
         ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=False)
         mask = [False] * len(ids)
         for turn, message in enumerate(messages):
@@ -407,8 +404,18 @@ def sft_batch(examples: list[dict], tokenizer, *, end_token: str = "<|im_end|>")
                                  "SFT masks would be misplaced")
             stop = len(upto) - upto[::-1].index(end_id)  # one past the turn's last end_token
             mask[start:stop] = [True] * (stop - start)
+        spans = []
+        if images:
+            try:
+                expanded, spans = template.expand_images(ids, images)
+            except ValueError as e:
+                raise ValueError(f"example {i}: {e}") from None
+            rest = iter(m for t, m in zip(ids, mask) if t != template.image_id)   # the text's mask, in order
+            runs = {k for start, end, _ in spans for k in range(start, end)}
+            ids, mask = expanded, [False if k in runs else next(rest) for k in range(len(expanded))]
         segments.append(Segment(token_ids=ids, action_mask=mask, logprobs=[0.0] * len(ids), finish_reason="stop",
-                                versions=[0 if m else -1 for m in mask], episode_id=f"sft-{i}", group_id=f"sft-{i}"))
+                                versions=[0 if m else -1 for m in mask], episode_id=f"sft-{i}", group_id=f"sft-{i}",
+                                images=spans))
     return segments
 
 
@@ -491,7 +498,7 @@ class TrainerRank:
         # fused: one kernel per step over all tensors (the default foreach makes ~a dozen passes); lr: set each step
         adamw = lambda params: torch.optim.AdamW(params, lr=0.0, betas=self.train.betas,
                                                  weight_decay=self.train.weight_decay, fused=True)
-        self.optimizer = adamw(self.model.parameters())
+        self.optimizer = adamw([p for p in self.model.parameters() if p.requires_grad])   # --train.freeze_vision
         self.ref = self.critic = self.critic_optimizer = None
         if self.loss.needs_ref_model:
             self.ref = self.build(AutoModelForCausalLM).requires_grad_(False)  # the loaded weights, frozen
@@ -529,6 +536,9 @@ class TrainerRank:
             model.load_state_dict(model.state_dict_adapter.from_hf(hf), strict=True)
         else:
             model = auto_class.from_pretrained(self.model_path, dtype=torch.float32, **kwargs)
+        if self.train.freeze_vision:   # the module built from config.vision_config, outermost first
+            kind = type(config.vision_config)
+            next(m for m in model.modules() if isinstance(getattr(m, "config", None), kind)).requires_grad_(False)
         if auto_class is AutoModelForTokenClassification:
             with torch.no_grad():  # the value head starts at V = 0, the same on every rank
                 model.score.weight.zero_()
@@ -572,23 +582,27 @@ class TrainerRank:
                          max_tokens=self.train.max_tokens_per_microbatch)
 
     def microbatch(self, batch: dict, rows: list[int]) -> dict[str, torch.Tensor]:
-        """The rows' tensors cropped to their longest row, on this rank's device; no rows give one masked pad token."""
+        """The rows' tensors cropped to their longest row, on this rank's device; no rows give one masked pad token.
+        A VLM's "images" become the model's image inputs for the rows' images in order (pixel_values, and what else
+        its processor returns: Idefics3's pixel_attention_mask, ...), which the model puts at its image ids."""
+        tensors = {k: v for k, v in batch.items() if k != "images"}
         if not rows:
-            return {k: torch.full_like(v[:1, :1] if v.ndim >= 2 and k != "pixels" else v[:1],
-                                       -1 if k == "routed" else 0).to(self.device) for k, v in batch.items()}
+            return {k: torch.full_like(v[:1, :1] if v.ndim >= 2 else v[:1], -1 if k == "routed" else 0).to(self.device)
+                    for k, v in tensors.items()}
         width = int(batch["lengths"][rows].max())
-        return {k: (v[rows, :width] if v.ndim >= 2 and k != "pixels" else v[rows]).to(self.device)
-                for k, v in batch.items()}
+        x = {k: (v[rows, :width] if v.ndim >= 2 else v[rows]).to(self.device) for k, v in tensors.items()}
+        if images := [image for r in rows for image in batch["images"][r]] if "images" in batch else None:
+            x["images"] = {k: v.to(self.device) for k, v in self.images(images=images, return_tensors="pt").items()}
+        return x
 
     def policy_logprobs(self, model, x: dict, temperature: float, *, entropy: bool = False):
         """(B, T) log-probs of a microbatch's ids under model's logits / temperature, and (B, T) entropy when asked;
         with --train.routing_replay, the policy's MoE layers replay x["routed"] (B, T, layers, top_k); a VLM sees
-        x["pixels"] (B, N, 3, H, W)."""
+        x["images"] (microbatch)."""
         ids = x["ids"]
         self.replay = x.get("routed")  # read by replayed_ids in this forward and in its checkpoint recompute
-        images = {"pixel_values": x["pixels"]} if "pixels" in x else {}
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast(model)):
-            logits = model(input_ids=ids, use_cache=False, **images).logits  # (B, T, V)
+            logits = model(input_ids=ids, use_cache=False, **x.get("images", {})).logits  # (B, T, V)
         return token_logprobs(logits, ids, temperature, entropy=entropy, entropy_grad=self.loss.needs_entropy_grad,
                               compiled=self.cuda and self.fsdp.compile_logprobs)
 
@@ -773,11 +787,13 @@ class TrainerRank:
         first router copy: that copy holds the NCCL group a refit to other GPUs opens once."""
         if self.router is None or self.router.id != generator.id:
             self.router = generator
-        dtype = getattr(torch, generator.dtype)
-        pairs = ((name, full.to(dtype)) for name, full in self.full_params(self.model.named_parameters()))
+        dtype, params = getattr(torch, generator.dtype), list(self.model.named_parameters())
+        trained = [(n, p) for n, p in params if p.requires_grad]
+        frozen = [export_name(n) for n, p in params if not p.requires_grad]   # --train.freeze_vision (never fused)
+        pairs = ((name, full.to(dtype)) for name, full in self.full_params(trained))
         try:
             if self.rank == 0:
-                return asyncio.run(self.router.update_weights(pairs, self.version, colocated=colocated))
+                return asyncio.run(self.router.update_weights(pairs, self.version, colocated=colocated, keep=frozen))
         finally:
             for _ in pairs:  # the other ranks join every gather rank 0 makes; a refused refit leaves none waiting
                 pass
@@ -898,6 +914,8 @@ class TrainerGroup:
             raise ValueError(f"--fsdp.ep_size {ep}: expert parallelism needs a Qwen3-MoE policy whose expert count "
                              f"it divides, and no critic (a transformers class); {model_path} is {config.model_type} "
                              f"with {getattr(config, 'num_experts', 0)} experts; set another ep_size")
+        if train.freeze_vision and not hasattr(config, "vision_config"):
+            raise ValueError(f"--train.freeze_vision: {model_path} has no vision_config (not a VLM); leave it off")
         if hasattr(config, "vision_config") and train.world_size > 1:   # a 2-rank run hung in a vision all-gather
             raise ValueError(f"--train.world_size {train.world_size} with a VLM ({config.model_type}): sharding a VLM "
                              "over several ranks is not supported yet; set --train.world_size 1")

@@ -35,10 +35,12 @@ built locally. Each section measures ours and its baseline side by side in one r
              --launch.partial_rollout: loop tokens/s, the engine's tokens/s and idle share. Target >= 1.3x.
   moe        the loop (K=0, one GPU shared) on a random Qwen3-MoE (32 experts, top-4, 8 layers), routing
              recorded: the trainer routing live vs --train.routing_replay: tokens/s and mismatch.
+  vlm        the colour-square task (recipes/colour_agent.py) on a random tiny LLaVA in bf16, one GPU shared,
+             K=0: held-out accuracy before and after RL (chance 0.25), tokens/s, mismatch.
 Peak memory: trainer (torch max allocated) and engine (GPU memory taken by its start) are reported.
 
     python tests/bench_gpu.py [logprobs] [trainer] [generator] [refit] [loop1] [loop2]
-                              [smollm2] [smollm2_k1] [longtail] [moe]   # default: all;
+                              [smollm2] [smollm2_k1] [longtail] [moe] [vlm]   # default: all;
                                                                         # results also appended to $BENCH_OUT
 """
 import asyncio
@@ -435,14 +437,47 @@ def bench_moe(steps: int = 4) -> dict:
                   model="Qwen3-MoE random, 32 experts top-4, 8 layers, hidden 512, bf16", steps=steps)
 
 
+# --- a VLM: the colour-square task (recipes/colour_agent.py), images through engine and trainer
+
+def bench_vlm(steps: int = 30) -> dict:
+    """recipes/colour_cpu.sh on the H200: a random tiny LLaVA in bf16 (vLLM 0.26's Idefics3 module fails on an
+    unsplit image), SFT on 40 examples with their image, then GRPO (K=0, one GPU shared): the held-out accuracy
+    before and after (chance 0.25), tokens/s, and the rollout-trainer mismatch with 64 image ids per row."""
+    import launch
+    from recipes.tiny_vlm import build_tiny_vlm
+    out, agent = os.path.join(ROOT, "runs", "bench_vlm"), os.path.join(ROOT, "recipes", "colour_agent.py")
+    model = build_tiny_vlm(os.path.join(out, "model"), dtype="bfloat16", arch="llava")
+    common = ["--data.path", agent, "--fsdp.param_dtype", "bfloat16"]
+    launch.run_sft(launch.parse_args(["--launch.mode", "sft", "--launch.model", model, "--launch.out_dir",
+                                      os.path.join(out, "sft"), "--launch.steps", "20", "--launch.batch_prompts", "16",
+                                      "--train.lr", "3e-3", *common]))
+    argv = ["--launch.model", os.path.join(out, "sft", "hf"), "--launch.out_dir", os.path.join(out, "rl"),
+            "--launch.steps", str(steps), "--agent.path", agent, "--launch.batch_prompts", "64",
+            "--launch.samples_per_prompt", "8", "--rollout.max_new_tokens", "8", "--train.lr", "1e-3",
+            "--loss.entropy_coef", "0.0", "--vllm.max_model_len", "256", "--vllm.gpu_memory_utilization", "0.3",
+            "--eval.every", "10", "--eval.prompts", "200", "--launch.colocate", *common]
+    asyncio.run(launch.run_rl(launch.parse_args(argv)))
+    rows_ = [json.loads(line) for line in open(os.path.join(out, "rl", "metrics.jsonl"))]
+    timed = [r for r in rows_[2:] if "eval/reward_mean" not in r]   # steps 0-1 warm up; eval steps sample more
+    total = lambda key: sum(r[key] for r in timed)
+    return report("vlm", model="LLaVA random (CLIP tower 2 layers, Llama 2 layers, hidden 128), bf16",
+                  held_out_before=rows_[0].get("eval/before_reward_mean"),
+                  held_out_after=[r["eval/reward_mean"] for r in rows_ if "eval/reward_mean" in r][-1],
+                  loop_tokens_per_s=total("rollout/action_tokens") / total("launch/step_s"),
+                  train_tokens_per_s=total("rollout/action_tokens") / total("launch/train_s"),
+                  step_s=total("launch/step_s") / len(timed), mismatch_abs=total("loss/mismatch_abs") / len(timed),
+                  mismatch_max_abs=max(r["loss/mismatch_max_abs"] for r in timed), steps=steps,
+                  curve=[(r["step"] + 1, round(r["rollout/reward_mean"], 3)) for r in rows_])
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         print("bench_gpu: not run: needs CUDA (on the GPU machine: make bench-gpu)")
         return
     import ray
     sections = sys.argv[1:] or ["logprobs", "trainer", "generator", "refit", "loop1", "loop2", "smollm2", "smollm2_k1",
-                                "longtail", "moe"]
-    model = model_dir() if set(sections) - {"logprobs", "smollm2", "smollm2_k1", "moe"} else None
+                                "longtail", "moe", "vlm"]
+    model = model_dir() if set(sections) - {"logprobs", "smollm2", "smollm2_k1", "moe", "vlm"} else None
     ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     for s in sections:
         print(f"== {s}", flush=True)
@@ -478,6 +513,8 @@ def main() -> None:
             bench_longtail(model)
         elif s == "moe":
             bench_moe()
+        elif s == "vlm":
+            bench_vlm()
     ray.shutdown()
 
 
