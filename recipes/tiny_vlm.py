@@ -39,19 +39,17 @@ VLM_TEMPLATE = ("{%- macro render(c) -%}{%- if c is string -%}{{- c -}}{%- else 
 
 def build_tiny_vlm(out_dir: str, *, seed: int = 0, image_size: int = 64, patch: int = 8, vision_hidden: int = 64,
                    vision_layers: int = 2, hidden: int = 128, layers: int = 2, vocab_size: int = 1024,
-                   dtype: str = "float32", arch: str = "idefics3") -> str:
+                   dtype: str = "float32", split: bool = False) -> str:
     """Write a random Idefics3 directory to out_dir, identical for identical arguments; returns out_dir.
     Vision and text attention heads are 64 wide (vLLM's CPU attention wants head_dim 64). dtype: of the saved
-    weights, which the engine serves in (bfloat16 on a GPU). arch "llava": a LLaVA (CLIP tower, MLP projector)
-    instead, whose `<image>` expands to (image_size / patch)^2 = 64 `<image>` ids: the GPU machine's vLLM 0.26
-    serves it (its llava module imports torchvision, which the GPU machine has), while its Idefics3 module
-    counts 0 patches for an image that is not split (vLLM 0.32 takes max(n, 1))."""
-    if arch == "llava":
-        return build_tiny_llava(out_dir, seed=seed, image_size=image_size, patch=patch, vision_hidden=vision_hidden,
-                                vision_layers=vision_layers, hidden=hidden, layers=layers, vocab_size=vocab_size,
-                                dtype=dtype)
+    weights, which the engine serves in (bfloat16 on a GPU). split: SmolVLM's tiling, as its checkpoints ship:
+    an image is resized to 2 x image_size and cut into 2 x 2 tiles plus the whole image downscaled, each tile's
+    run led by its `<row_i_col_j>` token: 94 ids for any image (4 tiles of 2 markers + 16 `<image>`, 3 newlines,
+    the whole image's 19). The GPU machine's vLLM 0.26 needs it: its
+    Idefics3 module counts 0 patches for an image that is not split (vLLM 0.32 takes max(n, 1))."""
     tok = build_tokenizer("bpe", alphabet=DEFAULT_ALPHABET, vocab_size=vocab_size, corpus=default_corpus(),
-                          extra_special=IMAGE_TOKENS)
+                          extra_special=IMAGE_TOKENS + tuple(f"<row_{i}_col_{j}>" for i in range(1, 7)
+                                                             for j in range(1, 7)) * split)
     eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
     text = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
                        num_key_value_heads=1, head_dim=64, intermediate_size=2 * hidden, max_position_embeddings=4096,
@@ -65,7 +63,7 @@ def build_tiny_vlm(out_dir: str, *, seed: int = 0, image_size: int = 64, patch: 
     torch.manual_seed(seed)
     model = Idefics3ForConditionalGeneration(config).to(getattr(torch, dtype))
     model.generation_config.eos_token_id = [eos, pad]
-    images = Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": image_size},
+    images = Idefics3ImageProcessorPil(do_image_splitting=split, size={"longest_edge": image_size * (1 + split)},
                                        max_image_size={"longest_edge": image_size})
     processor = Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=(image_size // patch // 2) ** 2,
                                   chat_template=VLM_TEMPLATE)
@@ -76,40 +74,6 @@ def build_tiny_vlm(out_dir: str, *, seed: int = 0, image_size: int = 64, patch: 
     path = os.path.join(out_dir, "processor_config.json")
     saved = json.load(open(path))
     saved["image_processor"]["image_processor_type"] = "Idefics3ImageProcessorPil"
-    json.dump(saved, open(path, "w"), indent=2)
-    return out_dir
-
-
-def build_tiny_llava(out_dir: str, *, seed: int, image_size: int, patch: int, vision_hidden: int,
-                     vision_layers: int, hidden: int, layers: int, vocab_size: int, dtype: str) -> str:
-    from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration,
-                              LlavaProcessor)
-    tok = build_tokenizer("bpe", alphabet=DEFAULT_ALPHABET, vocab_size=vocab_size, corpus=default_corpus(),
-                          extra_special=("<image>",))
-    eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
-    text = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
-                       num_key_value_heads=1, head_dim=64, intermediate_size=2 * hidden, max_position_embeddings=4096,
-                       tie_word_embeddings=True, rope_theta=10000.0, eos_token_id=eos, pad_token_id=pad,
-                       bos_token_id=None)
-    vision = CLIPVisionConfig(hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, projection_dim=hidden,
-                              num_hidden_layers=vision_layers, num_attention_heads=vision_hidden // 64,
-                              image_size=image_size, patch_size=patch)
-    config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=tok.convert_tokens_to_ids("<image>"),
-                         vision_feature_select_strategy="default", vision_feature_layer=-1, tie_word_embeddings=True,
-                         pad_token_id=pad, torch_dtype=dtype)
-    torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(config).to(getattr(torch, dtype))
-    model.generation_config.eos_token_id = [eos, pad]
-    images = CLIPImageProcessorPil(size={"shortest_edge": image_size}, crop_size={"height": image_size,
-                                                                                  "width": image_size})
-    processor = LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=patch, chat_template=VLM_TEMPLATE,
-                               vision_feature_select_strategy="default", num_additional_image_tokens=1)
-    os.makedirs(out_dir, exist_ok=True)
-    model.save_pretrained(out_dir)
-    processor.save_pretrained(out_dir)
-    path = os.path.join(out_dir, "processor_config.json")
-    saved = json.load(open(path))
-    saved["image_processor"]["image_processor_type"] = "CLIPImageProcessorPil"
     json.dump(saved, open(path, "w"), indent=2)
     return out_dir
 

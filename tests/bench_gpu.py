@@ -35,7 +35,7 @@ built locally. Each section measures ours and its baseline side by side in one r
              --launch.partial_rollout: loop tokens/s, the engine's tokens/s and idle share. Target >= 1.3x.
   moe        the loop (K=0, one GPU shared) on a random Qwen3-MoE (32 experts, top-4, 8 layers), routing
              recorded: the trainer routing live vs --train.routing_replay: tokens/s and mismatch.
-  vlm        the colour-square task (recipes/colour_agent.py) on a random tiny LLaVA in bf16, one GPU shared,
+  vlm        the colour-square task (recipes/colour_agent.py) on the tiny Idefics3 in bf16, one GPU shared,
              K=0: held-out accuracy before and after RL (chance 0.25), tokens/s, mismatch.
 Peak memory: trainer (torch max allocated) and engine (GPU memory taken by its start) are reported.
 
@@ -440,13 +440,13 @@ def bench_moe(steps: int = 4) -> dict:
 # --- a VLM: the colour-square task (recipes/colour_agent.py), images through engine and trainer
 
 def bench_vlm(steps: int = 30) -> dict:
-    """recipes/colour_cpu.sh on the H200: a random tiny LLaVA in bf16 (vLLM 0.26's Idefics3 module fails on an
-    unsplit image), SFT on 40 examples with their image, then GRPO (K=0, one GPU shared): the held-out accuracy
-    before and after (chance 0.25), tokens/s, and the rollout-trainer mismatch with 64 image ids per row."""
+    """recipes/colour_cpu.sh on the H200: the tiny Idefics3 in bf16, tiled (vLLM 0.26's Idefics3 module counts 0
+    patches for an unsplit image), SFT on 40 examples with their image, then GRPO (K=0, one GPU shared): the
+    held-out accuracy before and after (chance 0.25), tokens/s, and the rollout-trainer mismatch."""
     import launch
     from recipes.tiny_vlm import build_tiny_vlm
     out, agent = os.path.join(ROOT, "runs", "bench_vlm"), os.path.join(ROOT, "recipes", "colour_agent.py")
-    model = build_tiny_vlm(os.path.join(out, "model"), dtype="bfloat16", arch="llava")
+    model = build_tiny_vlm(os.path.join(out, "model"), dtype="bfloat16", split=True)
     common = ["--data.path", agent, "--fsdp.param_dtype", "bfloat16"]
     launch.run_sft(launch.parse_args(["--launch.mode", "sft", "--launch.model", model, "--launch.out_dir",
                                       os.path.join(out, "sft"), "--launch.steps", "20", "--launch.batch_prompts", "16",
@@ -460,7 +460,7 @@ def bench_vlm(steps: int = 30) -> dict:
     rows_ = [json.loads(line) for line in open(os.path.join(out, "rl", "metrics.jsonl"))]
     timed = [r for r in rows_[2:] if "eval/reward_mean" not in r]   # steps 0-1 warm up; eval steps sample more
     total = lambda key: sum(r[key] for r in timed)
-    return report("vlm", model="LLaVA random (CLIP tower 2 layers, Llama 2 layers, hidden 128), bf16",
+    return report("vlm", model="Idefics3 random (tower 2 layers, Llama 2 layers, hidden 128), tiled, bf16",
                   held_out_before=rows_[0].get("eval/before_reward_mean"),
                   held_out_after=[r["eval/reward_mean"] for r in rows_ if "eval/reward_mean" in r][-1],
                   loop_tokens_per_s=total("rollout/action_tokens") / total("launch/step_s"),

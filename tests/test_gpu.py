@@ -340,19 +340,20 @@ def two_image_episode(gen: Generator, template, seed: int, colours=((220, 30, 30
 
 
 def test_vlm_episode_in_bf16_matches_the_trainer_and_refits_over_ipc(ray_local, tmp_path):
-    """A tiny random LLaVA in bf16 (recipes/tiny_vlm.py: vLLM 0.26's Idefics3 module fails on an unsplit image),
-    engine and trainer (NeMo's image-text-to-text class) sharing GPU 0. Each image is a run of 64 image ids; the
-    mismatch is bf16 noise (the module docstring's bounds). After a GRPO step and a refit over CUDA IPC, new
-    episodes carry version 1 and match the trained weights again."""
+    """The tiny Idefics3 in bf16, tiled as SmolVLM ships (split: vLLM 0.26's Idefics3 module counts 0 patches for
+    an unsplit image), engine and trainer (NeMo's image-text-to-text class) sharing GPU 0; the mismatch is bf16
+    noise (the module docstring's bounds). After a GRPO step and a refit over CUDA IPC, new episodes carry
+    version 1 and match the trained weights again."""
     from chat_server import ChatTemplate
-    path = build_tiny_vlm(str(tmp_path / "vlm"), dtype="bfloat16", arch="llava")
+    path = build_tiny_vlm(str(tmp_path / "vlm"), dtype="bfloat16", split=True)
     template = ChatTemplate(path, append_roles=())
     gen = Generator(path, VllmArgs(gpu_memory_utilization=0.3, max_model_len=512), RolloutArgs(max_new_tokens=16),
                     actor_options={"num_gpus": 0.5})
     trainer = make_trainer(path, colocated=True, lr=1e-2)
     try:
         segs = [two_image_episode(gen, template, seed=s) for s in range(8)]
-        assert [(b - a) for a, b, _ in segs[0].images] == [64, 64]   # (64 px / patch 8)^2, the CLS feature dropped
+        # per image: 4 tiles x (<fake> <row_i_col_j> + 16 <image>) + 3 newlines + the whole image's 19 = 94
+        assert [(b - a) for a, b, _ in segs[0].images] == [94, 94]
         for s in segs[::2]:
             s.reward = 1.0   # one group, rewards 1 0 1 0 ...: every advantage non-zero
         m = mismatch(trainer, segs)
