@@ -6,7 +6,7 @@ Two kinds of agent, both plain Python in a file passed by `--agent.path FILE` th
   verbatim and each observation as delta tokens (mask 0) by the chat server's `ChatTemplate`; an episode
   whose template cannot make that delta fails with the reason (any template works for a one-turn Env).
   An observation is a str or a list of parts, str (text) or bytes (an encoded image, for a VLM): each image
-  becomes its placeholder run and lands in Segment.images; an episode that samples the image token id fails.
+  becomes its placeholder run and lands in Segment.images (the engine never samples the image token id).
 - `ChatAgent`: the agent owns the loop. `run(ctx) -> Result` talks to the loopback chat server with a
   stock OpenAI or Anthropic SDK (`ctx.base_url`, `ctx.anthropic_base_url`, `ctx.api_key`); its
   episode's segments come from the server.
@@ -152,8 +152,6 @@ async def run_env_episode(env: Env, generator: Generator, template: ChatTemplate
             break
         out = await generator.generate(ids, max_new_tokens=min(room, generator.rollout.max_new_tokens),
                                        affinity=episode_id, images=spans)
-        if template.image_id in out.token_ids:   # the HF forward would take it for an image's place: untrainable
-            raise ValueError(f"episode {episode_id}: sampled the image token id {template.image_id}")
         ids += out.token_ids
         mask += [True] * len(out.token_ids)
         logps += out.logprobs

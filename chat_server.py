@@ -590,8 +590,6 @@ class SegmentStore:
         if cut:
             kept, stop, text = cut
             ids, logprobs, versions, finish = ids[:kept], logprobs[:kept], versions[:kept], "stop"
-        if self.template.image_id in ids:   # the trainer's forward would take it for an image's place: untrainable
-            raise RuntimeError(f"the model sampled the image token id {self.template.image_id}")
         reasoning, content, found = parse_reply(text)
         calls = tuple(Call(req.call_prefix + secrets.token_hex(12), name, args) for name, args in found)
         pieces = [self.template.decode([i]) for i in ids] if req.logprobs else None

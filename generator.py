@@ -355,16 +355,17 @@ def build_engine_args(model_path: str, vllm: VllmArgs, *, cuda: bool):
 
 
 def build_sampling_params(rollout: RolloutArgs, *, max_new_tokens: int | None, stop_token_ids: list[int] | None,
-                          seed: int | None, ignore_eos: bool, constraint: dict | None = None):
+                          seed: int | None, ignore_eos: bool, constraint: dict | None = None, banned: tuple = ()):
     """The one place where --rollout.* flags reach vLLM. `constraint`: vLLM StructuredOutputsParams fields (json,
-    regex, structural_tag...); the processed log-probs are then those of the masked distribution sampled from."""
+    regex, structural_tag...); the processed log-probs are then those of the masked distribution sampled from.
+    `banned`: tokens never sampled (a VLM's image token), masked before the processed log-probs too."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
     return SamplingParams(
         structured_outputs=StructuredOutputsParams(**constraint) if constraint else None,
         temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k or 0,  # vLLM: 0 = off
         max_tokens=rollout.max_new_tokens if max_new_tokens is None else max_new_tokens,
-        stop_token_ids=stop_token_ids, seed=seed, ignore_eos=ignore_eos,
+        stop_token_ids=stop_token_ids, seed=seed, ignore_eos=ignore_eos, bad_words=list(banned) or None,
         logprobs=0,                      # no alternatives: just the sampled token's own log-prob
         detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
 
@@ -447,7 +448,7 @@ class Engine:
     """One vLLM AsyncLLM in this actor's event loop, and its counters."""
 
     def __init__(self, model_path: str, vllm: VllmArgs):
-        self.model_path, self.vllm, self.llm = model_path, vllm, None
+        self.model_path, self.vllm, self.llm, self.banned = model_path, vllm, None, ()
         self.requests, self.tokens, self.prompt_tokens, self.request_s, self.checked = 0, 0, 0, 0.0, 0
         self.paused, self.adding, self.open = False, 0, asyncio.Event()  # open: no refit under way
         self.open.set()
@@ -465,7 +466,10 @@ class Engine:
         self.spans = hasattr(self.llm, "update_weight_version")
         await self.set_version(version)
         config = self.llm.model_config
-        self.image_id = getattr(config.hf_config, "image_token_id", None)
+        self.image_id = getattr(config.hf_config, "image_token_id", None)   # never sampled: the trainer masks it too
+        if self.image_id is not None:
+            from transformers import AutoTokenizer
+            self.banned = (AutoTokenizer.from_pretrained(self.model_path).convert_ids_to_tokens(self.image_id),)
         return {"vocab_size": config.get_vocab_size(), "dtype": str(config.dtype).removeprefix("torch."),
                 "gpus": await self.llm.collective_rpc("device_uuid") if cuda else []}
 
@@ -482,7 +486,7 @@ class Engine:
                                                     for k, (*_, b) in enumerate(images)]}
         self.adding += 1
         try:  # add_request returns once vLLM's output processor tracks the request (pause waits for that)
-            q = await self.llm.add_request(request_id, prompt, build_sampling_params(rollout, **kw))
+            q = await self.llm.add_request(request_id, prompt, build_sampling_params(rollout, banned=self.banned, **kw))
         finally:
             self.adding -= 1
         self.refits[request_id] = marks

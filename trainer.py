@@ -486,6 +486,7 @@ class TrainerRank:
         self.dp_rank, self.dp_size, self.dp_group = dp_mesh.get_local_rank(), dp_mesh.size(), dp_mesh.get_group()
         self.model = self.build(AutoModelForCausalLM)
         self.images = image_processor(self.model_path)
+        self.image_id = getattr(AutoConfig.from_pretrained(self.model_path), "image_token_id", None)
         if self.train.routing_replay:
             self.moe = self.install_replay(self.model)
         # names transformers keeps fused (an MoE layer's experts in one tensor): export reverts them as save_pretrained
@@ -603,6 +604,8 @@ class TrainerRank:
         self.replay = x.get("routed")  # read by replayed_ids in this forward and in its checkpoint recompute
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast(model)):
             logits = model(input_ids=ids, use_cache=False, **x.get("images", {})).logits  # (B, T, V)
+        if self.image_id is not None:   # a VLM: the engine never samples its image id (banned), nor does the policy
+            logits[..., self.image_id] = -1e4   # out of the softmax; -inf would make the entropy's 0 * log 0 NaN
         return token_logprobs(logits, ids, temperature, entropy=entropy, entropy_grad=self.loss.needs_entropy_grad,
                               compiled=self.cuda and self.fsdp.compile_logprobs)
 

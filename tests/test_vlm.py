@@ -105,13 +105,15 @@ def hf_vlm(vlm):
     return Idefics3ForConditionalGeneration.from_pretrained(vlm[0], dtype=torch.float32).eval()
 
 
-def hf_gap(model, proc, seg: Segment) -> float:
+def hf_gap(model, proc, seg: Segment, banned: bool = True) -> float:
     """The largest |HF log-softmax at the sampled id - the engine's log-prob| over the segment's action tokens, the
-    HF forward seeing the whole row and the same pixels."""
+    HF forward seeing the whole row and the same pixels; banned: without the image id's column, as sampled."""
     pixels = proc.image_processor(images=[[decode_image(b, "image") for *_, b in seg.images]],
                                   return_tensors="pt")["pixel_values"]
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([seg.token_ids]), pixel_values=pixels).logits[0]
+    if banned:   # the engine never samples the image id: its distribution leaves it out
+        logits[:, proc.image_token_id] = float("-inf")
     logp = torch.log_softmax(logits.float(), -1)[:-1].gather(1, torch.tensor(seg.token_ids[1:])[:, None])[:, 0]
     mask = torch.tensor(seg.action_mask[1:])   # token t's log-prob sits at t - 1
     return (logp[mask] - torch.tensor(seg.logprobs[1:])[mask]).abs().max().item()
@@ -122,6 +124,9 @@ def test_two_images_in_two_turns_are_token_exact_against_the_hf_forward(vlm, hf_
     seg = two_turns(gen, proc, seed=1)
     assert {v for v, m in zip(seg.versions, seg.action_mask) if m} == {0}
     assert hf_gap(hf_vlm, proc, seg) <= 1e-4
+    # the image id is banned: with its column left in, each log-prob is off by -log(1 - p_image) ~ 1/1,034 (a random
+    # model over the 1,034 ids), far above the 1e-4 bound; sampling it would put an image's place among the actions
+    assert hf_gap(hf_vlm, proc, seg, banned=False) > 1e-4
 
 
 def test_bad_image_input_is_refused_before_the_engine(vlm):
