@@ -23,7 +23,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from chat_server import ChatArgs, ChatServer, ChatTemplate
+from chat_server import ChatArgs, ChatServer, ChatTemplate, template_content
 from generator import Generator, Segment, sampled_record, segment_routing
 
 
@@ -130,8 +130,7 @@ def user_turn(observation: str | list, template: ChatTemplate) -> tuple[dict, li
     if images and template.processor is None:   # before any render: a text template may fail on parts
         raise ValueError(f"model {template.tokenizer.name_or_path} takes no images (its config.json names no "
                          f"image_token_id); an observation holds {len(images)}")
-    return {"role": "user", "content": [{"type": "image"} if isinstance(p, bytes) else {"type": "text", "text": p}
-                                        for p in observation]}, images
+    return {"role": "user", "content": template_content(observation)}, images
 
 
 async def run_env_episode(env: Env, generator: Generator, template: ChatTemplate, row: dict, *, args: AgentArgs,

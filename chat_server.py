@@ -290,8 +290,7 @@ class Msg:
         return self.role, self.content.strip(), calls
 
     def to_template(self) -> dict:
-        m = {"role": self.role, "content": self.content if isinstance(self.content, str) else [
-            {"type": "image"} if isinstance(p, bytes) else {"type": "text", "text": p} for p in self.content]}
+        m = {"role": self.role, "content": template_content(self.content)}
         if self.reasoning:
             m["reasoning_content"] = self.reasoning
         if self.calls:
@@ -300,6 +299,13 @@ class Msg:
         if self.role == "tool":
             m["tool_call_id"] = self.call_id
         return m
+
+
+def template_content(content: str | tuple | list):
+    """A message's content for the chat template: a str as it is; parts (str text, bytes an image) as a list of
+    {"type": "text", "text"} and {"type": "image"} parts, as VLM templates read them."""
+    return content if isinstance(content, str) else [
+        {"type": "image"} if isinstance(p, bytes) else {"type": "text", "text": p} for p in content]
 
 
 @dataclass
