@@ -189,6 +189,7 @@ def check(r: dict, path: str, headers: dict, response: httpx.Response) -> None:
     """A documented status, the protocol's own error shape with x-should-retry false, or a whole reply."""
     status, where = response.status_code, f"{path} {headers} {r['data'][:300]!r}"
     assert status in DOCUMENTED, f"{status} {response.text[:500]} for {where}"
+    path = response.request.url.path   # as sent: httpx removes dot segments ("/./v1/responses/." is /v1/responses/)
     route = path.split("/e/", 1)[-1].partition("/")[2] if path.startswith("/e/") else path[1:]
     protocol = ROUTE_PROTOCOL.get("/" + route) or ("anthropic" if "anthropic-version" in headers else "openai")
     if status != 200:
