@@ -166,11 +166,10 @@ def check_args(train: TrainArgs, fsdp: FsdpArgs, loss: LossArgs, estimator: Esti
 # --- pure functions: batch layout, log-probs, schedule, gradient norm, SFT rows
 
 
-def collate(segments: list[Segment], moe: tuple[int, int, int] | None = None, images=None) -> dict[str, torch.Tensor]:
+def collate(segments: list[Segment], moe: tuple[int, int, int] | None = None, vlm: bool = False) -> dict:
     """The whole batch as right-padded (B, T) tensors plus per-row (B,) ones; ValueError names the first bad segment.
-    moe = (MoE layers, top_k, experts) adds "routed" (B, T, layers, top_k) int16, -1 where not recorded; a VLM's
-    image processor (images) adds "images": each row's decoded images, which microbatch turns into the model's
-    image inputs."""
+    moe = (MoE layers, top_k, experts) adds "routed" (B, T, layers, top_k) int16, -1 where not recorded; vlm adds
+    "images": each row's decoded images, which microbatch turns into the model's image inputs."""
     if not segments:
         raise ValueError("segments: empty batch; train_step needs at least one segment with an action token")
     for i, seg in enumerate(segments):
@@ -202,18 +201,12 @@ def collate(segments: list[Segment], moe: tuple[int, int, int] | None = None, im
              "lengths": torch.tensor([len(seg.token_ids) for seg in segments])}  # (B,)
     if moe is not None:  # --train.routing_replay
         batch["routed"] = torch.from_numpy(collate_routing(segments, T, *moe))  # (B, T, layers, top_k)
-    if images is not None:
+    if vlm:
         batch["images"] = [[decode_image(data, f"segment {i}: images[{k}]") for k, (*_, data) in enumerate(seg.images)]
                            for i, seg in enumerate(segments)]
     elif any(seg.images for seg in segments):
         raise ValueError("segments carry images, but the model has no vision_config (not a VLM)")
     return batch
-
-
-def image_processor(model_path: str):
-    """A VLM's image processor, the one its engine runs (from the model directory); None for a text model."""
-    vlm = hasattr(AutoConfig.from_pretrained(model_path), "vision_config")
-    return AutoProcessor.from_pretrained(model_path).image_processor if vlm else None
 
 
 def collate_routing(segments: list[Segment], T: int, layers: int, top_k: int, experts: int) -> np.ndarray:
@@ -485,8 +478,9 @@ class TrainerRank:
         dp_mesh = self.dist_setup.mesh_context.device_mesh["dp"]
         self.dp_rank, self.dp_size, self.dp_group = dp_mesh.get_local_rank(), dp_mesh.size(), dp_mesh.get_group()
         self.model = self.build(AutoModelForCausalLM)
-        self.images = image_processor(self.model_path)
-        self.image_id = getattr(AutoConfig.from_pretrained(self.model_path), "image_token_id", None)
+        config = AutoConfig.from_pretrained(self.model_path)   # a VLM: its processor (the engine's) and image id
+        self.processor = AutoProcessor.from_pretrained(self.model_path) if hasattr(config, "vision_config") else None
+        self.image_id = getattr(config, "image_token_id", None)
         if self.train.routing_replay:
             self.moe = self.install_replay(self.model)
         # names transformers keeps fused (an MoE layer's experts in one tensor): export reverts them as save_pretrained
@@ -593,7 +587,8 @@ class TrainerRank:
         width = int(batch["lengths"][rows].max())
         x = {k: (v[rows, :width] if v.ndim >= 2 else v[rows]).to(self.device) for k, v in tensors.items()}
         if images := [image for r in rows for image in batch["images"][r]] if "images" in batch else None:
-            x["images"] = {k: v.to(self.device) for k, v in self.images(images=images, return_tensors="pt").items()}
+            pixels = self.processor.image_processor(images=images, return_tensors="pt")
+            x["images"] = {k: v.to(self.device) for k, v in pixels.items()}
         return x
 
     def policy_logprobs(self, model, x: dict, temperature: float, *, entropy: bool = False):
@@ -633,7 +628,7 @@ class TrainerRank:
         """One RL step on the whole batch: advantages, old log-probs, then epochs x minibatches optimizer steps.
         Returns (weight, metrics) records for the driver to merge, and the policy version after the step."""
         # --- rollout batch: the same padded tensors and the same plan on every rank
-        batch = collate(segments, self.moe, self.images)
+        batch = collate(segments, self.moe, vlm=self.processor is not None)
         mask = batch["mask"]  # (B, T)
         plan = self.plan(batch, self.train.minibatches)
         start_version, records = self.version, []
@@ -729,7 +724,7 @@ class TrainerRank:
     def sft_step(self, segments: list[Segment]) -> tuple[list[tuple[float, dict]], int]:
         """One optimizer step of token NLL on the action tokens, at temperature 1 (the model's own distribution);
         MoE layers route live (SFT rows were never sampled, so there is no routing to replay)."""
-        batch = collate(segments, images=self.images)
+        batch = collate(segments, vlm=self.processor is not None)
         mask, records = batch["mask"], []
         plan = self.plan(batch, 1)
         denoms = Denoms(num_tokens=float(mask.sum()), num_seqs=float(mask.any(1).sum()),
@@ -747,7 +742,7 @@ class TrainerRank:
 
     def logprobs(self, segments: list[Segment], temperature: float | None) -> list[torch.Tensor] | None:
         """Every segment's (T,) recomputed log-probs (0 at t = 0) on rank 0; None on the others."""
-        batch = collate(segments, self.moe, self.images)
+        batch = collate(segments, self.moe, vlm=self.processor is not None)
         plan = self.plan(batch, 1)
         temperature = self.temperature if temperature is None else temperature
         policy = lambda x: self.policy_logprobs(self.model, x, temperature)[0]
@@ -924,7 +919,7 @@ class TrainerGroup:
                              "over several ranks is not supported yet; set --train.world_size 1")
         if not temperature > 0.0:
             raise ValueError(f"temperature {temperature}: must be > 0, the rollout's --rollout.temperature")
-        self.ckpt, self.colocated, self.images = ckpt, colocated, image_processor(model_path)
+        self.ckpt, self.colocated, self.vlm = ckpt, colocated, hasattr(config, "vision_config")
         actor_class = ray.remote(num_cpus=0, num_gpus=gpus)(TrainerRank)
         self.actors = [actor_class.remote(r, train.world_size, model_path, train, fsdp, ckpt, loss, estimator,
                                           temperature) for r in range(train.world_size)]
@@ -960,7 +955,7 @@ class TrainerGroup:
     def run_step(self, method: str, segments: list[Segment], data_position: dict | None) -> dict[str, float]:
         """One step on every rank; merged metrics with throughput; a checkpoint when --ckpt.every says so."""
         start = time.perf_counter()
-        batch = collate(segments, images=self.images)  # refuse bad input here, before any rank sees it
+        batch = collate(segments, vlm=self.vlm)  # refuse bad input here, before any rank sees it
         results = self.call(method, ray.put(segments))  # one copy in the object store, read by every rank
         metrics = merge_metrics([record for records, _ in results for record in records])
         self.step, self.version = self.step + 1, results[0][1]
@@ -982,7 +977,7 @@ class TrainerGroup:
 
     def logprobs(self, segments: list[Segment], *, temperature: float | None = None) -> list[torch.Tensor]:
         """Each segment's (T,) log-probs under the current weights at temperature (default: the rollout's)."""
-        collate(segments, images=self.images)  # refused here, before any rank sees it
+        collate(segments, vlm=self.vlm)  # refused here, before any rank sees it
         return self.call("logprobs", ray.put(segments), temperature)[0]
 
     def export_weights(self, bucket_mb: float = 256, *, dtype: torch.dtype | None = None):
