@@ -481,6 +481,16 @@ class TrainerRank:
         config = AutoConfig.from_pretrained(self.model_path)   # a VLM: its processor (the engine's) and image id
         self.processor = AutoProcessor.from_pretrained(self.model_path) if hasattr(config, "vision_config") else None
         self.image_id = getattr(config, "image_token_id", None)
+        # FSDP shards each vision layer as its own unit, so every rank must run the tower in every forward: else one
+        # rank's all-gather of a vision layer meets another's of a text layer (gloo aborts on the size mismatch). A
+        # forward without an image gets one more row, a blank image's run, whose logits are dropped (gradient 0).
+        self.blank = None
+        if self.processor is not None:
+            from PIL import Image
+            blank = Image.new("RGB", (64, 64))   # any size: the processor resizes it
+            run = self.processor(text=self.processor.tokenizer.convert_ids_to_tokens(self.image_id), images=[blank],
+                                 add_special_tokens=False)["input_ids"][0]
+            self.blank = (torch.tensor([run], device=self.device), self.image_inputs([blank]))
         if self.train.routing_replay:
             self.moe = self.install_replay(self.model)
         # names transformers keeps fused (an MoE layer's experts in one tensor): export reverts them as save_pretrained
@@ -587,21 +597,32 @@ class TrainerRank:
         width = int(batch["lengths"][rows].max())
         x = {k: (v[rows, :width] if v.ndim >= 2 else v[rows]).to(self.device) for k, v in tensors.items()}
         if images := [image for r in rows for image in batch["images"][r]] if "images" in batch else None:
-            pixels = self.processor.image_processor(images=images, return_tensors="pt")
-            x["images"] = {k: v.to(self.device) for k, v in pixels.items()}
+            x["images"] = self.image_inputs(images)
         return x
+
+    def image_inputs(self, images: list) -> dict[str, torch.Tensor]:
+        """A VLM's inputs for decoded images, as its processor computes them (pixel_values, and what else it returns:
+        Idefics3's pixel_attention_mask, ...), on this rank's device."""
+        inputs = self.processor.image_processor(images=images, return_tensors="pt")
+        return {k: v.to(self.device) for k, v in inputs.items()}
 
     def policy_logprobs(self, model, x: dict, temperature: float, *, entropy: bool = False):
         """(B, T) log-probs of a microbatch's ids under model's logits / temperature, and (B, T) entropy when asked;
         with --train.routing_replay, the policy's MoE layers replay x["routed"] (B, T, layers, top_k); a VLM sees
-        x["images"] (microbatch)."""
-        ids = x["ids"]
+        x["images"] (microbatch), and a microbatch without images the blank row (setup)."""
+        ids, images = x["ids"], x.get("images", {})
+        B, T = ids.shape
+        if not images and self.blank is not None:
+            run, images = self.blank
+            width = max(T, run.shape[1])
+            pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]))
+            ids = torch.cat([pad(ids), pad(run)])  # (B + 1, width): right padding leaves the rows' logits as they are
         self.replay = x.get("routed")  # read by replayed_ids in this forward and in its checkpoint recompute
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast(model)):
-            logits = model(input_ids=ids, use_cache=False, **x.get("images", {})).logits  # (B, T, V)
+            logits = model(input_ids=ids, use_cache=False, **images).logits[:B, :T]  # (B, T, V)
         if self.image_id is not None:   # a VLM: the engine never samples its image id (banned), nor does the policy
             logits[..., self.image_id] = -1e4   # out of the softmax; -inf would make the entropy's 0 * log 0 NaN
-        return token_logprobs(logits, ids, temperature, entropy=entropy, entropy_grad=self.loss.needs_entropy_grad,
+        return token_logprobs(logits, x["ids"], temperature, entropy=entropy, entropy_grad=self.loss.needs_entropy_grad,
                               compiled=self.cuda and self.fsdp.compile_logprobs)
 
     def critic_values(self, ids: torch.Tensor) -> torch.Tensor:
@@ -914,9 +935,6 @@ class TrainerGroup:
                              f"with {getattr(config, 'num_experts', 0)} experts; set another ep_size")
         if train.freeze_vision and not hasattr(config, "vision_config"):
             raise ValueError(f"--train.freeze_vision: {model_path} has no vision_config (not a VLM); leave it off")
-        if hasattr(config, "vision_config") and train.world_size > 1:   # a 2-rank run hung in a vision all-gather
-            raise ValueError(f"--train.world_size {train.world_size} with a VLM ({config.model_type}): sharding a VLM "
-                             "over several ranks is not supported yet; set --train.world_size 1")
         if not temperature > 0.0:
             raise ValueError(f"temperature {temperature}: must be > 0, the rollout's --rollout.temperature")
         self.ckpt, self.colocated, self.vlm = ckpt, colocated, hasattr(config, "vision_config")
