@@ -400,12 +400,11 @@ def sft_batch(examples: list[dict], tokenizer, *, end_token: str = "<|im_end|>",
         spans = []
         if images:
             try:
-                expanded, spans = template.expand_images(ids, images)
+                ids, spans = template.expand_images(ids, images)
             except ValueError as e:
                 raise ValueError(f"example {i}: {e}") from None
-            rest = iter(m for t, m in zip(ids, mask) if t != template.image_id)   # the text's mask, in order
-            runs = {k for start, end, _ in spans for k in range(start, end)}
-            ids, mask = expanded, [False if k in runs else next(rest) for k in range(len(expanded))]
+            for start, end, _ in spans:   # the mask expands as the ids did: once the runs before it are in, an image
+                mask[start:start + 1] = [False] * (end - start)   # id's entry sits at its run's start
         segments.append(Segment(token_ids=ids, action_mask=mask, logprobs=[0.0] * len(ids), finish_reason="stop",
                                 versions=[0 if m else -1 for m in mask], episode_id=f"sft-{i}", group_id=f"sft-{i}",
                                 images=spans))

@@ -479,12 +479,12 @@ def test_env_episode_with_an_image_in_two_observations_is_token_exact_against_th
                             args=AgentArgs(), episode_id="txt", group_id="g"))
 
 
-def test_sft_row_with_an_image_is_the_processors_expansion_and_trains_only_the_answer(vlm, tiny_model):
-    from transformers import AutoTokenizer
+def test_sft_row_with_an_image_is_the_processors_expansion_and_trains_only_the_answer(vlm_path, tiny_model):
+    from transformers import AutoProcessor, AutoTokenizer
 
     from chat_server import ChatTemplate
     from trainer import sft_batch
-    path, _, proc = vlm
+    path, proc = vlm_path, AutoProcessor.from_pretrained(vlm_path)
     messages = [{"role": "user", "content": [{"type": "image", "image": RED}, {"type": "text", "text": "which?"}]},
                 {"role": "assistant", "content": "red"}]
     template = ChatTemplate(path, append_roles=())
@@ -497,6 +497,20 @@ def test_sft_row_with_an_image_is_the_processors_expansion_and_trains_only_the_a
     at = len(template.encode("<|im_start|>user\n"))
     assert seg.images == [(at, at + 19, RED)]
     seg.check()
+    # a second image in a later user turn: the mask shifts past both runs. By hand, piece by piece (each piece ends
+    # at a special token or the glue "\n", so the pieces' ids concatenate to the row's): both answers, nothing else
+    later = [{"role": "user", "content": [{"type": "text", "text": "and?"}, {"type": "image", "image": BLUE}]},
+             {"role": "assistant", "content": "blue"}]
+    (seg2,) = sft_batch([{"messages": messages + later}], proc.tokenizer, template=template)
+    turn = lambda text, png: proc(text=f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n",
+                                  images=[decode_image(png, "png")])["input_ids"][0]
+    pieces = [(turn("<image>which?", RED), False), (template.encode("red<|im_end|>"), True),
+              (template.encode("\n"), False), (turn("and?<image>", BLUE), False),
+              (template.encode("blue<|im_end|>"), True), (template.encode("\n"), False)]
+    assert seg2.token_ids == [t for ids, _ in pieces for t in ids]
+    assert seg2.action_mask == [trained for ids, trained in pieces for _ in ids]
+    assert [png for *_, png in seg2.images] == [RED, BLUE]
+    seg2.check()
     with pytest.raises(ValueError, match="example 0: has images"):
         sft_batch([{"messages": messages}], proc.tokenizer)
     with pytest.raises(ValueError, match="example 0: has images"):   # a text model's template
