@@ -126,17 +126,14 @@ def user_turn(observation: str | list, template: ChatTemplate) -> tuple[dict, li
         return {"role": "user", "content": observation}, []
     if not all(isinstance(p, (str, bytes)) for p in observation):
         raise ValueError(f"observation parts {[type(p).__name__ for p in observation]}: each must be str or bytes")
-    images = [p for p in observation if isinstance(p, bytes)]
-    if images and template.processor is None:   # before any render: a text template may fail on parts
-        raise ValueError(f"model {template.tokenizer.name_or_path} takes no images (its config.json names no "
-                         f"image_token_id); an observation holds {len(images)}")
-    return {"role": "user", "content": template_content(observation)}, images
+    return {"role": "user", "content": template_content(observation)}, [p for p in observation if isinstance(p, bytes)]
 
 
 async def run_env_episode(env: Env, generator: Generator, template: ChatTemplate, row: dict, *, args: AgentArgs,
                           episode_id: str, group_id: str) -> list[Segment]:
     """The framework-owned loop: render the first observation once, then append sampled ids verbatim and
-    each observation as delta tokens; an image becomes its placeholder run (expand_images; a text model raises).
+    each observation as delta tokens; an image becomes its placeholder run (expand_images; a text model's template
+    refuses it before rendering).
     One segment; it ends terminated, truncated (turn or context limit) or aborted."""
     state = {"label": row.get("label"), "prompt": row["prompt"], "turn": 0, "finish_reason": ""}
     first, images = user_turn(await env.reset(row["prompt"], row.get("label")), template)

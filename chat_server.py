@@ -142,6 +142,13 @@ class ChatTemplate:
             log.warning("chat template refused as an append role: %s (%s); such turns open a new segment", role, why)
 
     def render_text(self, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = True) -> str:
+        """Every render goes through here. Image parts for a text model raise ValueError before the render (its
+        template may fail on a list of parts, or print it as text)."""
+        images = sum(isinstance(p, dict) and p.get("type") == "image" for m in messages
+                     if isinstance(m.get("content"), list) for p in m["content"])
+        if images and self.processor is None:
+            raise ValueError(f"model {self.tokenizer.name_or_path} takes no images (its config.json names no "
+                             f"image_token_id), and the messages hold {images}: send text content only")
         return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
 
@@ -197,13 +204,12 @@ class ChatTemplate:
     def expand_images(self, ids: list[int], images: list[bytes], at: int = 0) -> tuple[list[int], list[tuple]]:
         """Rendered ids with one image id per image part (in order) -> the ids with each replaced by that image's
         placeholder run, as the model's processor expands it, and the runs' spans [(start + at, end + at, bytes)].
-        Raises ValueError when the model takes no images or the template rendered another number of them."""
+        Raises ValueError when the template rendered another number of them (render_text refuses a text model's)."""
         if not images:
             return ids, []
-        spots = [k for k, i in enumerate(ids) if i == self.image_id] if self.processor else []
+        spots = [k for k, i in enumerate(ids) if i == self.image_id]
         if len(spots) != len(images):
-            raise ValueError(f"model {self.tokenizer.name_or_path} takes no images" if self.processor is None else
-                             f"the chat template rendered {len(spots)} image tokens for {len(images)} images")
+            raise ValueError(f"the chat template rendered {len(spots)} image tokens for {len(images)} images")
         out, spans = [], []
         for k, (spot, data) in enumerate(zip(spots, images)):
             out += ids[spots[k - 1] + 1 if k else 0:spot]
@@ -1274,9 +1280,6 @@ class ChatServer(SegmentStore):
             raise bad("seed", "must be a 64-bit signed integer")
         if not req.msgs and req.system is None:
             raise bad("messages", "at least one message is required")
-        if self.template.processor is None and req.images():   # before any render: a text template cannot take them
-            raise bad("messages", f"model {self.model_name} takes no images (its config.json names no "
-                                  "image_token_id): send text content only")
         if req.msgs and req.msgs[-1].role == "assistant":
             raise bad("messages", "the last message is the assistant's: "
                                   "continuing (prefilling) a turn is not supported")

@@ -166,11 +166,10 @@ def check_args(train: TrainArgs, fsdp: FsdpArgs, loss: LossArgs, estimator: Esti
 # --- pure functions: batch layout, log-probs, schedule, gradient norm, SFT rows
 
 
-def collate(segments: list[Segment], moe: tuple[int, int, int] | None = None, images=None) -> dict[str, torch.Tensor]:
+def collate(segments: list[Segment], moe: tuple[int, int, int] | None = None, vlm: bool = False) -> dict:
     """The whole batch as right-padded (B, T) tensors plus per-row (B,) ones; ValueError names the first bad segment.
-    moe = (MoE layers, top_k, experts) adds "routed" (B, T, layers, top_k) int16, -1 where not recorded; a VLM's
-    image processor (images) adds "images": each row's decoded images, which microbatch turns into the model's
-    image inputs."""
+    moe = (MoE layers, top_k, experts) adds "routed" (B, T, layers, top_k) int16, -1 where not recorded; vlm adds
+    "images": each row's decoded images, which microbatch turns into the model's image inputs."""
     if not segments:
         raise ValueError("segments: empty batch; train_step needs at least one segment with an action token")
     for i, seg in enumerate(segments):
@@ -202,18 +201,12 @@ def collate(segments: list[Segment], moe: tuple[int, int, int] | None = None, im
              "lengths": torch.tensor([len(seg.token_ids) for seg in segments])}  # (B,)
     if moe is not None:  # --train.routing_replay
         batch["routed"] = torch.from_numpy(collate_routing(segments, T, *moe))  # (B, T, layers, top_k)
-    if images is not None:
+    if vlm:
         batch["images"] = [[decode_image(data, f"segment {i}: images[{k}]") for k, (*_, data) in enumerate(seg.images)]
                            for i, seg in enumerate(segments)]
     elif any(seg.images for seg in segments):
         raise ValueError("segments carry images, but the model has no vision_config (not a VLM)")
     return batch
-
-
-def image_processor(model_path: str):
-    """A VLM's image processor, the one its engine runs (from the model directory); None for a text model."""
-    vlm = hasattr(AutoConfig.from_pretrained(model_path), "vision_config")
-    return AutoProcessor.from_pretrained(model_path).image_processor if vlm else None
 
 
 def collate_routing(segments: list[Segment], T: int, layers: int, top_k: int, experts: int) -> np.ndarray:
@@ -407,12 +400,11 @@ def sft_batch(examples: list[dict], tokenizer, *, end_token: str = "<|im_end|>",
         spans = []
         if images:
             try:
-                expanded, spans = template.expand_images(ids, images)
+                ids, spans = template.expand_images(ids, images)
             except ValueError as e:
                 raise ValueError(f"example {i}: {e}") from None
-            rest = iter(m for t, m in zip(ids, mask) if t != template.image_id)   # the text's mask, in order
-            runs = {k for start, end, _ in spans for k in range(start, end)}
-            ids, mask = expanded, [False if k in runs else next(rest) for k in range(len(expanded))]
+            for start, end, _ in spans:   # the mask expands as the ids did: once the runs before it are in, an image
+                mask[start:start + 1] = [False] * (end - start)   # id's entry sits at its run's start
         segments.append(Segment(token_ids=ids, action_mask=mask, logprobs=[0.0] * len(ids), finish_reason="stop",
                                 versions=[0 if m else -1 for m in mask], episode_id=f"sft-{i}", group_id=f"sft-{i}",
                                 images=spans))
@@ -485,8 +477,19 @@ class TrainerRank:
         dp_mesh = self.dist_setup.mesh_context.device_mesh["dp"]
         self.dp_rank, self.dp_size, self.dp_group = dp_mesh.get_local_rank(), dp_mesh.size(), dp_mesh.get_group()
         self.model = self.build(AutoModelForCausalLM)
-        self.images = image_processor(self.model_path)
-        self.image_id = getattr(AutoConfig.from_pretrained(self.model_path), "image_token_id", None)
+        config = AutoConfig.from_pretrained(self.model_path)   # a VLM: its processor (the engine's) and image id
+        self.processor = AutoProcessor.from_pretrained(self.model_path) if hasattr(config, "vision_config") else None
+        self.image_id = getattr(config, "image_token_id", None)
+        # FSDP shards each vision layer as its own unit, so every rank must run the tower in every forward: else one
+        # rank's all-gather of a vision layer meets another's of a text layer (gloo aborts on the size mismatch). A
+        # forward without an image gets one more row, a blank image's run, whose logits are dropped (gradient 0).
+        self.blank = None
+        if self.processor is not None:
+            from PIL import Image
+            blank = Image.new("RGB", (64, 64))   # any size: the processor resizes it
+            run = self.processor(text=self.processor.tokenizer.convert_ids_to_tokens(self.image_id), images=[blank],
+                                 add_special_tokens=False)["input_ids"][0]
+            self.blank = (torch.tensor([run], device=self.device), self.image_inputs([blank]))
         if self.train.routing_replay:
             self.moe = self.install_replay(self.model)
         # names transformers keeps fused (an MoE layer's experts in one tensor): export reverts them as save_pretrained
@@ -593,20 +596,32 @@ class TrainerRank:
         width = int(batch["lengths"][rows].max())
         x = {k: (v[rows, :width] if v.ndim >= 2 else v[rows]).to(self.device) for k, v in tensors.items()}
         if images := [image for r in rows for image in batch["images"][r]] if "images" in batch else None:
-            x["images"] = {k: v.to(self.device) for k, v in self.images(images=images, return_tensors="pt").items()}
+            x["images"] = self.image_inputs(images)
         return x
+
+    def image_inputs(self, images: list) -> dict[str, torch.Tensor]:
+        """A VLM's inputs for decoded images, as its processor computes them (pixel_values, and what else it returns:
+        Idefics3's pixel_attention_mask, ...), on this rank's device."""
+        inputs = self.processor.image_processor(images=images, return_tensors="pt")
+        return {k: v.to(self.device) for k, v in inputs.items()}
 
     def policy_logprobs(self, model, x: dict, temperature: float, *, entropy: bool = False):
         """(B, T) log-probs of a microbatch's ids under model's logits / temperature, and (B, T) entropy when asked;
         with --train.routing_replay, the policy's MoE layers replay x["routed"] (B, T, layers, top_k); a VLM sees
-        x["images"] (microbatch)."""
-        ids = x["ids"]
+        x["images"] (microbatch), and a microbatch without images the blank row (setup)."""
+        ids, images = x["ids"], x.get("images", {})
+        B, T = ids.shape
+        if not images and self.blank is not None:
+            run, images = self.blank
+            width = max(T, run.shape[1])
+            pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]))
+            ids = torch.cat([pad(ids), pad(run)])  # (B + 1, width): right padding leaves the rows' logits as they are
         self.replay = x.get("routed")  # read by replayed_ids in this forward and in its checkpoint recompute
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast(model)):
-            logits = model(input_ids=ids, use_cache=False, **x.get("images", {})).logits  # (B, T, V)
+            logits = model(input_ids=ids, use_cache=False, **images).logits[:B, :T]  # (B, T, V)
         if self.image_id is not None:   # a VLM: the engine never samples its image id (banned), nor does the policy
             logits[..., self.image_id] = -1e4   # out of the softmax; -inf would make the entropy's 0 * log 0 NaN
-        return token_logprobs(logits, ids, temperature, entropy=entropy, entropy_grad=self.loss.needs_entropy_grad,
+        return token_logprobs(logits, x["ids"], temperature, entropy=entropy, entropy_grad=self.loss.needs_entropy_grad,
                               compiled=self.cuda and self.fsdp.compile_logprobs)
 
     def critic_values(self, ids: torch.Tensor) -> torch.Tensor:
@@ -633,7 +648,7 @@ class TrainerRank:
         """One RL step on the whole batch: advantages, old log-probs, then epochs x minibatches optimizer steps.
         Returns (weight, metrics) records for the driver to merge, and the policy version after the step."""
         # --- rollout batch: the same padded tensors and the same plan on every rank
-        batch = collate(segments, self.moe, self.images)
+        batch = collate(segments, self.moe, vlm=self.processor is not None)
         mask = batch["mask"]  # (B, T)
         plan = self.plan(batch, self.train.minibatches)
         start_version, records = self.version, []
@@ -729,7 +744,7 @@ class TrainerRank:
     def sft_step(self, segments: list[Segment]) -> tuple[list[tuple[float, dict]], int]:
         """One optimizer step of token NLL on the action tokens, at temperature 1 (the model's own distribution);
         MoE layers route live (SFT rows were never sampled, so there is no routing to replay)."""
-        batch = collate(segments, images=self.images)
+        batch = collate(segments, vlm=self.processor is not None)
         mask, records = batch["mask"], []
         plan = self.plan(batch, 1)
         denoms = Denoms(num_tokens=float(mask.sum()), num_seqs=float(mask.any(1).sum()),
@@ -747,7 +762,7 @@ class TrainerRank:
 
     def logprobs(self, segments: list[Segment], temperature: float | None) -> list[torch.Tensor] | None:
         """Every segment's (T,) recomputed log-probs (0 at t = 0) on rank 0; None on the others."""
-        batch = collate(segments, self.moe, self.images)
+        batch = collate(segments, self.moe, vlm=self.processor is not None)
         plan = self.plan(batch, 1)
         temperature = self.temperature if temperature is None else temperature
         policy = lambda x: self.policy_logprobs(self.model, x, temperature)[0]
@@ -919,12 +934,9 @@ class TrainerGroup:
                              f"with {getattr(config, 'num_experts', 0)} experts; set another ep_size")
         if train.freeze_vision and not hasattr(config, "vision_config"):
             raise ValueError(f"--train.freeze_vision: {model_path} has no vision_config (not a VLM); leave it off")
-        if hasattr(config, "vision_config") and train.world_size > 1:   # a 2-rank run hung in a vision all-gather
-            raise ValueError(f"--train.world_size {train.world_size} with a VLM ({config.model_type}): sharding a VLM "
-                             "over several ranks is not supported yet; set --train.world_size 1")
         if not temperature > 0.0:
             raise ValueError(f"temperature {temperature}: must be > 0, the rollout's --rollout.temperature")
-        self.ckpt, self.colocated, self.images = ckpt, colocated, image_processor(model_path)
+        self.ckpt, self.colocated, self.vlm = ckpt, colocated, hasattr(config, "vision_config")
         actor_class = ray.remote(num_cpus=0, num_gpus=gpus)(TrainerRank)
         self.actors = [actor_class.remote(r, train.world_size, model_path, train, fsdp, ckpt, loss, estimator,
                                           temperature) for r in range(train.world_size)]
@@ -960,7 +972,7 @@ class TrainerGroup:
     def run_step(self, method: str, segments: list[Segment], data_position: dict | None) -> dict[str, float]:
         """One step on every rank; merged metrics with throughput; a checkpoint when --ckpt.every says so."""
         start = time.perf_counter()
-        batch = collate(segments, images=self.images)  # refuse bad input here, before any rank sees it
+        batch = collate(segments, vlm=self.vlm)  # refuse bad input here, before any rank sees it
         results = self.call(method, ray.put(segments))  # one copy in the object store, read by every rank
         metrics = merge_metrics([record for records, _ in results for record in records])
         self.step, self.version = self.step + 1, results[0][1]
@@ -982,7 +994,7 @@ class TrainerGroup:
 
     def logprobs(self, segments: list[Segment], *, temperature: float | None = None) -> list[torch.Tensor]:
         """Each segment's (T,) log-probs under the current weights at temperature (default: the rollout's)."""
-        collate(segments, images=self.images)  # refused here, before any rank sees it
+        collate(segments, vlm=self.vlm)  # refused here, before any rank sees it
         return self.call("logprobs", ray.put(segments), temperature)[0]
 
     def export_weights(self, bucket_mb: float = 256, *, dtype: torch.dtype | None = None):

@@ -22,14 +22,5 @@ $PY launch.py --launch.model "$OUT/sft/hf" --launch.out_dir "$OUT/rl" --launch.s
   --launch.batch_prompts 16 --launch.samples_per_prompt 8 --rollout.max_new_tokens 8 --rollout.temperature 1.0 \
   --train.lr 1e-3 --launch.max_staleness 0 \
   --vllm.max_model_len 128 --eval.every 10 --eval.prompts 100 "$@"
-$PY - "$OUT/rl/metrics.jsonl" <<'PY'
-import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1])]
-first, last = rows[0], rows[-1]
-evals = [r["eval/reward_mean"] for r in rows if "eval/reward_mean" in r]
-print(f"reward after SFT (first RL batch): {first['rollout/reward_mean']:.3f}")
-print(f"reward after RL  (last RL batch):  {last['rollout/reward_mean']:.3f}")
-print(f"held-out accuracy before RL: {first.get('eval/before_reward_mean', float('nan')):.3f}   "
-      f"after: {evals[-1] if evals else float('nan'):.3f}   (chance 0.25)")
-PY
+$PY recipes/summary.py "$OUT/rl/metrics.jsonl" --label "held-out accuracy" --chance 0.25
 echo "done in ${SECONDS}s"

@@ -22,14 +22,5 @@ $PY launch.py --launch.model "$OUT/sft/hf" --launch.out_dir "$OUT/rl" --launch.s
   --launch.batch_prompts 32 --launch.samples_per_prompt 8 --rollout.max_new_tokens 8 --rollout.temperature 1.0 \
   --train.lr 1e-3 --launch.max_staleness 1 --loss.is_level token --loss.entropy_coef 0.0 \
   --vllm.max_model_len 64 --eval.every 10 --eval.prompts 100 --ckpt.dir "$OUT/rl/ckpt" "$@"
-$PY - "$OUT/rl/metrics.jsonl" <<'PY'
-import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1])]
-first, last = rows[0], rows[-1]
-evals = [r["eval/reward_mean"] for r in rows if "eval/reward_mean" in r]
-print(f"reward after SFT (first RL batch): {first['rollout/reward_mean']:.3f}")
-print(f"reward after RL  (last RL batch):  {last['rollout/reward_mean']:.3f}")
-print(f"held-out eval before RL: {first.get('eval/before_reward_mean', float('nan')):.3f}   "
-      f"after: {evals[-1] if evals else float('nan'):.3f}")
-PY
+$PY recipes/summary.py "$OUT/rl/metrics.jsonl"
 echo "done in ${SECONDS}s"

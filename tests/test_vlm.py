@@ -41,9 +41,14 @@ def image_runs(ids: list[int], tok) -> list[tuple[int, int]]:
 
 
 @pytest.fixture(scope="module")
-def vlm(tmp_path_factory, ray_local):
+def vlm_path(tmp_path_factory):
+    return build_tiny_vlm(str(tmp_path_factory.mktemp("tiny_vlm")), seed=0)
+
+
+@pytest.fixture(scope="module")
+def vlm(vlm_path, ray_local):
     from transformers import AutoProcessor
-    path = build_tiny_vlm(str(tmp_path_factory.mktemp("tiny_vlm")), seed=0)
+    path = vlm_path
     gen = Generator(path, VllmArgs(max_model_len=512), RolloutArgs(max_new_tokens=16))
     yield path, gen, AutoProcessor.from_pretrained(path)
     run(gen.shutdown())
@@ -157,9 +162,6 @@ def test_trainer_recomputes_the_engines_logprobs_trains_and_refits_the_vlm(vlm, 
     segs = [two_turns(gen, proc, seed=s, colours=c) for s, c in
             ((3, ((220, 30, 30), (30, 30, 220))), (5, ((30, 200, 30), (220, 220, 30))))]
     segs[0].reward = 1.0   # one group of two, rewards 1 and 0: non-zero advantages for both
-    with pytest.raises(ValueError, match="--train.world_size 2 with a VLM"):   # refused before any rank starts
-        TrainerGroup(path, TrainArgs(world_size=2), FsdpArgs(), CkptArgs(), LossArgs(), EstimatorArgs(),
-                     temperature=1.0, gpus_per_rank=0)
     trainer = TrainerGroup(path, TrainArgs(lr=1e-2, freeze_vision=freeze_vision), FsdpArgs(), CkptArgs(), LossArgs(),
                            EstimatorArgs(), temperature=1.0, gpus_per_rank=0)
     try:
@@ -181,6 +183,79 @@ def test_trainer_recomputes_the_engines_logprobs_trains_and_refits_the_vlm(vlm, 
         run(gen.pause())   # the module's later tests compare against the checkpoint: put its weights back
         run(gen.update_weights(sorted(load_file(f"{path}/model.safetensors").items()), 0))
         run(gen.resume())
+
+
+def text_and_image_row(proc, text: str, png: bytes | None, actions: int, seed: int) -> Segment:
+    """A user turn as the processor expands it (with png's run when given), then `actions` random action ids sampled
+    at log-prob -4.0 by version 0; reward seed % 2, all rows one group."""
+    content = [{"type": "image"}] * (png is not None) + [{"type": "text", "text": text}]
+    prompt = proc.tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                                tokenize=False)
+    ids = proc(text=prompt, images=[decode_image(png, "png")] if png else None)["input_ids"][0]
+    acts = torch.randint(3, 1000, (actions,), generator=torch.Generator().manual_seed(seed)).tolist()
+    mask = [False] * len(ids) + [True] * actions
+    return Segment(token_ids=ids + acts, action_mask=mask, logprobs=[-4.0 * m for m in mask],
+                   versions=[0 if m else -1 for m in mask], reward=float(seed % 2), group_id="g", episode_id=f"e{seed}",
+                   images=[(*run, png) for run in image_runs(ids, proc.tokenizer)])
+
+
+def within(seconds: float, fn, *args):
+    """fn(*args) in a thread, failing after `seconds`: ranks that disagree on a collective may wait on each other
+    forever (or one aborts and the driver raises)."""
+    from concurrent.futures import ThreadPoolExecutor
+    pool = ThreadPoolExecutor(1)
+    try:
+        return pool.submit(fn, *args).result(timeout=seconds)
+    finally:
+        pool.shutdown(wait=False)
+
+
+def test_two_trainer_ranks_match_one_whichever_rank_holds_the_images(vlm_path, ray_local):
+    import ray
+    from transformers import AutoProcessor
+
+    from estimators import EstimatorArgs
+    from losses import LossArgs
+    from trainer import CkptArgs, FsdpArgs, TrainArgs, TrainerGroup, plan_step
+    proc = AutoProcessor.from_pretrained(vlm_path)
+    # longest row first to the least-loaded rank: the text row (104 ids) to rank 0, both image rows (54, 43) to rank 1
+    one_sided = [text_and_image_row(proc, "which colour is the square? " * 4, None, 8, 1),
+                 text_and_image_row(proc, "which colour?", RED, 8, 2), text_and_image_row(proc, "and?", BLUE, 6, 3)]
+    both = one_sided[1:]   # one image row on each rank
+    for batch, expected in ((one_sided, [False, True]), (both, [True, True])):
+        [ranks] = plan_step([len(s.token_ids) for s in batch], minibatches=1, dp_size=2, max_tokens=4096)
+        assert [any(batch[i].images for micro in rows for i in micro) for rows in ranks] == expected
+    start = lambda world_size: TrainerGroup(vlm_path, TrainArgs(lr=1e-3, world_size=world_size), FsdpArgs(),
+                                            CkptArgs(), LossArgs(), EstimatorArgs(), temperature=1.0, gpus_per_rank=0)
+    one = two = None
+    try:
+        one = start(1)
+        two = start(2)
+        # fp32 log-probs near -7: the one-rank forward and each rank's differ only in which rows share a matmul (the
+        # blank row a rank without images adds leaves its rows' logits bit-identical): a few ulps of 7 (4.8e-7 each)
+        # at most; measured 0
+        for batch in (one_sided, both):
+            for a, b in zip(one.logprobs(batch), within(300, two.logprobs, batch)):
+                assert (a - b).abs().max() <= 1e-5
+        m1, m2 = one.train_step(one_sided), within(300, two.train_step, one_sided)
+        exported = lambda group: {name: t for bucket in group.export_weights(1) for name, t in bucket}
+        w1, w2 = exported(one), within(300, exported, two)
+    finally:
+        for group in (one, two):
+            for actor in group.actors if group else ():
+                ray.kill(actor)
+    # the same gradient summed in another order (rows per rank, then the reduce-scatter): GRPO's signed advantages
+    # cancel in it, so fp32 rounding shows at 2e-6 to 6e-6 relative (measured with images on one rank, on both, on
+    # none); a tower whose gradient a rank lost would take its whole share of the norm
+    assert m2["train/grad_norm"] == pytest.approx(m1["train/grad_norm"], rel=2e-5)
+    initial = load_file(f"{vlm_path}/model.safetensors")
+    moved = {n for n in initial if (w1[n] - initial[n]).abs().max() > 5e-4}
+    assert any("vision" in n for n in moved) and any("text" in n for n in moved)   # the step moved both towers
+    # Adam's first step moves each weight by lr g / (|g| + eps) (m = g, v = g^2): lr = 1e-3 in both runs, except where
+    # |g| nears eps (1e-8) and rounding shows (measured 2.7e-6); 5% of lr bounds that, while a tower that missed its
+    # gradient on a rank would be a whole lr off
+    for name in initial:
+        assert (w1[name] - w2[name]).abs().max() <= 5e-5, name
 
 
 # --- the chat server: image content parts
@@ -404,12 +479,12 @@ def test_env_episode_with_an_image_in_two_observations_is_token_exact_against_th
                             args=AgentArgs(), episode_id="txt", group_id="g"))
 
 
-def test_sft_row_with_an_image_is_the_processors_expansion_and_trains_only_the_answer(vlm, tiny_model):
-    from transformers import AutoTokenizer
+def test_sft_row_with_an_image_is_the_processors_expansion_and_trains_only_the_answer(vlm_path, tiny_model):
+    from transformers import AutoProcessor, AutoTokenizer
 
     from chat_server import ChatTemplate
     from trainer import sft_batch
-    path, _, proc = vlm
+    path, proc = vlm_path, AutoProcessor.from_pretrained(vlm_path)
     messages = [{"role": "user", "content": [{"type": "image", "image": RED}, {"type": "text", "text": "which?"}]},
                 {"role": "assistant", "content": "red"}]
     template = ChatTemplate(path, append_roles=())
@@ -422,6 +497,20 @@ def test_sft_row_with_an_image_is_the_processors_expansion_and_trains_only_the_a
     at = len(template.encode("<|im_start|>user\n"))
     assert seg.images == [(at, at + 19, RED)]
     seg.check()
+    # a second image in a later user turn: the mask shifts past both runs. By hand, piece by piece (each piece ends
+    # at a special token or the glue "\n", so the pieces' ids concatenate to the row's): both answers, nothing else
+    later = [{"role": "user", "content": [{"type": "text", "text": "and?"}, {"type": "image", "image": BLUE}]},
+             {"role": "assistant", "content": "blue"}]
+    (seg2,) = sft_batch([{"messages": messages + later}], proc.tokenizer, template=template)
+    turn = lambda text, png: proc(text=f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n",
+                                  images=[decode_image(png, "png")])["input_ids"][0]
+    pieces = [(turn("<image>which?", RED), False), (template.encode("red<|im_end|>"), True),
+              (template.encode("\n"), False), (turn("and?<image>", BLUE), False),
+              (template.encode("blue<|im_end|>"), True), (template.encode("\n"), False)]
+    assert seg2.token_ids == [t for ids, _ in pieces for t in ids]
+    assert seg2.action_mask == [trained for ids, trained in pieces for _ in ids]
+    assert [png for *_, png in seg2.images] == [RED, BLUE]
+    seg2.check()
     with pytest.raises(ValueError, match="example 0: has images"):
         sft_batch([{"messages": messages}], proc.tokenizer)
     with pytest.raises(ValueError, match="example 0: has images"):   # a text model's template
