@@ -483,8 +483,9 @@ class TrainerRank:
         # FSDP shards each vision layer as its own unit, so every rank must run the tower in every forward: else one
         # rank's all-gather of a vision layer meets another's of a text layer (gloo aborts on the size mismatch). A
         # forward without an image gets one more row, a blank image's run, whose logits are dropped (gradient 0).
+        # One rank has no one to meet: it skips the tower then.
         self.blank = None
-        if self.processor is not None:
+        if self.processor is not None and self.dp_size > 1:
             from PIL import Image
             blank = Image.new("RGB", (64, 64))   # any size: the processor resizes it
             run = self.processor(text=self.processor.tokenizer.convert_ids_to_tokens(self.image_id), images=[blank],
