@@ -799,6 +799,11 @@ def sse(event: str | None, data: dict) -> str:
     return (f"event: {event}\n" if event else "") + f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
+def event(kind: str, **data) -> str:
+    """A named event whose data repeats its name as "type" (Anthropic, Responses)."""
+    return sse(kind, {"type": kind, **data})
+
+
 def arguments_json(c: Call) -> str:
     return c.arguments if isinstance(c.arguments, str) else json.dumps(c.arguments, ensure_ascii=False)
 
@@ -878,14 +883,13 @@ def openai_body(req: ChatRequest, r: Reply) -> dict:
 
 
 class OpenAIWriter:
-    """Replies, errors and the model list; a stream is a role chunk at once, then content, all tool calls whole,
-    finish, usage, [DONE]. Errors after the stream opened are a data line, then the end."""
+    """Replies, errors and the model list; a stream is a role chunk at once, then reasoning, content, all tool calls
+    whole, finish, usage, [DONE]. Errors after the stream opened are a data line, then the end."""
     ping, overloaded, body = ": keep-alive\n\n", 503, staticmethod(openai_body)   # ping: an SSE comment, skipped
 
     def __init__(self, req: ChatRequest, plan: Plan):
-        self.req = req
-        self.base = {"id": f"chatcmpl-{plan.reply_id}", "object": "chat.completion.chunk", "created": int(time.time()),
-                     "model": req.model}
+        self.req, self.base = req, {"id": f"chatcmpl-{plan.reply_id}", "object": "chat.completion.chunk",
+                                    "created": int(time.time()), "model": req.model}
         self.head = [self.chunk({"role": "assistant", "content": ""})]   # frames sent at once
 
     def chunk(self, delta: dict, finish: str | None = None) -> str:
@@ -893,19 +897,12 @@ class OpenAIWriter:
         return sse(None, {**self.base, "choices": [choice]})
 
     def tail(self, r: Reply) -> list[str]:
-        body, out = openai_body(self.req, r), []
-        choice = body["choices"][0]
-        msg = choice["message"]
-        if r.reasoning:
-            out.append(self.chunk({"reasoning_content": r.reasoning}))
-        if msg["content"]:
-            out.append(self.chunk({"content": msg["content"]}))
-        if r.calls:
-            out.append(self.chunk({"tool_calls": [{"index": k, **tc} for k, tc in enumerate(msg["tool_calls"])]}))
-        out.append(self.chunk({}, choice["finish_reason"]))
-        if self.req.include_usage:
-            out.append(sse(None, {**self.base, "choices": [], "usage": body["usage"]}))
-        return out + ["data: [DONE]\n\n"]
+        body = openai_body(self.req, r)
+        [choice], usage = body["choices"], [sse(None, {**self.base, "choices": [], "usage": body["usage"]})]
+        deltas = [{k: choice["message"][k]} for k in ("reasoning_content", "content") if choice["message"].get(k)]
+        calls = [{"index": k, **c} for k, c in enumerate(choice["message"].get("tool_calls", []))]
+        return ([self.chunk(d) for d in deltas + [{"tool_calls": calls}] * bool(calls)]
+                + [self.chunk({}, choice["finish_reason"])] + usage * self.req.include_usage + ["data: [DONE]\n\n"])
 
     def error_event(self, e: ApiError) -> str:
         return sse(None, self.error(e, ""))
@@ -998,33 +995,31 @@ def anthropic_body(req: ChatRequest, r: Reply) -> dict:
 class AnthropicWriter:
     """Replies, errors (529 for an engine down) and the model list; a stream is named events: message_start, pings
     while generating, per block start/delta/stop, message_delta, message_stop (or an error event)."""
-    ping, overloaded, body = sse("ping", {"type": "ping"}), 529, staticmethod(anthropic_body)
+    ping, overloaded, body = event("ping"), 529, staticmethod(anthropic_body)
 
     def __init__(self, req: ChatRequest, plan: Plan):
         self.req = req
-        message = {"id": f"msg_{plan.reply_id}", "type": "message", "role": "assistant", "model": req.model,
-                   "content": [], "stop_reason": None, "stop_sequence": None,
-                   "usage": {"input_tokens": plan.pending.prompt_tokens, "output_tokens": 0}}
-        self.head = [sse("message_start", {"type": "message_start", "message": message})]
+        self.head = [event("message_start", message={
+            "id": f"msg_{plan.reply_id}", "type": "message", "role": "assistant", "model": req.model, "content": [],
+            "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": plan.pending.prompt_tokens, "output_tokens": 0}})]
 
     def tail(self, r: Reply) -> list[str]:
         out = []
         for i, block in enumerate(anthropic_body(self.req, r)["content"]):
-            if block["type"] == "text":
-                start, deltas = {"type": "text", "text": ""}, [{"type": "text_delta", "text": block["text"]}]
-            elif block["type"] == "thinking":   # the signature comes last, in its own delta, as Anthropic sends it
-                start = {**block, "thinking": "", "signature": ""}
-                deltas = [{"type": "thinking_delta", "thinking": block["thinking"]},
-                          {"type": "signature_delta", "signature": block["signature"]}]
-            else:
+            if block["type"] == "tool_use":
                 start = {**block, "input": {}}
                 deltas = [{"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}]
-            out += [sse("content_block_start", {"type": "content_block_start", "index": i, "content_block": start})]
-            out += [sse("content_block_delta", {"type": "content_block_delta", "index": i, "delta": d}) for d in deltas]
-            out.append(sse("content_block_stop", {"type": "content_block_stop", "index": i}))
-        end = {"type": "message_delta", "usage": {"output_tokens": len(r.ids)},
-               "delta": {"stop_reason": anthropic_stop(r), "stop_sequence": r.stop_sequence}}
-        return out + [sse("message_delta", end), sse("message_stop", {"type": "message_stop"})]
+            else:   # text, or thinking with the signature last, in its own delta, as Anthropic sends it
+                fields = ("thinking", "signature") if block["type"] == "thinking" else ("text",)
+                start = {**block, **dict.fromkeys(fields, "")}
+                deltas = [{"type": f"{f}_delta", f: block[f]} for f in fields]
+            out += [event("content_block_start", index=i, content_block=start),
+                    *[event("content_block_delta", index=i, delta=d) for d in deltas],
+                    event("content_block_stop", index=i)]
+        return out + [event("message_delta", usage={"output_tokens": len(r.ids)},
+                            delta={"stop_reason": anthropic_stop(r), "stop_sequence": r.stop_sequence}),
+                      event("message_stop")]
 
     def error_event(self, e: ApiError) -> str:
         return sse("error", self.error(e, ""))
@@ -1125,25 +1120,24 @@ class ResponsesWriter(OpenAIWriter):
 
     def event(self, kind: str, **data) -> str:
         self.seq += 1
-        return sse(kind, {"type": kind, "sequence_number": self.seq, **data})
+        return event(kind, sequence_number=self.seq, **data)
 
     def tail(self, r: Reply) -> list[str]:
         full, out = responses_body(self.req, r), []
         for i, item in enumerate(full["output"]):
-            ref = {"item_id": item["id"], "output_index": i}
-            empty = {"content": []} if item["type"] == "message" else {"arguments": ""} \
-                if item["type"] == "function_call" else {}
+            at, empty = {"item_id": item["id"], "output_index": i}, {"message": {"content": []},
+                                                                    "function_call": {"arguments": ""}}
             out.append(self.event("response.output_item.added", output_index=i,
-                                  item={**item, "status": "in_progress", **empty}))
+                                  item={**item, "status": "in_progress", **empty.get(item["type"], {})}))
             if item["type"] == "message":
-                part, text = item["content"][0], item["content"][0]["text"]
-                out += [self.event("response.content_part.added", **ref, content_index=0, part={**part, "text": ""}),
-                        self.event("response.output_text.delta", **ref, content_index=0, delta=text, logprobs=[]),
-                        self.event("response.output_text.done", **ref, content_index=0, text=text, logprobs=[]),
-                        self.event("response.content_part.done", **ref, content_index=0, part=part)]
+                part, at = item["content"][0], {**at, "content_index": 0}
+                out += [self.event("response.content_part.added", **at, part={**part, "text": ""}),
+                        self.event("response.output_text.delta", **at, delta=part["text"], logprobs=[]),
+                        self.event("response.output_text.done", **at, text=part["text"], logprobs=[]),
+                        self.event("response.content_part.done", **at, part=part)]
             elif item["type"] == "function_call":
-                out += [self.event("response.function_call_arguments.delta", **ref, delta=item["arguments"]),
-                        self.event("response.function_call_arguments.done", **ref, name=item["name"],
+                out += [self.event("response.function_call_arguments.delta", **at, delta=item["arguments"]),
+                        self.event("response.function_call_arguments.done", **at, name=item["name"],
                                    arguments=item["arguments"])]
             out.append(self.event("response.output_item.done", output_index=i, item=item))
         return out + [self.event(f"response.{full['status']}", response=full)]
@@ -1156,13 +1150,7 @@ class ResponsesWriter(OpenAIWriter):
 
 def writer(protocol: str) -> type:
     """The one dispatch for everything written back: reply bodies, streams, errors and the model list."""
-    if protocol == "openai":
-        return OpenAIWriter
-    if protocol == "anthropic":
-        return AnthropicWriter
-    if protocol == "responses":
-        return ResponsesWriter
-    raise ValueError(f"unknown protocol {protocol!r}")
+    return {"openai": OpenAIWriter, "anthropic": AnthropicWriter, "responses": ResponsesWriter}[protocol]
 
 
 @dataclass
