@@ -4,19 +4,15 @@
     ep = server.open_episode()      # Episode(id, api_key, openai_base_url, anthropic_base_url)
     ...an unmodified harness calls a stock SDK with ep.api_key, or with the episode's base URLs...
     segments = server.close_episode(ep.id)   # list[Segment]: token_ids, action_mask, logprobs, versions (T,)
-Reading order: the chat template as token ids (`ChatTemplate`: full render, delta, bridge, start-up check; shared
-with agent.py) -> the canonical request all protocols parse into -> the matcher, this file's one idea: a request is
-EXTEND / RETRY / REWRITE / UNRELATED against the episode's segments (README, How it works), and an EXTEND
-appends the stored sampled ids, a bridge and the delta tokens of the new messages (mask 0), never a re-render ->
-one section per wire format (parser, reply, stream, errors) -> HTTP, whose `ChatServer.parse` and `writer` are the
-only two places that switch on the protocol. Streaming is "fake": one engine call, then a protocol-exact SSE
-sequence. Constrained decoding (a forced tool choice, a JSON format) is sampled under vLLM's grammar mask, its turns
-marked in Segment.info["constrained"]: the masked sampler is their behaviour policy. Reasoning goes out as an opaque
-handle (a thinking block's signature, a reasoning item's encrypted_content) that maps back to its exact text. A resend
-of a request whose client left (a runner's retry, no header) joins that turn. Not here: sampling settings (the
-generator's --rollout.*; client values are ignored and counted), stateful Responses (previous_response_id), remote
-images (only inline ones: a data URL or base64; a VLM's image lands in its segment as its placeholder run plus its
-bytes), other non-text content (400), admin HTTP routes (the trainer calls open_episode / close_episode in process)."""
+Reading order: the chat template as token ids (ChatTemplate, shared with agent.py) -> the canonical request -> the
+matcher, this file's one idea: a request is EXTEND / RETRY / REWRITE / UNRELATED against the episode's segments, and an
+EXTEND appends the stored sampled ids, a bridge and the delta tokens of the new messages (mask 0), never a re-render
+-> one section per wire format -> HTTP (ChatServer.parse and writer: the only protocol switches). Streams are "fake":
+one engine call, then a protocol-exact SSE sequence. Constrained decoding is sampled under vLLM's grammar mask, its
+turns marked in Segment.info["constrained"]. Reasoning goes out as an opaque handle mapping back to its exact text. A
+resend of a request whose client left joins that turn. Not here: sampling settings (the generator's --rollout.*),
+stateful Responses (previous_response_id), remote images (an inline one lands in a VLM's segment as its placeholder
+run plus its bytes), other non-text content (400), admin HTTP routes (the trainer calls open/close_episode directly)."""
 import asyncio
 import base64
 import binascii
@@ -485,17 +481,6 @@ class EpisodeState:
     closed: bool = False
 
 
-def to_segment(ep: EpisodeState, t: Track) -> Segment:
-    return Segment(token_ids=t.tokens, action_mask=t.mask, logprobs=t.logprobs, versions=t.versions, episode_id=ep.id,
-                   finish_reason=t.turns[-1].finish, truncated=t.turns[-1].finish == "length", routed_experts=t.experts,
-                   images=t.images,
-                   info={"segment": t.index, "forked_from": t.parent, "rewrite_of": t.rewrite_of,
-                         "turns": [(u.start, u.end) for u in t.turns], "tainted": ep.tainted,
-                         "constrained": [(u.start, u.end) for u in t.turns if u.constrained],
-                         "sampled": sampled_record((u.sampled, t.logprobs[u.start:u.end], t.versions[u.start:u.end])
-                                                   for u in t.turns)})
-
-
 class SegmentStore:
     """Plans, generates and commits canonical requests on their episode's segments; knows no protocol."""
 
@@ -606,22 +591,17 @@ class SegmentStore:
         if ep.closed:   # the trainer already took this episode's segments
             self.counts["chat/late_turns_dropped"] += 1
             return reply
-        src = plan.track
-        if src is not None and src.stamp == plan.stamp:
-            t = src   # in place; a RETRY rolls the last turn back first
-            for rows in (t.tokens, t.mask, t.logprobs, t.versions):
-                del rows[plan.base:]
-            del t.msgs[plan.base_msgs:], t.hashes[plan.base_msgs + 1:]
-        else:   # a new segment, or a fork when another commit moved the planned one
+        src = t = plan.track
+        if src is None or src.stamp != plan.stamp:   # a new segment, or a fork: another commit moved the planned one
             self.counts["chat/forks"] += src is not None
-            t = Track(len(ep.tracks), req.first(), parent=None if src is None else src.index, hashes=req.hashes[:1],
+            t = Track(len(ep.tracks), req.first(), parent=src and src.index, hashes=req.hashes[:1],
                       rewrite_of=plan.rewrite_of and plan.rewrite_of.index)
-            if src is not None:
-                rows = (src.tokens, src.mask, src.logprobs, src.versions)
-                t.tokens, t.mask, t.logprobs, t.versions = (r[:plan.base] for r in rows)
-                t.msgs, t.hashes = src.msgs[:plan.base_msgs], src.hashes[:plan.base_msgs + 1]
             ep.tracks.append(t)
-        t.turns = [u for u in src.turns if u.end <= plan.base] if src is not None else []
+        if src is not None:   # the planned prefix (in place: a RETRY rolls the last turn back)
+            rows = (src.tokens, src.mask, src.logprobs, src.versions)
+            t.tokens, t.mask, t.logprobs, t.versions = (r[:plan.base] for r in rows)
+            t.msgs, t.hashes = src.msgs[:plan.base_msgs], src.hashes[:plan.base_msgs + 1]
+            t.turns = [u for u in src.turns if u.end <= plan.base]
         t.tokens += plan.added + ids
         t.mask += [False] * len(plan.added) + [True] * len(ids)
         t.logprobs += [0.0] * len(plan.added) + logprobs
@@ -1213,7 +1193,15 @@ class ChatServer(SegmentStore):
         self.closed.update({ep.id: True, ep.api_key: True})
         while len(self.closed) > 100_000:
             self.closed.popitem(last=False)
-        return [to_segment(ep, t) for t in ep.tracks]
+        return [Segment(token_ids=t.tokens, action_mask=t.mask, logprobs=t.logprobs, versions=t.versions,
+                        episode_id=ep.id, finish_reason=t.turns[-1].finish, truncated=t.turns[-1].finish == "length",
+                        routed_experts=t.experts, images=t.images,
+                        info={"segment": t.index, "forked_from": t.parent, "rewrite_of": t.rewrite_of,
+                              "turns": [(u.start, u.end) for u in t.turns], "tainted": ep.tainted,
+                              "constrained": [(u.start, u.end) for u in t.turns if u.constrained],
+                              "sampled": sampled_record((u.sampled, t.logprobs[u.start:u.end],
+                                                         t.versions[u.start:u.end]) for u in t.turns)})
+                for t in ep.tracks]
 
     def metrics(self) -> dict:
         ms = sorted(self.overheads_ms)
