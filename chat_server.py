@@ -878,11 +878,15 @@ class OpenAIWriter:
 
     def tail(self, r: Reply) -> list[str]:
         body = openai_body(self.req, r)
-        [choice], usage = body["choices"], [sse(None, {**self.base, "choices": [], "usage": body["usage"]})]
-        deltas = [{k: choice["message"][k]} for k in ("reasoning_content", "content") if choice["message"].get(k)]
-        calls = [{"index": k, **c} for k, c in enumerate(choice["message"].get("tool_calls", []))]
-        return ([self.chunk(d) for d in deltas + [{"tool_calls": calls}] * bool(calls)]
-                + [self.chunk({}, choice["finish_reason"])] + usage * self.req.include_usage + ["data: [DONE]\n\n"])
+        [choice] = body["choices"]
+        msg = choice["message"]
+        deltas = [{k: msg[k]} for k in ("reasoning_content", "content") if msg.get(k)]
+        if r.calls:
+            deltas.append({"tool_calls": [{"index": k, **c} for k, c in enumerate(msg["tool_calls"])]})
+        out = [self.chunk(d) for d in deltas] + [self.chunk({}, choice["finish_reason"])]
+        if self.req.include_usage:
+            out.append(sse(None, {**self.base, "choices": [], "usage": body["usage"]}))
+        return out + ["data: [DONE]\n\n"]
 
     def error_event(self, e: ApiError) -> str:
         return sse(None, self.error(e, ""))
@@ -1382,6 +1386,7 @@ class ChatServer(SegmentStore):
             yield w.error_event(self.taint(ep, e))
         finally:
             plan.pending.gone = plan.pending.gone or not sent
+
     async def count_tokens(self, request: Request, protocol: str) -> Response:
         self.attribute(request)
         req = self.parse(protocol, (await self.read_json(request))[0], counting=True)
