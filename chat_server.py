@@ -1109,10 +1109,10 @@ class ResponsesWriter(OpenAIWriter):
     def tail(self, r: Reply) -> list[str]:
         full, out = responses_body(self.req, r), []
         for i, item in enumerate(full["output"]):
-            at, empty = {"item_id": item["id"], "output_index": i}, {"message": {"content": []},
-                                                                    "function_call": {"arguments": ""}}
+            at = {"item_id": item["id"], "output_index": i}
+            empty = {"message": {"content": []}, "function_call": {"arguments": ""}}.get(item["type"], {})
             out.append(self.event("response.output_item.added", output_index=i,
-                                  item={**item, "status": "in_progress", **empty.get(item["type"], {})}))
+                                  item={**item, "status": "in_progress", **empty}))
             if item["type"] == "message":
                 part, at = item["content"][0], {**at, "content_index": 0}
                 out += [self.event("response.content_part.added", **at, part={**part, "text": ""}),
