@@ -775,8 +775,8 @@ def openai_forced(choice) -> str | None:
     return None
 
 
-def sse(event: str | None, data: dict) -> str:
-    return (f"event: {event}\n" if event else "") + f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+def sse(name: str | None, data: dict) -> str:
+    return (f"event: {name}\n" if name else "") + f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
 def event(kind: str, **data) -> str:
