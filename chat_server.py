@@ -4,19 +4,15 @@
     ep = server.open_episode()      # Episode(id, api_key, openai_base_url, anthropic_base_url)
     ...an unmodified harness calls a stock SDK with ep.api_key, or with the episode's base URLs...
     segments = server.close_episode(ep.id)   # list[Segment]: token_ids, action_mask, logprobs, versions (T,)
-Reading order: the chat template as token ids (`ChatTemplate`: full render, delta, bridge, start-up check; shared
-with agent.py) -> the canonical request all protocols parse into -> the matcher, this file's one idea: a request is
-EXTEND / RETRY / REWRITE / UNRELATED against the episode's segments (README, How it works), and an EXTEND
-appends the stored sampled ids, a bridge and the delta tokens of the new messages (mask 0), never a re-render ->
-one section per wire format (parser, reply, stream, errors) -> HTTP, whose `ChatServer.parse` and `writer` are the
-only two places that switch on the protocol. Streaming is "fake": one engine call, then a protocol-exact SSE
-sequence. Constrained decoding (a forced tool choice, a JSON format) is sampled under vLLM's grammar mask, its turns
-marked in Segment.info["constrained"]: the masked sampler is their behaviour policy. Reasoning goes out as an opaque
-handle (a thinking block's signature, a reasoning item's encrypted_content) that maps back to its exact text. A resend
-of a request whose client left (a runner's retry, no header) joins that turn. Not here: sampling settings (the
-generator's --rollout.*; client values are ignored and counted), stateful Responses (previous_response_id), remote
-images (only inline ones: a data URL or base64; a VLM's image lands in its segment as its placeholder run plus its
-bytes), other non-text content (400), admin HTTP routes (the trainer calls open_episode / close_episode in process)."""
+Reading order: the chat template as token ids (ChatTemplate, shared with agent.py) -> the canonical request -> the
+matcher, this file's one idea: a request is EXTEND / RETRY / REWRITE / UNRELATED against the episode's segments, and an
+EXTEND appends the stored sampled ids, a bridge and the delta tokens of the new messages (mask 0), never a re-render
+-> one section per wire format -> HTTP (ChatServer.parse and writer: the only protocol switches). Streams are "fake":
+one engine call, then a protocol-exact SSE sequence. Constrained decoding is sampled under vLLM's grammar mask, its
+turns marked in Segment.info["constrained"]. Reasoning goes out as an opaque handle mapping back to its exact text. A
+resend of a request whose client left joins that turn. Not here: sampling settings (the generator's --rollout.*),
+stateful Responses (previous_response_id), remote images (an inline one lands in a VLM's segment as its placeholder
+run plus its bytes), other non-text content (400), admin HTTP routes (the trainer calls open/close_episode directly)."""
 import asyncio
 import base64
 import binascii
@@ -491,17 +487,6 @@ class EpisodeState:
     closed: bool = False
 
 
-def to_segment(ep: EpisodeState, t: Track) -> Segment:
-    return Segment(token_ids=t.tokens, action_mask=t.mask, logprobs=t.logprobs, versions=t.versions, episode_id=ep.id,
-                   finish_reason=t.turns[-1].finish, truncated=t.turns[-1].finish == "length", routed_experts=t.experts,
-                   images=t.images,
-                   info={"segment": t.index, "forked_from": t.parent, "rewrite_of": t.rewrite_of,
-                         "turns": [(u.start, u.end) for u in t.turns], "tainted": ep.tainted,
-                         "constrained": [(u.start, u.end) for u in t.turns if u.constrained],
-                         "sampled": sampled_record((u.sampled, t.logprobs[u.start:u.end], t.versions[u.start:u.end])
-                                                   for u in t.turns)})
-
-
 class SegmentStore:
     """Plans, generates and commits canonical requests on their episode's segments; knows no protocol."""
 
@@ -612,22 +597,17 @@ class SegmentStore:
         if ep.closed:   # the trainer already took this episode's segments
             self.counts["chat/late_turns_dropped"] += 1
             return reply
-        src = plan.track
-        if src is not None and src.stamp == plan.stamp:
-            t = src   # in place; a RETRY rolls the last turn back first
-            for rows in (t.tokens, t.mask, t.logprobs, t.versions):
-                del rows[plan.base:]
-            del t.msgs[plan.base_msgs:], t.hashes[plan.base_msgs + 1:]
-        else:   # a new segment, or a fork when another commit moved the planned one
+        src = t = plan.track
+        if src is None or src.stamp != plan.stamp:   # a new segment, or a fork: another commit moved the planned one
             self.counts["chat/forks"] += src is not None
-            t = Track(len(ep.tracks), req.first(), parent=None if src is None else src.index, hashes=req.hashes[:1],
+            t = Track(len(ep.tracks), req.first(), parent=src and src.index, hashes=req.hashes[:1],
                       rewrite_of=plan.rewrite_of and plan.rewrite_of.index)
-            if src is not None:
-                rows = (src.tokens, src.mask, src.logprobs, src.versions)
-                t.tokens, t.mask, t.logprobs, t.versions = (r[:plan.base] for r in rows)
-                t.msgs, t.hashes = src.msgs[:plan.base_msgs], src.hashes[:plan.base_msgs + 1]
             ep.tracks.append(t)
-        t.turns = [u for u in src.turns if u.end <= plan.base] if src is not None else []
+        if src is not None:   # the planned prefix (in place: a RETRY rolls the last turn back)
+            rows = (src.tokens, src.mask, src.logprobs, src.versions)
+            t.tokens, t.mask, t.logprobs, t.versions = (r[:plan.base] for r in rows)
+            t.msgs, t.hashes = src.msgs[:plan.base_msgs], src.hashes[:plan.base_msgs + 1]
+            t.turns = [u for u in src.turns if u.end <= plan.base]
         t.tokens += plan.added + ids
         t.mask += [False] * len(plan.added) + [True] * len(ids)
         t.logprobs += [0.0] * len(plan.added) + logprobs
@@ -801,8 +781,13 @@ def openai_forced(choice) -> str | None:
     return None
 
 
-def sse(event: str | None, data: dict) -> str:
-    return (f"event: {event}\n" if event else "") + f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+def sse(name: str | None, data: dict) -> str:
+    return (f"event: {name}\n" if name else "") + f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def event(kind: str, **data) -> str:
+    """A named event whose data repeats its name as "type" (Anthropic, Responses)."""
+    return sse(kind, {"type": kind, **data})
 
 
 def arguments_json(c: Call) -> str:
@@ -884,14 +869,13 @@ def openai_body(req: ChatRequest, r: Reply) -> dict:
 
 
 class OpenAIWriter:
-    """Replies, errors and the model list; a stream is a role chunk at once, then content, all tool calls whole,
-    finish, usage, [DONE]. Errors after the stream opened are a data line, then the end."""
+    """Replies, errors and the model list; a stream is a role chunk at once, then reasoning, content, all tool calls
+    whole, finish, usage, [DONE]. Errors after the stream opened are a data line, then the end."""
     ping, overloaded, body = ": keep-alive\n\n", 503, staticmethod(openai_body)   # ping: an SSE comment, skipped
 
     def __init__(self, req: ChatRequest, plan: Plan):
-        self.req = req
-        self.base = {"id": f"chatcmpl-{plan.reply_id}", "object": "chat.completion.chunk", "created": int(time.time()),
-                     "model": req.model}
+        self.req, self.base = req, {"id": f"chatcmpl-{plan.reply_id}", "object": "chat.completion.chunk",
+                                    "created": int(time.time()), "model": req.model}
         self.head = [self.chunk({"role": "assistant", "content": ""})]   # frames sent at once
 
     def chunk(self, delta: dict, finish: str | None = None) -> str:
@@ -899,16 +883,13 @@ class OpenAIWriter:
         return sse(None, {**self.base, "choices": [choice]})
 
     def tail(self, r: Reply) -> list[str]:
-        body, out = openai_body(self.req, r), []
-        choice = body["choices"][0]
+        body = openai_body(self.req, r)
+        [choice] = body["choices"]
         msg = choice["message"]
-        if r.reasoning:
-            out.append(self.chunk({"reasoning_content": r.reasoning}))
-        if msg["content"]:
-            out.append(self.chunk({"content": msg["content"]}))
+        deltas = [{k: msg[k]} for k in ("reasoning_content", "content") if msg.get(k)]
         if r.calls:
-            out.append(self.chunk({"tool_calls": [{"index": k, **tc} for k, tc in enumerate(msg["tool_calls"])]}))
-        out.append(self.chunk({}, choice["finish_reason"]))
+            deltas.append({"tool_calls": [{"index": k, **c} for k, c in enumerate(msg["tool_calls"])]})
+        out = [self.chunk(d) for d in deltas] + [self.chunk({}, choice["finish_reason"])]
         if self.req.include_usage:
             out.append(sse(None, {**self.base, "choices": [], "usage": body["usage"]}))
         return out + ["data: [DONE]\n\n"]
@@ -1004,33 +985,31 @@ def anthropic_body(req: ChatRequest, r: Reply) -> dict:
 class AnthropicWriter:
     """Replies, errors (529 for an engine down) and the model list; a stream is named events: message_start, pings
     while generating, per block start/delta/stop, message_delta, message_stop (or an error event)."""
-    ping, overloaded, body = sse("ping", {"type": "ping"}), 529, staticmethod(anthropic_body)
+    ping, overloaded, body = event("ping"), 529, staticmethod(anthropic_body)
 
     def __init__(self, req: ChatRequest, plan: Plan):
         self.req = req
-        message = {"id": f"msg_{plan.reply_id}", "type": "message", "role": "assistant", "model": req.model,
-                   "content": [], "stop_reason": None, "stop_sequence": None,
-                   "usage": {"input_tokens": plan.pending.prompt_tokens, "output_tokens": 0}}
-        self.head = [sse("message_start", {"type": "message_start", "message": message})]
+        self.head = [event("message_start", message={
+            "id": f"msg_{plan.reply_id}", "type": "message", "role": "assistant", "model": req.model, "content": [],
+            "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": plan.pending.prompt_tokens, "output_tokens": 0}})]
 
     def tail(self, r: Reply) -> list[str]:
         out = []
         for i, block in enumerate(anthropic_body(self.req, r)["content"]):
-            if block["type"] == "text":
-                start, deltas = {"type": "text", "text": ""}, [{"type": "text_delta", "text": block["text"]}]
-            elif block["type"] == "thinking":   # the signature comes last, in its own delta, as Anthropic sends it
-                start = {**block, "thinking": "", "signature": ""}
-                deltas = [{"type": "thinking_delta", "thinking": block["thinking"]},
-                          {"type": "signature_delta", "signature": block["signature"]}]
-            else:
+            if block["type"] == "tool_use":
                 start = {**block, "input": {}}
                 deltas = [{"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}]
-            out += [sse("content_block_start", {"type": "content_block_start", "index": i, "content_block": start})]
-            out += [sse("content_block_delta", {"type": "content_block_delta", "index": i, "delta": d}) for d in deltas]
-            out.append(sse("content_block_stop", {"type": "content_block_stop", "index": i}))
-        end = {"type": "message_delta", "usage": {"output_tokens": len(r.ids)},
-               "delta": {"stop_reason": anthropic_stop(r), "stop_sequence": r.stop_sequence}}
-        return out + [sse("message_delta", end), sse("message_stop", {"type": "message_stop"})]
+            else:   # text, or thinking with the signature last, in its own delta, as Anthropic sends it
+                fields = ("thinking", "signature") if block["type"] == "thinking" else ("text",)
+                start = {**block, **dict.fromkeys(fields, "")}
+                deltas = [{"type": f"{f}_delta", f: block[f]} for f in fields]
+            out += [event("content_block_start", index=i, content_block=start),
+                    *[event("content_block_delta", index=i, delta=d) for d in deltas],
+                    event("content_block_stop", index=i)]
+        return out + [event("message_delta", usage={"output_tokens": len(r.ids)},
+                            delta={"stop_reason": anthropic_stop(r), "stop_sequence": r.stop_sequence}),
+                      event("message_stop")]
 
     def error_event(self, e: ApiError) -> str:
         return sse("error", self.error(e, ""))
@@ -1131,25 +1110,24 @@ class ResponsesWriter(OpenAIWriter):
 
     def event(self, kind: str, **data) -> str:
         self.seq += 1
-        return sse(kind, {"type": kind, "sequence_number": self.seq, **data})
+        return event(kind, sequence_number=self.seq, **data)
 
     def tail(self, r: Reply) -> list[str]:
         full, out = responses_body(self.req, r), []
         for i, item in enumerate(full["output"]):
-            ref = {"item_id": item["id"], "output_index": i}
-            empty = {"content": []} if item["type"] == "message" else {"arguments": ""} \
-                if item["type"] == "function_call" else {}
+            at = {"item_id": item["id"], "output_index": i}
+            empty = {"message": {"content": []}, "function_call": {"arguments": ""}}.get(item["type"], {})
             out.append(self.event("response.output_item.added", output_index=i,
                                   item={**item, "status": "in_progress", **empty}))
             if item["type"] == "message":
-                part, text = item["content"][0], item["content"][0]["text"]
-                out += [self.event("response.content_part.added", **ref, content_index=0, part={**part, "text": ""}),
-                        self.event("response.output_text.delta", **ref, content_index=0, delta=text, logprobs=[]),
-                        self.event("response.output_text.done", **ref, content_index=0, text=text, logprobs=[]),
-                        self.event("response.content_part.done", **ref, content_index=0, part=part)]
+                part, at = item["content"][0], {**at, "content_index": 0}
+                out += [self.event("response.content_part.added", **at, part={**part, "text": ""}),
+                        self.event("response.output_text.delta", **at, delta=part["text"], logprobs=[]),
+                        self.event("response.output_text.done", **at, text=part["text"], logprobs=[]),
+                        self.event("response.content_part.done", **at, part=part)]
             elif item["type"] == "function_call":
-                out += [self.event("response.function_call_arguments.delta", **ref, delta=item["arguments"]),
-                        self.event("response.function_call_arguments.done", **ref, name=item["name"],
+                out += [self.event("response.function_call_arguments.delta", **at, delta=item["arguments"]),
+                        self.event("response.function_call_arguments.done", **at, name=item["name"],
                                    arguments=item["arguments"])]
             out.append(self.event("response.output_item.done", output_index=i, item=item))
         return out + [self.event(f"response.{full['status']}", response=full)]
@@ -1162,13 +1140,7 @@ class ResponsesWriter(OpenAIWriter):
 
 def writer(protocol: str) -> type:
     """The one dispatch for everything written back: reply bodies, streams, errors and the model list."""
-    if protocol == "openai":
-        return OpenAIWriter
-    if protocol == "anthropic":
-        return AnthropicWriter
-    if protocol == "responses":
-        return ResponsesWriter
-    raise ValueError(f"unknown protocol {protocol!r}")
+    return {"openai": OpenAIWriter, "anthropic": AnthropicWriter, "responses": ResponsesWriter}[protocol]
 
 
 @dataclass
@@ -1231,7 +1203,15 @@ class ChatServer(SegmentStore):
         self.closed.update({ep.id: True, ep.api_key: True})
         while len(self.closed) > 100_000:
             self.closed.popitem(last=False)
-        return [to_segment(ep, t) for t in ep.tracks]
+        return [Segment(token_ids=t.tokens, action_mask=t.mask, logprobs=t.logprobs, versions=t.versions,
+                        episode_id=ep.id, finish_reason=t.turns[-1].finish, truncated=t.turns[-1].finish == "length",
+                        routed_experts=t.experts, images=t.images,
+                        info={"segment": t.index, "forked_from": t.parent, "rewrite_of": t.rewrite_of,
+                              "turns": [(u.start, u.end) for u in t.turns], "tainted": ep.tainted,
+                              "constrained": [(u.start, u.end) for u in t.turns if u.constrained],
+                              "sampled": sampled_record((u.sampled, t.logprobs[u.start:u.end],
+                                                         t.versions[u.start:u.end]) for u in t.turns)})
+                for t in ep.tracks]
 
     def metrics(self) -> dict:
         ms = sorted(self.overheads_ms)
@@ -1409,6 +1389,7 @@ class ChatServer(SegmentStore):
             yield w.error_event(self.taint(ep, e))
         finally:
             plan.pending.gone = plan.pending.gone or not sent
+
     async def count_tokens(self, request: Request, protocol: str) -> Response:
         self.attribute(request)
         req = self.parse(protocol, (await self.read_json(request))[0], counting=True)
