@@ -571,7 +571,6 @@ class TrainerRank:
         adamw = lambda params: torch.optim.AdamW(params, lr=0.0, betas=self.train.betas,
                                                  weight_decay=self.train.weight_decay, fused=True)
         self.optimizer = adamw([p for p in self.model.parameters() if p.requires_grad])   # --train.freeze_vision, LoRA
-        self.state_options = StateDictOptions(ignore_frozen_params=True, strict=False) if self.adapted else None
         self.ref = self.critic = self.critic_optimizer = None
         if self.loss.needs_ref_model:
             self.ref = self.build(AutoModelForCausalLM).requires_grad_(False)  # the loaded weights, frozen
@@ -927,7 +926,9 @@ class TrainerRank:
     def state(self) -> dict:
         """The DCP state: sharded model and optimizer state dicts (critic's too). With LoRA, the adapter and its
         optimizer state only: the frozen base is model_path's, loaded at setup."""
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.state_options)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        if self.adapted:  # a tied head is no parameter of its own: frozen-parameter filters miss it
+            model_sd = {k: v for k, v in model_sd.items() if ".lora_" in k}
         state = {"model": model_sd, "optim": optim_sd}
         if self.critic is not None:
             state["critic"], state["critic_optim"] = get_state_dict(self.critic, self.critic_optimizer)
@@ -993,7 +994,7 @@ class TrainerRank:
         state = self.state()
         dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=self.state_options)
+                       options=StateDictOptions(strict=not self.adapted))  # LoRA: the base stays as loaded
         if self.critic is not None:
             set_state_dict(self.critic, self.critic_optimizer, model_state_dict=state["critic"],
                            optim_state_dict=state["critic_optim"])
