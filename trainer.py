@@ -112,7 +112,8 @@ class TrainArgs:
             raise ValueError(f"--train.lora_rank {self.lora_rank} / --train.lora_alpha {self.lora_alpha} / "
                              f"--train.lora_dropout {self.lora_dropout} / --train.lora_targets {self.lora_targets}: "
                              "need rank >= 0, alpha > 0, dropout in [0, 1) and at least one target")
-        if not self.lora_rank and (self.lora_alpha, self.lora_targets, self.lora_dropout) != (32.0, LORA_TARGETS, 0.0):
+        defaults = TrainArgs.lora_alpha, TrainArgs.lora_targets, TrainArgs.lora_dropout
+        if not self.lora_rank and (self.lora_alpha, self.lora_targets, self.lora_dropout) != defaults:
             raise ValueError("--train.lora_alpha / --train.lora_targets / --train.lora_dropout with --train.lora_rank "
                              "0: they shape a LoRA adapter, and rank 0 trains every weight; set --train.lora_rank or "
                              "drop them")
@@ -694,14 +695,12 @@ class TrainerRank:
         """fn(microbatch) -> (b, t) over this rank's planned rows, assembled into the batch's (B, T) on every rank."""
         out = torch.zeros(batch["ids"].shape, device=self.device)  # (B, T)
         self.model.train(not self.train.lora_dropout)  # --train.lora_dropout: not here, nor in the engine
-        try:
-            for minibatch in plan:
-                for rows in minibatch[self.dp_rank]:
-                    y = fn(self.microbatch(batch, rows))  # (b, t)
-                    if rows:
-                        out[rows, :y.shape[1]] = y.float()
-        finally:
-            self.model.train()
+        for minibatch in plan:
+            for rows in minibatch[self.dp_rank]:
+                y = fn(self.microbatch(batch, rows))  # (b, t)
+                if rows:
+                    out[rows, :y.shape[1]] = y.float()
+        self.model.train()
         dist.all_reduce(out, group=self.dp_group)  # rows are disjoint across dp ranks: the sum is a gather
         return out.cpu()
 
@@ -1112,7 +1111,8 @@ class TrainerGroup:
 
     def refit(self, generator) -> dict:
         """Load the current weights into every engine of a paused generator as version self.version;
-        returns rank 0's update_weights report. The caller resumes the engines."""
+        returns rank 0's update_weights report (update_adapter's for engines that serve LoRA). The caller pauses and
+        resumes the engines around an update_weights (launch.refit)."""
         report = self.call("refit", generator, self.colocated)[0]
         generator.version = self.version
         generator.record_metrics(report["metrics"])  # rank 0's router copy made them
