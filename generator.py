@@ -62,8 +62,8 @@ class VllmArgs:
     num_engines: int = field(default=1, metadata={"help": "independent vLLM engines, one Ray actor each"})
     refit_bucket_mb: int = field(default=256, metadata={"help": "MiB of weights per refit message"})
     max_lora_rank: int = field(default=0, metadata={
-        "help": "LoRA: serve adapters up to this rank, refit by adapter (0 = off: full weights, a LoRA merged in)",
-        "choices": LORA_RANKS})
+        "help": "LoRA: serve adapters up to this rank (vLLM's: 1, 8, 16, 32, ... 512), refit by adapter (0 = off: "
+                "full weights, a LoRA merged in)"})
     max_loras: int = field(default=2, metadata={
         "help": "LoRA: adapters one engine step may mix (the newest, and older ones that requests still use)"})
     seed: int = field(default=0, metadata={"help": "engine seed, for requests without their own seed"})
