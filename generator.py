@@ -26,7 +26,9 @@ import io
 import json
 import os
 import pickle
+import shutil
 import socket
+import tempfile
 import time
 import uuid
 import zlib
@@ -36,6 +38,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import ray
 import torch
+from safetensors.torch import save_file
+
+
+LORA_RANKS = (0, 1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank values; 0 = no LoRA
 
 
 @dataclass
@@ -55,6 +61,11 @@ class VllmArgs:
     return_routed_experts: bool = field(default=False, metadata={"help": "MoE: record token experts (routing replay)"})
     num_engines: int = field(default=1, metadata={"help": "independent vLLM engines, one Ray actor each"})
     refit_bucket_mb: int = field(default=256, metadata={"help": "MiB of weights per refit message"})
+    max_lora_rank: int = field(default=0, metadata={
+        "help": "LoRA: serve adapters up to this rank (vLLM's: 1, 8, 16, 32, ... 512), refit by adapter (0 = off: "
+                "full weights, a LoRA merged in)"})
+    max_loras: int = field(default=2, metadata={
+        "help": "LoRA: adapters one engine step may mix (the newest, and older ones that requests still use)"})
     seed: int = field(default=0, metadata={"help": "engine seed, for requests without their own seed"})
     cpu_threads: int = field(default=1, metadata={"help": "CPU only: torch threads per engine (1: busy cores)"})
 
@@ -65,9 +76,12 @@ class VllmArgs:
             raise ValueError("--vllm.gpu_memory_utilization must be in (0, 1]")
         if self.kv_cache_gb <= 0:
             raise ValueError("--vllm.kv_cache_gb must be > 0")
-        if min(self.tensor_parallel_size, self.num_engines, self.refit_bucket_mb, self.cpu_threads) < 1:
+        if min(self.tensor_parallel_size, self.num_engines, self.refit_bucket_mb, self.cpu_threads,
+               self.max_loras) < 1:
             raise ValueError("--vllm.tensor_parallel_size, --vllm.num_engines, --vllm.refit_bucket_mb, "
-                             "--vllm.cpu_threads must be >= 1")
+                             "--vllm.cpu_threads, --vllm.max_loras must be >= 1")
+        if self.max_lora_rank not in LORA_RANKS:
+            raise ValueError(f"--vllm.max_lora_rank {self.max_lora_rank}: vLLM serves ranks up to one of {LORA_RANKS}")
         if not 1 <= self.max_num_seqs <= self.max_num_batched_tokens:
             raise ValueError(f"--vllm.max_num_seqs {self.max_num_seqs} / --vllm.max_num_batched_tokens "
                              f"{self.max_num_batched_tokens}: need 1 <= max_num_seqs <= max_num_batched_tokens "
@@ -337,6 +351,7 @@ def build_engine_args(model_path: str, vllm: VllmArgs, *, cuda: bool):
     from vllm.config import StructuredOutputsConfig
     from vllm.engine.arg_utils import AsyncEngineArgs  # vLLM only where an engine runs: trainer.py imports this file
     spec = {"method": "mtp", "num_speculative_tokens": vllm.num_speculative_tokens}
+    lora = {"enable_lora": True, "max_lora_rank": vllm.max_lora_rank, "max_loras": vllm.max_loras}
     return AsyncEngineArgs(
         model=model_path, max_model_len=vllm.max_model_len, seed=vllm.seed, enforce_eager=vllm.enforce_eager,
         max_num_seqs=vllm.max_num_seqs, max_num_batched_tokens=vllm.max_num_batched_tokens,
@@ -351,7 +366,7 @@ def build_engine_args(model_path: str, vllm: VllmArgs, *, cuda: bool):
         # samples one); vLLM's default backend, xgrammar
         structured_outputs_config=StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True),
         # ids in, ids out, but the tokenizer loads: constrained decoding compiles its grammar over the vocabulary
-        worker_extension_cls="generator.WeightLoader", disable_log_stats=True)
+        worker_extension_cls="generator.WeightLoader", disable_log_stats=True, **(lora if vllm.max_lora_rank else {}))
 
 
 def build_sampling_params(rollout: RolloutArgs, *, max_new_tokens: int | None, stop_token_ids: list[int] | None,
@@ -453,6 +468,9 @@ class Engine:
         self.paused, self.adding, self.open = False, 0, asyncio.Event()  # open: no refit under way
         self.open.set()
         self.refits, self.at_pause = {}, {}  # request id -> [(k, v)]: from output token k on, version v
+        # --vllm.max_lora_rank: the adapter new requests use (a LoRARequest; None: the loaded weights), the requests
+        # using each loaded adapter (by id), the last id given, and the directory of their files
+        self.adapter, self.users, self.adapter_ids, self.adapter_dir = None, {}, 0, None
 
     async def start(self, version: int) -> dict:
         cuda = torch.cuda.is_available()
@@ -477,6 +495,7 @@ class Engine:
                        **kw) -> Completion:
         await self.open.wait()  # a request sent during a refit waits for it: all its tokens get the new version
         start, version, marks = time.perf_counter(), self.version, []
+        adapter = self.adapter  # --vllm.max_lora_rank: version's adapter, which this request keeps to its end
         prompt = {"prompt_token_ids": prompt_ids}
         if images or self.image_id is not None:   # vLLM expands each image id into its run; the row holds the runs
             # (a ValueError here reaches the caller as itself: engine_error); a VLM's stray image id is refused too
@@ -485,8 +504,14 @@ class Engine:
             prompt["multi_modal_data"] = {"image": [decode_image(b, f"generate: images[{k}]")
                                                     for k, (*_, b) in enumerate(images)]}
         self.adding += 1
+        if adapter is not None:  # in use: no refit removes it before this request ends
+            self.users[adapter.lora_int_id] += 1
         try:  # add_request returns once vLLM's output processor tracks the request (pause waits for that)
-            q = await self.llm.add_request(request_id, prompt, build_sampling_params(rollout, banned=self.banned, **kw))
+            q = await self.llm.add_request(request_id, prompt, build_sampling_params(rollout, banned=self.banned, **kw),
+                                           lora_request=adapter)
+        except BaseException:
+            await self.release(adapter)
+            raise
         finally:
             self.adding -= 1
         self.refits[request_id] = marks
@@ -499,6 +524,7 @@ class Engine:
             raise
         finally:
             del self.refits[request_id]
+            await self.release(adapter)
         if images and list(final.prompt_token_ids) != prompt_ids:
             raise RuntimeError(f"request {request_id}: vLLM expanded the images into other ids than the row's runs")
         out = final.outputs[0]
@@ -555,6 +581,39 @@ class Engine:
         states = self.llm.output_processor.request_states.values()
         return {s.external_req_id: s.detokenizer.num_output_tokens() for s in states}
 
+    async def load_adapter(self, wire: tuple, version: int) -> float:
+        """Write an adapter (layout, bytes, adapter_config) as peft's files, load it into vLLM under a new id (vLLM
+        keeps an id's first weights), and make it the one requests started from now on use, as `version`.
+        Returns the seconds it took."""
+        from vllm.lora.request import LoRARequest
+        start, (layout, data, config) = time.perf_counter(), wire
+        self.adapter_ids += 1
+        self.adapter_dir = self.adapter_dir or tempfile.mkdtemp(prefix="verbatim-lora-")
+        path = os.path.join(self.adapter_dir, str(self.adapter_ids))
+        os.makedirs(path)
+        flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        tensors = {name: t.clone() for name, t in unpack(layout, flat)}  # safetensors refuses views of one buffer
+        save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+        with open(os.path.join(path, "adapter_config.json"), "w") as f:
+            json.dump(config, f)
+        adapter = LoRARequest(str(self.adapter_ids), self.adapter_ids, path)
+        if not await self.llm.add_lora(adapter):  # before any request names it: a bad adapter there kills the engine
+            raise RuntimeError(f"vLLM did not load the adapter written to {path}")
+        self.users[adapter.lora_int_id] = 0
+        self.adapter, self.version = adapter, version
+        await self.release(None)
+        return time.perf_counter() - start
+
+    async def release(self, adapter) -> None:
+        """A request that used adapter (None: none) ended. Remove each adapter that no request uses and none will (all
+        but the newest): from vLLM, and its files."""
+        if adapter is not None:
+            self.users[adapter.lora_int_id] -= 1
+        for i in [i for i, n in self.users.items() if n == 0 and i != self.adapter.lora_int_id]:
+            del self.users[i]
+            await self.llm.remove_lora(i)
+            shutil.rmtree(os.path.join(self.adapter_dir, str(i)))
+
     async def resume(self) -> None:
         await self.llm.resume_generation()
         self.paused = False
@@ -582,10 +641,12 @@ class Engine:
     async def metrics(self) -> dict:
         return {"generator/requests": self.requests, "generator/tokens": self.tokens,
                 "generator/prompt_tokens": self.prompt_tokens, "generator/request_s": self.request_s,
-                "generator/boundaries_checked": self.checked}
+                "generator/boundaries_checked": self.checked, "generator/adapters_loaded": len(self.users)}
 
     async def shutdown(self) -> None:
         self.llm.shutdown()
+        if self.adapter_dir:
+            shutil.rmtree(self.adapter_dir)
 
 
 # --- the router
@@ -703,12 +764,13 @@ class Generator:
         --vllm.refit_bucket_mb: CPU tensors as bytes; CUDA tensors, as the caller's `colocated` says
         (--launch.colocate, checked by refit_transport): over CUDA IPC to the engine on this GPU, else
         broadcast over NCCL from this process (which joins the engines' group on first use).
-        Returns {"applied": per bucket, the (name, dtype) list engine 0 loaded; "refit_s": seconds;
-        "worker_s": of those, the seconds engine 0's worker spent loading; "transport": "bytes" | "ipc" | "nccl"}.
+        Returns {"applied": per bucket, the (name, dtype) list engine 0 loaded; "refit_s": seconds; "worker_s": of
+        those, the seconds engine 0's worker spent loading; "transport": "bytes" | "ipc" | "nccl"; "bytes": the
+        tensors' bytes; "metrics": the generator/refit_* metrics}.
         """
         if not all(await self._all("is_paused")):
             raise ValueError("update_weights while the engines are running: call pause() first")
-        start, seen, applied, transport, worker_s = time.perf_counter(), set(), [], None, 0.0
+        start, seen, applied, transport, worker_s, nbytes = time.perf_counter(), set(), [], None, 0.0, 0
         buckets = iter_buckets((check_tensor(n, t, self._shapes, self.dtype, seen) for n, t in named_tensors),
                                self._bucket_bytes)
         bucket = next(buckets, None)
@@ -723,6 +785,7 @@ class Generator:
             (loaded, seconds), transport = await self._load(bucket, not applied, following is None, colocated)
             applied.append(loaded)
             worker_s += seconds
+            nbytes += sum(tensor.nbytes for _, tensor in bucket)
             bucket = following
         missing = sorted(set(self._shapes) - seen - set(keep))
         if missing:
@@ -730,10 +793,46 @@ class Generator:
                              f"engines hold a partial update: send every parameter before resume()")
         await self._all("set_version", version)
         self.version = version
-        refit_s = time.perf_counter() - start
-        self._timings.update({"generator/refit_s": refit_s, "generator/refit_worker_s": worker_s,
-                              "generator/refit_messages": len(applied)})
-        return {"applied": applied, "refit_s": refit_s, "worker_s": worker_s, "transport": transport}
+        metrics = self.record(start, worker_s, len(applied), nbytes)
+        return {"applied": applied, "refit_s": metrics["generator/refit_s"], "worker_s": worker_s,
+                "transport": transport, "bytes": nbytes, "metrics": metrics}
+
+    async def update_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], config: dict,
+                             version: int) -> dict:
+        """Load a LoRA adapter into every engine as `version`: peft's tensor names (base_model.model.<module>.lora_A /
+        lora_B.weight) in the engine's dtype, and peft's adapter_config. Needs no pause: requests started after it
+        use it; a request in flight finishes with the adapter it started with, so all of its tokens carry its start
+        version, and its engine keeps that adapter loaded until it ends. The adapter travels as bytes through Ray
+        (GPUs too: it is small). Returns {"refit_s", "worker_s": engine 0's seconds to write and load it, "bytes",
+        "metrics"} as update_weights does."""
+        if not 0 < config["r"] <= self.vllm.max_lora_rank:
+            raise ValueError(f"update_adapter: an adapter of rank {config['r']}, engines with --vllm.max_lora_rank "
+                             f"{self.vllm.max_lora_rank}; set it to at least the adapter's rank")
+        start, tensors = time.perf_counter(), []
+        for name, tensor in named_tensors:
+            if not name.endswith((".lora_A.weight", ".lora_B.weight")) or tensor.dtype != getattr(torch, self.dtype):
+                raise ValueError(f"update_adapter: {name!r} ({tensor.dtype}) is not an adapter tensor (peft's "
+                                 f"lora_A / lora_B names) in the engine's dtype {self.dtype}")
+            tensors.append((name, tensor.detach().cpu()))
+        if not tensors:
+            raise ValueError("update_adapter: no tensors given")
+        layout, flat = pack(tensors)
+        worker_s = (await self._all("load_adapter", ray.put((layout, flat.numpy().tobytes(), config)), version))[0]
+        self.version = version
+        nbytes = sum(tensor.nbytes for _, tensor in tensors)
+        metrics = self.record(start, worker_s, 1, nbytes)
+        return {"refit_s": metrics["generator/refit_s"], "worker_s": worker_s, "bytes": nbytes, "metrics": metrics}
+
+    def record(self, start: float, worker_s: float, messages: int, nbytes: int) -> dict:
+        """A refit's metrics (either kind), kept for metrics(). The trainer's rank 0 refits through its own copy of
+        this router: TrainerGroup.refit hands them to the caller's copy (record_metrics)."""
+        metrics = {"generator/refit_s": time.perf_counter() - start, "generator/refit_worker_s": worker_s,
+                   "generator/refit_messages": messages, "generator/refit_bytes": nbytes}
+        self.record_metrics(metrics)
+        return metrics
+
+    def record_metrics(self, metrics: dict) -> None:
+        self._timings.update(metrics)
 
     async def _load(self, bucket: list, first: bool, last: bool, colocated: bool) -> tuple[tuple[list, float], str]:
         """One bucket into every engine, over refit_transport's choice; (engine 0's report, transport)."""

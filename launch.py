@@ -166,6 +166,11 @@ def check_cross_flags(cfg: dict) -> None:
         raise ValueError("--train.routing_replay without --vllm.return_routed_experts: the engine records no "
                          "routing to replay; set --vllm.return_routed_experts")
     rollout.check_logprobs_usable(importance_correction=loss.importance_correction, kl_to_rollout=loss.kl_to_rollout)
+    served = cfg["vllm"].max_lora_rank
+    if served and not served >= train.lora_rank > 0:
+        raise ValueError(f"--vllm.max_lora_rank {served} with --train.lora_rank {train.lora_rank}: engines that serve "
+                         "LoRA are refit by adapter, so the trainer must train one of at most that rank; set "
+                         "--vllm.max_lora_rank >= --train.lora_rank, or 0 to refit the weights with it merged in")
     if not launch.model:
         raise ValueError("--launch.model is required: a Hugging Face model directory "
                          "(recipes/tiny_model.py builds one)")
@@ -398,11 +403,15 @@ def chat_counters(per_worker: list[dict]) -> dict:
 
 
 async def refit(generator: Generator, trainer: TrainerGroup) -> float:
-    """Pause every engine (requests kept), load the trainer's weights (rank 0 sends them), resume."""
+    """Pause every engine (requests kept), load the trainer's weights (rank 0 sends them), resume. Engines that serve
+    LoRA (--vllm.max_lora_rank) load the adapter unpaused: a request in flight keeps the adapter it started with."""
     start = time.perf_counter()
-    await generator.pause()
+    adapter = generator.vllm.max_lora_rank > 0
+    if not adapter:
+        await generator.pause()
     await asyncio.to_thread(trainer.refit, generator)
-    await generator.resume()
+    if not adapter:
+        await generator.resume()
     return time.perf_counter() - start
 
 

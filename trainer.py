@@ -12,6 +12,8 @@ denominators from it; besides the model's own collectives, ranks only all-reduce
 Qwen3-MoE trains as NeMo's own MoE class (--fsdp.ep_size shards its experts); every other model as its HF class.
 --train.routing_replay (Qwen3-MoE): the forward routes each (token, MoE layer) to the experts the
 segment's routed_experts (T, layers, top_k) recorded (-1 = live top-k); the gate still gets gradient.
+--train.lora_rank: NeMo AutoModel's LoRA on --train.lora_targets, the rest frozen (no gradient, no AdamW state, not in
+checkpoints); a refit sends peft's adapter tensors to engines that serve LoRA, else the weights with it merged in.
 Not here: sampling and the refit transport (generator.py), advantage and loss math (estimators.py,
 losses.py), the loop (launch.py). Refused with a message: tensor and context parallelism, expert
 parallelism off Qwen3-MoE, routing replay on a dense model or on a batch with no routed_experts.
@@ -38,7 +40,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText,
@@ -51,6 +53,8 @@ from losses import Denoms, LossArgs, compute_policy_loss, compute_value_loss, sf
 SCHEDULES = ("constant", "cosine")
 OFFLOADS = ("none", "optimizer")
 PARAM_DTYPES = ("float32", "bfloat16")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # attention + MLP
+PEFT_PREFIX = "base_model.model."  # peft's names for a LoRA model's tensors: this + the module's own name
 WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt)$|.*\.safetensors\.index\.json$")  # not copied into an HF export
 
 
@@ -73,6 +77,13 @@ class TrainArgs:
     freeze_vision: bool = field(default=False, metadata={
         "help": "VLM: the vision tower keeps its loaded weights (no gradient, no AdamW state, left out of refits); "
                 "the connector and the language model train"})
+    lora_rank: int = field(default=0, metadata={
+        "help": "LoRA rank r: train only low-rank adapters on --train.lora_targets, the base frozen; 0 = every weight"})
+    lora_alpha: float = field(default=32.0, metadata={"help": "LoRA: an adapter adds (alpha / rank) B A x"})
+    lora_targets: tuple[str, ...] = field(default=LORA_TARGETS, metadata={
+        "help": "LoRA: the linear modules (last name) that get an adapter"})
+    lora_dropout: float = field(default=0.0, metadata={
+        "help": "LoRA: dropout on an adapter's input, in the loss forward only (the engine and no-grad passes: none)"})
     seed: int = field(default=0, metadata={"help": "torch / python / numpy seed of every rank"})
 
     def __post_init__(self):
@@ -96,6 +107,16 @@ class TrainArgs:
                 self.warmup_steps < 0:
             raise ValueError("--train.epochs, --train.minibatches, --train.max_tokens_per_microbatch, "
                              "--train.world_size must be >= 1; --train.warmup_steps >= 0")
+        if self.lora_rank < 0 or not self.lora_alpha > 0.0 or not 0.0 <= self.lora_dropout < 1.0 or \
+                not self.lora_targets:
+            raise ValueError(f"--train.lora_rank {self.lora_rank} / --train.lora_alpha {self.lora_alpha} / "
+                             f"--train.lora_dropout {self.lora_dropout} / --train.lora_targets {self.lora_targets}: "
+                             "need rank >= 0, alpha > 0, dropout in [0, 1) and at least one target")
+        defaults = TrainArgs.lora_alpha, TrainArgs.lora_targets, TrainArgs.lora_dropout
+        if not self.lora_rank and (self.lora_alpha, self.lora_targets, self.lora_dropout) != defaults:
+            raise ValueError("--train.lora_alpha / --train.lora_targets / --train.lora_dropout with --train.lora_rank "
+                             "0: they shape a LoRA adapter, and rank 0 trains every weight; set --train.lora_rank or "
+                             "drop them")
 
 
 @dataclass
@@ -132,6 +153,8 @@ class CkptArgs:
     keep: int = field(default=2, metadata={"help": "keep the newest K checkpoints, delete older ones"})
     resume: bool = field(default=False, metadata={"help": "start from the newest complete checkpoint under --ckpt.dir"})
     save_hf: bool = field(default=False, metadata={"help": "also save an HF safetensors directory hf/ per checkpoint"})
+    hf_merged: bool = field(default=False, metadata={
+        "help": "LoRA: an HF export (hf/, SFT's output) is the model with the adapter merged in, not peft's adapter"})
 
     def __post_init__(self):
         if self.every < 0 or self.keep < 1:
@@ -430,6 +453,54 @@ def export_name(name: str) -> str:
     return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
+# --- LoRA (--train.lora_rank): NeMo AutoModel's adapter linears; peft's names and config for refit and export
+
+
+def add_lora(model: torch.nn.Module, train: TrainArgs) -> set[str]:
+    """Freeze model and give each linear module whose last name is in --train.lora_targets NeMo AutoModel's LoRA:
+    y = W x + (alpha / r) B A dropout(x), A (r, in) random, B (out, r) zero, so the model starts as loaded. Returns
+    the adapted modules' names; ValueError names a target that matches no linear module."""
+    from nemo_automodel.components._peft.lora import PeftConfig, apply_lora_to_linear_modules
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in
+             train.lora_targets]
+    missing = set(train.lora_targets) - {n.rsplit(".", 1)[-1] for n in names}
+    if missing:
+        raise ValueError(f"--train.lora_targets {sorted(missing)}: no linear module of the model has that name")
+    # exact names (NeMo's matcher reads "*" patterns as regexes); dropout on the adapter's input, as peft does
+    config = PeftConfig(target_modules=names, dim=train.lora_rank, alpha=train.lora_alpha, dropout=train.lora_dropout,
+                        dropout_position="pre")
+    if apply_lora_to_linear_modules(model, config) != len(names):
+        raise RuntimeError(f"LoRA: NeMo's matcher adapted other modules than {names}")
+    return {export_name(n) for n in names}
+
+
+def peft_config(train: TrainArgs, model_path: str) -> dict:
+    """adapter_config.json in peft's format, which vLLM and peft read: scale alpha / r, no bias, no rsLoRA."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": model_path,
+            "r": train.lora_rank, "lora_alpha": train.lora_alpha, "lora_dropout": train.lora_dropout,
+            "target_modules": list(train.lora_targets), "bias": "none", "use_rslora": False, "use_dora": False,
+            "fan_in_fan_out": False, "modules_to_save": None}
+
+
+def merge_lora(pairs, adapted: set[str], scale: float):
+    """(name, full tensor) pairs of a LoRA model -> the base model's pairs, each adapted weight merged in:
+    W + scale B A (W (out, in), B (out, r), A (r, in)); the lora_A / lora_B tensors themselves are left out."""
+    held = {}
+    for name, tensor in pairs:
+        for part in ("", ".lora_A", ".lora_B"):
+            module = name.removesuffix(part + ".weight")
+            if module != name and module in adapted:
+                break
+        else:
+            yield name, tensor
+            continue
+        parts = held.setdefault(module, {})
+        parts[part] = tensor
+        if len(parts) == 3:
+            del held[module]
+            yield module + ".weight", parts[""] + scale * (parts[".lora_B"] @ parts[".lora_A"])
+
+
 # --- one rank: its shard of the policy (and critic, reference), its optimizers; a Ray actor
 
 
@@ -448,6 +519,7 @@ class TrainerRank:
         self.router = None  # the Generator this rank refits (rank 0)
         # --train.routing_replay: (MoE layers, top_k, experts), and this forward's (b, t, layers, top_k) expert ids
         self.moe, self.replay = None, None
+        self.adapted = set()  # --train.lora_rank: the policy's modules that carry an adapter
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a free port: rank 0 hosts the process group's rendezvous."""
@@ -476,7 +548,7 @@ class TrainerRank:
             activation_checkpointing=self.fsdp.gradient_checkpointing, world_size=self.world_size)
         dp_mesh = self.dist_setup.mesh_context.device_mesh["dp"]
         self.dp_rank, self.dp_size, self.dp_group = dp_mesh.get_local_rank(), dp_mesh.size(), dp_mesh.get_group()
-        self.model = self.build(AutoModelForCausalLM)
+        self.model = self.build(AutoModelForCausalLM, lora=self.train.lora_rank > 0)
         config = AutoConfig.from_pretrained(self.model_path)   # a VLM: its processor (the engine's) and image id
         self.processor = AutoProcessor.from_pretrained(self.model_path) if hasattr(config, "vision_config") else None
         self.image_id = getattr(config, "image_token_id", None)
@@ -503,7 +575,7 @@ class TrainerRank:
         # fused: one kernel per step over all tensors (the default foreach makes ~a dozen passes); lr: set each step
         adamw = lambda params: torch.optim.AdamW(params, lr=0.0, betas=self.train.betas,
                                                  weight_decay=self.train.weight_decay, fused=True)
-        self.optimizer = adamw([p for p in self.model.parameters() if p.requires_grad])   # --train.freeze_vision
+        self.optimizer = adamw([p for p in self.model.parameters() if p.requires_grad])   # --train.freeze_vision, LoRA
         self.ref = self.critic = self.critic_optimizer = None
         if self.loss.needs_ref_model:
             self.ref = self.build(AutoModelForCausalLM).requires_grad_(False)  # the loaded weights, frozen
@@ -511,10 +583,11 @@ class TrainerRank:
             self.critic = self.build(AutoModelForTokenClassification, num_labels=1)
             self.critic_optimizer = adamw(self.critic.parameters())
 
-    def build(self, auto_class, **kwargs) -> torch.nn.Module:
+    def build(self, auto_class, lora: bool = False, **kwargs) -> torch.nn.Module:
         """Load model_path in float32 (master weights) and shard it with NeMo AutoModel's FSDP2 parallelizer. Qwen3-MoE
         policies load as NeMo's own MoE class (expert parallelism, a replay hook in its gate, an adapter to the
-        checkpoint's names); other models, the critic too, as their transformers class (the checkpoint's names)."""
+        checkpoint's names); other models, the critic too, as their transformers class (the checkpoint's names).
+        lora: add --train.lora_* adapters and freeze the rest (the policy only)."""
         config = AutoConfig.from_pretrained(self.model_path)
         if auto_class is AutoModelForCausalLM and hasattr(config, "vision_config"):   # a VLM: its own class
             auto_class = AutoModelForImageTextToText
@@ -544,6 +617,8 @@ class TrainerRank:
         if self.train.freeze_vision:   # the module built from config.vision_config, outermost first
             kind = type(config.vision_config)
             next(m for m in model.modules() if isinstance(getattr(m, "config", None), kind)).requires_grad_(False)
+        if lora:  # --train.lora_rank: the policy's adapters, added before FSDP wraps its parameters
+            self.adapted = add_lora(model, self.train)
         if auto_class is AutoModelForTokenClassification:
             with torch.no_grad():  # the value head starts at V = 0, the same on every rank
                 model.score.weight.zero_()
@@ -635,11 +710,13 @@ class TrainerRank:
     def forward_rows(self, fn, batch: dict, plan: list) -> torch.Tensor:
         """fn(microbatch) -> (b, t) over this rank's planned rows, assembled into the batch's (B, T) on every rank."""
         out = torch.zeros(batch["ids"].shape, device=self.device)  # (B, T)
+        self.model.train(not self.train.lora_dropout)  # --train.lora_dropout: not here, nor in the engine
         for minibatch in plan:
             for rows in minibatch[self.dp_rank]:
                 y = fn(self.microbatch(batch, rows))  # (b, t)
                 if rows:
                     out[rows, :y.shape[1]] = y.float()
+        self.model.train()
         dist.all_reduce(out, group=self.dp_group)  # rows are disjoint across dp ranks: the sum is a gather
         return out.cpu()
 
@@ -801,40 +878,72 @@ class TrainerRank:
         return (out if self.rank == 0 else None), len(buckets)
 
     def refit(self, generator, colocated: bool) -> dict | None:
-        """Every rank gathers each full parameter in turn; rank 0 streams them, cast to the engine's dtype
-        and on its own device, into generator.update_weights (which must be paused). Rank 0 keeps its
-        first router copy: that copy holds the NCCL group a refit to other GPUs opens once."""
+        """Every rank gathers each full parameter in turn; rank 0 streams them, cast to the engine's dtype and on its
+        own device, to the generator. The one choice between the two refits: engines that serve LoRA
+        (--vllm.max_lora_rank) get the adapter alone (update_adapter, no pause needed); others every trained weight,
+        a LoRA merged into its base weights (update_weights, paused). Rank 0 keeps its first router copy: that copy
+        holds the NCCL group a refit to other GPUs opens once."""
         if self.router is None or self.router.id != generator.id:
             self.router = generator
         dtype, params = getattr(torch, generator.dtype), list(self.model.named_parameters())
         trained = [(n, p) for n, p in params if p.requires_grad]
-        frozen = [export_name(n) for n, p in params if not p.requires_grad]   # --train.freeze_vision (never fused)
-        pairs = ((name, full.to(dtype)) for name, full in self.full_params(trained))
+        if generator.vllm.max_lora_rank:
+            pairs = ((PEFT_PREFIX + name, full.to(dtype)) for name, full in self.full_params(trained))
+            update = lambda: self.router.update_adapter(pairs, peft_config(self.train, self.model_path), self.version)
+        else:
+            if self.adapted:
+                full, keep = self.merged_params(), ()
+            else:  # keep: --train.freeze_vision's tower (never fused)
+                full, keep = self.full_params(trained), [export_name(n) for n, p in params if not p.requires_grad]
+            pairs = ((name, tensor.to(dtype)) for name, tensor in full)
+            update = lambda: self.router.update_weights(pairs, self.version, colocated=colocated, keep=keep)
         try:
             if self.rank == 0:
-                return asyncio.run(self.router.update_weights(pairs, self.version, colocated=colocated, keep=frozen))
+                return asyncio.run(update())
         finally:
             for _ in pairs:  # the other ranks join every gather rank 0 makes; a refused refit leaves none waiting
                 pass
         return None
 
-    def write_hf(self, path: str) -> None:
-        """An HF model directory: one safetensors file of the full weights, and model_path's other files."""
-        tensors = {name: full.to("cpu", copy=True) for name, full in self.full_params(self.model.named_parameters())
+    def merged_params(self):
+        """(checkpoint name, full tensor) of every policy weight, a LoRA adapter merged into its base weights."""
+        full = self.full_params(list(self.model.named_parameters()))
+        return merge_lora(full, self.adapted, self.train.lora_alpha / self.train.lora_rank) if self.adapted else full
+
+    def write_hf(self, path: str, merged: bool | None = None) -> None:
+        """An HF model directory: one safetensors file of the full weights, and model_path's other files. With LoRA,
+        peft's adapter directory instead (adapter_model.safetensors, adapter_config.json), unless merged (default
+        --ckpt.hf_merged): then the full weights with the adapter merged in."""
+        merged = self.ckpt.hf_merged if merged is None else merged
+        adapter = bool(self.adapted) and not merged
+        if adapter:
+            trained = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+            pairs = ((PEFT_PREFIX + name, full) for name, full in self.full_params(trained))
+        else:
+            pairs = self.merged_params()
+        tensors = {name: full.to("cpu", copy=True) for name, full in pairs
                    if self.rank == 0}  # every rank joins each gather; only rank 0 copies to host
         if self.rank == 0:
             os.makedirs(path, exist_ok=True)
-            save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"),
+            save_file({k: v.contiguous() for k, v in tensors.items()},
+                      os.path.join(path, "adapter_model.safetensors" if adapter else "model.safetensors"),
                       metadata={"format": "pt"})
-            for name in os.listdir(self.model_path):
-                if os.path.isfile(os.path.join(self.model_path, name)) and not WEIGHT_FILES.fullmatch(name):
-                    shutil.copy(os.path.join(self.model_path, name), path)
+            if adapter:
+                with open(os.path.join(path, "adapter_config.json"), "w") as f:
+                    json.dump(peft_config(self.train, self.model_path), f, indent=2)
+            else:
+                for name in os.listdir(self.model_path):
+                    if os.path.isfile(os.path.join(self.model_path, name)) and not WEIGHT_FILES.fullmatch(name):
+                        shutil.copy(os.path.join(self.model_path, name), path)
 
     # --- checkpoints: sharded model + optimizer (DCP), RNG per rank, counters and data position
 
     def state(self) -> dict:
-        """The DCP state: sharded model and optimizer state dicts (critic's too)."""
+        """The DCP state: sharded model and optimizer state dicts (critic's too). With LoRA, the adapter and its
+        optimizer state only: the frozen base is model_path's, loaded at setup."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        if self.adapted:  # a tied head is no parameter of its own: frozen-parameter filters miss it
+            model_sd = {k: v for k, v in model_sd.items() if ".lora_" in k}
         state = {"model": model_sd, "optim": optim_sd}
         if self.critic is not None:
             state["critic"], state["critic_optim"] = get_state_dict(self.critic, self.critic_optimizer)
@@ -899,7 +1008,8 @@ class TrainerRank:
                              f"--train.world_size {self.world_size} (the RNG state is per rank)")
         state = self.state()
         dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(strict=not self.adapted))  # LoRA: the base stays as loaded
         if self.critic is not None:
             set_state_dict(self.critic, self.critic_optimizer, model_state_dict=state["critic"],
                            optim_state_dict=state["critic_optim"])
@@ -937,6 +1047,11 @@ class TrainerGroup:
             raise ValueError(f"--train.freeze_vision: {model_path} has no vision_config (not a VLM); leave it off")
         if not temperature > 0.0:
             raise ValueError(f"temperature {temperature}: must be > 0, the rollout's --rollout.temperature")
+        if train.lora_rank and (config.model_type == "qwen3_moe" or hasattr(config, "vision_config")):
+            raise ValueError(f"--train.lora_rank {train.lora_rank} with {model_path} ({config.model_type}): LoRA "
+                             "covers dense text models (not NeMo's MoE class, not VLMs); set --train.lora_rank 0")
+        if ckpt.hf_merged and not train.lora_rank:
+            raise ValueError("--ckpt.hf_merged with --train.lora_rank 0: there is no adapter to merge; drop it")
         self.ckpt, self.colocated, self.vlm = ckpt, colocated, hasattr(config, "vision_config")
         actor_class = ray.remote(num_cpus=0, num_gpus=gpus)(TrainerRank)
         self.actors = [actor_class.remote(r, train.world_size, model_path, train, fsdp, ckpt, loss, estimator,
@@ -1009,13 +1124,16 @@ class TrainerGroup:
 
     def refit(self, generator) -> dict:
         """Load the current weights into every engine of a paused generator as version self.version;
-        returns rank 0's update_weights report. The caller resumes the engines."""
+        returns rank 0's update_weights report (update_adapter's for engines that serve LoRA). The caller pauses and
+        resumes the engines around an update_weights (launch.refit)."""
         report = self.call("refit", generator, self.colocated)[0]
         generator.version = self.version
+        generator.record_metrics(report["metrics"])  # rank 0's router copy made them
         return report
 
     def export_hf(self, path: str) -> None:
-        """Write the current weights as an HF model directory (safetensors + model_path's config and tokenizer)."""
+        """Write the current weights as an HF model directory (safetensors + model_path's config and tokenizer); with
+        LoRA, peft's adapter directory (--ckpt.hf_merged: the merged model)."""
         self.call("write_hf", path)
 
     def save(self, data_position: dict | None = None) -> str:

@@ -37,10 +37,13 @@ built locally. Each section measures ours and its baseline side by side in one r
              recorded: the trainer routing live vs --train.routing_replay: tokens/s and mismatch.
   vlm        the colour-square task (recipes/colour_agent.py) on the tiny Idefics3 in bf16, one GPU shared,
              K=0: held-out accuracy before and after RL (chance 0.25), tokens/s, mismatch.
+  lora       the loop (K=0, one GPU shared) on the 0.6B shape and on SmolLM2-135M, each three ways: full
+             fine-tuning, a rank-16 LoRA refit by adapter, the same LoRA refit merged into the weights: refit
+             seconds and bytes, trainer tokens/s and peak GiB, loop tokens/s.
 Peak memory: trainer (torch max allocated) and engine (GPU memory taken by its start) are reported.
 
     python tests/bench_gpu.py [logprobs] [trainer] [generator] [refit] [loop1] [loop2]
-                              [smollm2] [smollm2_k1] [longtail] [moe] [vlm]   # default: all;
+                              [smollm2] [smollm2_k1] [longtail] [moe] [vlm] [lora]   # default: all;
                                                                         # results also appended to $BENCH_OUT
 """
 import asyncio
@@ -295,8 +298,31 @@ def bench_loop(model: str, section: str, *extra: str, steps: int = 6) -> dict:
             "step_s": med("launch/step_s"), "rollout_wait_s": med("launch/rollout_wait_s"),
             "train_s": med("launch/train_s"), "engine_idle_per_step_s": statistics.median(idle),
             "group_s": med("rollout/group_s"), "trainer_peak_gib": max(r["train/peak_gib"] for r in rows),
+            "refit_bytes": rows[-1]["generator/refit_bytes"], "refit_worker_s": med("generator/refit_worker_s"),
             "action_tokens_per_step": tokens, "mismatch_abs": med("loss/mismatch_abs"),
             "mismatch_k3": med("loss/mismatch_k3"), "replayed_frac": rows[-1].get("train/replayed_frac", 0.0)}
+
+
+# --- LoRA: refit by adapter, refit merged, and full fine-tuning of the same model
+
+def bench_lora(model: str, name: str, *extra: str, rank: int = 16, steps: int = 6) -> dict:
+    """The loop (K=0, one GPU shared, bench_loop's copy batch) three ways: full fine-tuning; a rank-`rank` LoRA on
+    the attention and MLP projections refit by adapter (--vllm.max_lora_rank: vLLM add_lora, no pause); the same
+    LoRA merged into the weights and refit in full (update_weights). Per mode: refit seconds (the loop's, and the
+    engine worker's share) and bytes, trainer tokens/s and peak GiB, loop tokens/s, rollout-trainer mismatch."""
+    lora = ("--train.lora_rank", str(rank), "--train.lora_alpha", str(2 * rank), "--train.lr", "1e-5")
+    res = {}
+    for mode, flags in (("full", ()), ("adapter", (*lora, "--vllm.max_lora_rank", str(rank))), ("merged", lora)):
+        m = bench_loop(model, f"lora_{name}_{mode}", "--launch.colocate", *extra, *flags, steps=steps)
+        res[mode] = {k: m[k] for k in ("refit_s", "refit_worker_s", "refit_bytes", "train_tokens_per_s",
+                                       "trainer_peak_gib", "loop_tokens_per_s", "step_s", "mismatch_abs")}
+    ratio = lambda key, a, b: res[a][key] / res[b][key]
+    return report(f"lora_{name}", **res, rank=rank, steps=steps,
+                  full_over_adapter_refit_s=ratio("refit_s", "full", "adapter"),
+                  merged_over_adapter_refit_s=ratio("refit_s", "merged", "adapter"),
+                  full_over_adapter_bytes=ratio("refit_bytes", "full", "adapter"),
+                  adapter_over_full_train_tokens_per_s=ratio("train_tokens_per_s", "adapter", "full"),
+                  adapter_over_full_peak_gib=ratio("trainer_peak_gib", "adapter", "full"))
 
 
 # --- a real model: the learning curve and the loop against its synchronous bound
@@ -477,7 +503,7 @@ def main() -> None:
         return
     import ray
     sections = sys.argv[1:] or ["logprobs", "trainer", "generator", "refit", "loop1", "loop2", "smollm2", "smollm2_k1",
-                                "longtail", "moe", "vlm"]
+                                "longtail", "moe", "vlm", "lora"]
     model = model_dir() if set(sections) - {"logprobs", "smollm2", "smollm2_k1", "moe", "vlm"} else None
     ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     for s in sections:
@@ -516,6 +542,10 @@ def main() -> None:
             bench_moe()
         elif s == "vlm":
             bench_vlm()
+        elif s == "lora":
+            from recipes.smollm2 import smollm2_dir
+            bench_lora(model, "qwen3_0_6b")
+            bench_lora(smollm2_dir(), "smollm2", "--vllm.dtype", "bfloat16")  # its directory is fp32
     ray.shutdown()
 
 
