@@ -37,13 +37,13 @@ built locally. Each section measures ours and its baseline side by side in one r
              recorded: the trainer routing live vs --train.routing_replay: tokens/s and mismatch.
   vlm        the colour-square task (recipes/colour_agent.py) on the tiny Idefics3 in bf16, one GPU shared,
              K=0: held-out accuracy before and after RL (chance 0.25), tokens/s, mismatch.
-  lora       the loop (K=0, one GPU shared) on the 0.6B shape and on SmolLM2-135M, each three ways: full
+  lora, lora_smollm2  the loop (K=0, one GPU shared) on the 0.6B shape / SmolLM2-135M, each three ways: full
              fine-tuning, a rank-16 LoRA refit by adapter, the same LoRA refit merged into the weights: refit
              seconds and bytes, trainer tokens/s and peak GiB, loop tokens/s.
 Peak memory: trainer (torch max allocated) and engine (GPU memory taken by its start) are reported.
 
     python tests/bench_gpu.py [logprobs] [trainer] [generator] [refit] [loop1] [loop2]
-                              [smollm2] [smollm2_k1] [longtail] [moe] [vlm] [lora]   # default: all;
+                              [smollm2] [smollm2_k1] [longtail] [moe] [vlm] [lora] [lora_smollm2]   # all;
                                                                         # results also appended to $BENCH_OUT
 """
 import asyncio
@@ -503,8 +503,8 @@ def main() -> None:
         return
     import ray
     sections = sys.argv[1:] or ["logprobs", "trainer", "generator", "refit", "loop1", "loop2", "smollm2", "smollm2_k1",
-                                "longtail", "moe", "vlm", "lora"]
-    model = model_dir() if set(sections) - {"logprobs", "smollm2", "smollm2_k1", "moe", "vlm"} else None
+                                "longtail", "moe", "vlm", "lora", "lora_smollm2"]
+    model = model_dir() if set(sections) - {"logprobs", "smollm2", "smollm2_k1", "moe", "vlm", "lora_smollm2"} else None
     ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     for s in sections:
         print(f"== {s}", flush=True)
@@ -543,8 +543,9 @@ def main() -> None:
         elif s == "vlm":
             bench_vlm()
         elif s == "lora":
-            from recipes.smollm2 import smollm2_dir
             bench_lora(model, "qwen3_0_6b")
+        elif s == "lora_smollm2":
+            from recipes.smollm2 import smollm2_dir
             bench_lora(smollm2_dir(), "smollm2", "--vllm.dtype", "bfloat16")  # its directory is fp32
     ray.shutdown()
 
