@@ -18,6 +18,8 @@ Refit tensors carry checkpoint names and the engine's dtype (never cast), packed
 buckets, one `collective_rpc` each: bytes from a CPU trainer; from a GPU, as `colocated` (--launch.colocate) says,
 a CUDA IPC buffer (opened once) to the engine on its GPU or an NCCL broadcast to engines on other GPUs.
 Unquantized dense weights on CUDA are copied in place; others go through vLLM's layerwise reload.
+LoRA (--vllm.max_lora_rank): `update_adapter` loads peft-format adapter tensors under a new vLLM id per version, with
+no pause; a request keeps the adapter it started with, so all its tokens carry its start version.
 Not here: text, chat templates (chat_server.py, agent.py): this file moves token ids only (vLLM loads the
 tokenizer only to compile constrained-decoding grammars).
 """
