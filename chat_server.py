@@ -955,8 +955,9 @@ def parse_anthropic(body: dict, counting: bool = False, prior: tuple = (0, None,
     max_tokens = None if counting else get(body, "max_tokens", int, required=True)
     (tools, server), choice = parse_tools(body, "custom", "input_schema"), get(body, "tool_choice", dict) or {}
     forced = {"any": "", "tool": choice.get("name") if isinstance(choice.get("name"), str) else ""}
-    constraint = constrain(tools, forced.get(choice.get("type")), (get(body, "output_config", dict) or {}).get(
-        "format") or {}, ("tool_choice", "output_config.format"), bool(choice.get("disable_parallel_tool_use")))
+    forced = forced.get(get(choice, "type", str, "tool_choice."))   # a non-string type is a 400, not a dict key
+    constraint = constrain(tools, forced, (get(body, "output_config", dict) or {}).get("format") or {},
+                           ("tool_choice", "output_config.format"), bool(choice.get("disable_parallel_tool_use")))
     return ChatRequest(get(body, "model", str, required=True), system, tools, msgs, "toolu_",
                        "prompt is too long: {n} tokens > {limit} maximum", max_tokens=max_tokens,
                        constraint=constraint, server_tools=server,

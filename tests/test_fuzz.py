@@ -352,6 +352,10 @@ def test_inputs_the_fuzz_found_get_a_400_or_their_answer(fuzzed, loop):
     assert post(server, "/v1/chat/completions/", hi, ep.api_key).json()["error"]["type"] == "not_found_error"
     r = post(server, "/v1/messages/", hi, ep.api_key, **{"anthropic-version": "2023-06-01"})
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    # An Anthropic tool_choice whose type was a list became a dict key: TypeError, a 500.
+    r = post(server, "/v1/messages", {**hi, "tool_choice": {"type": []}}, ep.api_key,
+             **{"anthropic-version": "2023-06-01"})
+    assert r.status_code == 400 and "tool_choice.type" in r.text
     segments = call(loop, server.close_episode, ep.id)
     assert len(recorder.of(ep.id)) == 3 and not any(s.info["tainted"] for s in segments)
 
