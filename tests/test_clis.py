@@ -42,7 +42,7 @@ def tool_model(tiny_model, tmp_path_factory) -> str:
     examples = [ex for capture_fn in CAPTURES for ex in asyncio.run(capture_fn(tiny_model))]
     if not examples:
         pytest.skip("no CLI could be installed, so there is nothing to capture")
-    return build_tool_model(str(tmp_path_factory.mktemp("tool_model")), examples)
+    return build_tool_model(str(tmp_path_factory.mktemp("tool_model")), examples, temperature=0.5)
 
 
 @pytest.fixture(scope="module")

@@ -24,12 +24,14 @@ import sys
 from collections import Counter
 from typing import Awaitable, Callable
 
-from transformers import AutoTokenizer
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from agent import ChatContext, load_module
 from chat_server import ChatArgs, ChatServer, ChatTemplate, Msg
 from generator import Completion, VllmArgs
 from recipes.tiny_model import build_tiny_model
+from trainer import sft_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FINAL = "Done: done.txt is created."
@@ -126,13 +128,41 @@ def variants(example: dict, n: int, rng: random.Random) -> list[dict]:
     return out
 
 
-def build_tool_model(out_dir: str, examples: list[dict], *, steps: int = 80, seed: int = 0, lr: float = 5e-3,
+def redrawn(example: dict, rng: random.Random) -> dict:
+    """The example with every digit outside its assistant turns re-drawn, the prompt otherwise whole: a real run's
+    dates, paths, ids and wall times differ from the capture's, and nothing else does."""
+    digits = lambda text: re.sub(r"\d", lambda _: str(rng.randrange(10)), text)   # noqa: E731
+    return {"messages": [m if m["role"] == "assistant" else m | {"content": digits(m["content"])}
+                         for m in example["messages"]], "tools": example.get("tools", [])}
+
+
+def replay_odds(model_dir: str, examples: list[dict], temperature: float) -> list[float]:
+    """Per example, the chance that sampling at `temperature` replays all its assistant tokens: the product over its
+    action tokens of softmax(logits / temperature)[token], from a transformers forward of the model."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    odds = []
+    with torch.no_grad():
+        for seg in sft_batch(examples, AutoTokenizer.from_pretrained(model_dir)):
+            ids = torch.tensor([seg.token_ids])
+            logp = torch.log_softmax(model(ids).logits[0, :-1] / temperature, -1)   # (T-1, V)
+            taken = logp.gather(-1, ids[0, 1:, None])[:, 0]                         # (T-1,)
+            odds.append(float(taken[torch.tensor(seg.action_mask[1:])].sum().exp()))
+    return odds
+
+
+def build_tool_model(out_dir: str, examples: list[dict], *, temperature: float, checks: list[dict] | None = None,
+                     min_odds: float = 0.99, steps: int = 80, rounds: int = 3, seed: int = 0, lr: float = 5e-3,
                      augment: int = 4, vocab_size: int = 4096, flags: tuple = ()) -> str:
     """A tiny BPE model SFT'd by launch.py (its own Ray, a subprocess; `flags` are more of its flags) on the examples
-    and `augment` variants of each; returns its HF directory."""
+    and `augment` variants of each; returns its HF directory. It trains in rounds of `steps` until every check (by
+    default each example and a redrawn copy it never saw) replays at `temperature` with odds >= min_odds
+    (replay_odds), else it raises. Not the augmented variants: one that lost the prompt's start and its tools can
+    leave which agent is asking, and so the right reply, undecidable.
+    A fixed step count was not enough: the SFT's floating-point sums differ between CPUs, and so does the model."""
     os.makedirs(out_dir, exist_ok=True)
     rng = random.Random(seed)
     data_rows = [v for ex in examples for v in variants(ex, augment, rng)]
+    checks = checks or [c for ex in examples for c in (ex, redrawn(ex, random.Random(seed + 1)))]
     corpus, data = os.path.join(out_dir, "corpus.txt"), os.path.join(out_dir, "sft.jsonl")
     with open(corpus, "w") as f:   # the BPE merges: every message and tool schema, as the template will show them
         for ex in examples:
@@ -140,19 +170,29 @@ def build_tool_model(out_dir: str, examples: list[dict], *, steps: int = 80, see
                               [json.dumps(m.get("tool_calls", "")) + m["content"] for m in ex["messages"]]) + "\n")
     with open(data, "w") as f:
         f.writelines(json.dumps(ex) + "\n" for ex in data_rows)
-    init = build_tiny_model(os.path.join(out_dir, "init"), seed=seed, vocab_size=vocab_size, corpus_path=corpus,
-                            max_positions=1 << 16)
-    tokenizer = AutoTokenizer.from_pretrained(init)
+    model = build_tiny_model(os.path.join(out_dir, "init"), seed=seed, vocab_size=vocab_size, corpus_path=corpus,
+                             max_positions=1 << 16)
+    tokenizer = AutoTokenizer.from_pretrained(model)
     longest = max(len(tokenizer.apply_chat_template(ex["messages"], tools=ex.get("tools") or None, tokenize=True,
                                                     return_dict=False)) for ex in examples)
-    argv = [sys.executable, os.path.join(ROOT, "launch.py"), "--launch.mode", "sft", "--launch.model", init,
-            "--launch.out_dir", os.path.join(out_dir, "sft"), "--data.path", data, "--launch.steps", str(steps),
+    out = os.path.join(out_dir, "sft")
+    argv = [sys.executable, os.path.join(ROOT, "launch.py"), "--launch.mode", "sft", "--launch.model", model,
+            "--launch.out_dir", out, "--ckpt.dir", os.path.join(out, "ckpt"), "--data.path", data,
             "--launch.batch_prompts", str(len(data_rows)), "--launch.seed", str(seed), "--train.lr", str(lr),
             "--train.max_tokens_per_microbatch", str(max(4096, longest)), *flags]
-    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"SFT of the tool model failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-    return os.path.join(out_dir, "sft", "hf")
+    for round_ in range(rounds):   # a later round resumes the last one's checkpoint, AdamW state included
+        resume = ["--ckpt.resume"] if round_ else []
+        done = subprocess.run(argv + resume + ["--launch.steps", str(steps * (round_ + 1))], cwd=ROOT,
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"SFT of the tool model failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+        odds = replay_odds(os.path.join(out, "hf"), checks, temperature)
+        print(f"tool model after {steps * (round_ + 1)} steps: replay odds at T={temperature}: min {min(odds):.4f}, "
+              f"mean {sum(odds) / len(odds):.4f} over {len(odds)} examples")
+        if min(odds) >= min_odds:
+            return os.path.join(out, "hf")
+    raise RuntimeError(f"the tool model replays an example at T={temperature} with odds {min(odds):.4f} < {min_odds} "
+                       f"after {rounds} rounds of {steps} SFT steps")
 
 
 if __name__ == "__main__":
@@ -162,6 +202,8 @@ if __name__ == "__main__":
     p.add_argument("--tool", default="Bash", help="the agent's shell tool")
     p.add_argument("--argument", default="command", help="that tool's argument holding the command")
     p.add_argument("--create", default="touch done.txt", help="the command of the second call")
+    p.add_argument("--temperature", type=float, default=1.0, help="the sampling temperature the RL run will use")
+    p.add_argument("--min_odds", type=float, default=0.5, help="the least chance of replaying the episode there")
     p.add_argument("--model_name", default="verbatim-tiny",
                    help="the model name the CLI is given (its prompt shows it): pass the same --chat.model_name")
     a = p.parse_args()
@@ -171,4 +213,5 @@ if __name__ == "__main__":
     prompt = module.rows("train")[0]["prompt"]
     example = asyncio.run(capture(base, lambda ep: module.make_agent().run(context(ep, model, prompt)),
                                   script_for(a.tool, a.argument, module.TASK_FILE, a.create)))
-    print(f"tool model written to {build_tool_model(a.out_dir, [example])}")
+    model_dir = build_tool_model(a.out_dir, [example], temperature=a.temperature, min_odds=a.min_odds)
+    print(f"tool model written to {model_dir}")
