@@ -44,6 +44,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText,
                           AutoModelForTokenClassification, AutoProcessor)
+from transformers.core_model_loading import revert_weight_conversion
 
 from estimators import EstimatorArgs, compute_advantages
 from generator import Segment, decode_image
@@ -547,7 +548,6 @@ class TrainerRank:
         if self.train.routing_replay:
             self.moe = self.install_replay(self.model)
         # names transformers keeps fused (an MoE layer's experts in one tensor): export reverts them as save_pretrained
-        from transformers.core_model_loading import revert_weight_conversion
         meta = {export_name(n): torch.empty(p.shape, dtype=p.dtype, device="meta")
                 for n, p in self.model.named_parameters()}
         self.fused = set(meta) - set(revert_weight_conversion(self.model, meta))
@@ -825,7 +825,6 @@ class TrainerRank:
         """(checkpoint name, whole tensor) of each parameter in turn, as save_pretrained writes them (what vLLM loads);
         every rank must iterate (the gathers are collective). A tied lm_head.weight comes once, as the embedding;
         fused experts become one tensor per expert (NeMo's state_dict_adapter, or transformers' reverse conversion)."""
-        from transformers.core_model_loading import revert_weight_conversion
         adapter = getattr(self.model, "state_dict_adapter", None)
         for name, param in params:
             name, full = export_name(name), (param.detach().full_tensor() if isinstance(param, DTensor)
