@@ -417,13 +417,12 @@ def sft_batch(examples: list[dict], tokenizer, *, end_token: str = "<|im_end|>",
     return segments
 
 
-# --- checkpoint directories: step_NNNNNN is complete, step_NNNNNN.tmp is being written, step_NNNNNN.old is a
-# complete one set aside while the same step is saved again
+# --- names: checkpoint directories, exported parameters
 
 
 def checkpoint_dirs(root: str) -> list[str]:
-    """Complete checkpoints under root, oldest first: step_NNNNNN, else its .old (a crash came between setting it
-    aside and renaming its replacement). A .tmp directory is never listed."""
+    """Complete checkpoints under root, oldest first: step_NNNNNN, else its .old (set aside while the same step was
+    saved again, and a crash came before the replacement took the name). A .tmp (being written) is never listed."""
     if not os.path.isdir(root):
         return []
     names = set(os.listdir(root))
