@@ -9,13 +9,12 @@ current weights into a paused Generator straight from rank 0 (on GPU they never 
 torch.distributed.checkpoint. Every rank receives the whole batch and derives the same plan, advantages and loss
 denominators from it; besides the model's own collectives, ranks only all-reduce the no-grad pass's per-row results
 (a gather) and each step's loss (a metric).
-Qwen3-MoE trains as NeMo's own MoE class (--fsdp.ep_size shards its experts); every other model as its HF class.
---train.routing_replay (Qwen3-MoE): the forward routes each (token, MoE layer) to the experts the
-segment's routed_experts (T, layers, top_k) recorded (-1 = live top-k); the gate still gets gradient.
---train.lora_rank: NeMo AutoModel's LoRA on --train.lora_targets, the rest frozen (no gradient, no AdamW state, not in
-checkpoints); a refit sends peft's adapter tensors to engines that serve LoRA, else the weights with it merged in.
-Not here: sampling and the refit transport (generator.py), advantage and loss math (estimators.py,
-losses.py), the loop (launch.py). Refused with a message: tensor and context parallelism, expert
+Qwen3-MoE trains as NeMo's own MoE class (--fsdp.ep_size shards its experts), every other model as its HF class;
+--train.routing_replay replays each segment's recorded routed_experts (T, layers, top_k; -1 = live top-k) in the
+forward, the gate still getting gradient. --train.lora_rank: NeMo AutoModel's LoRA on --train.lora_targets, the rest
+frozen (no gradient, no AdamW state, not in checkpoints); a refit sends the adapter to engines that serve LoRA, else
+the merged weights. Not here: sampling and the refit transport (generator.py), advantage and loss math
+(estimators.py, losses.py), the loop (launch.py). Refused with a message: tensor and context parallelism, expert
 parallelism off Qwen3-MoE, routing replay on a dense model or on a batch with no routed_experts.
 """
 import asyncio
@@ -45,6 +44,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText,
                           AutoModelForTokenClassification, AutoProcessor)
+from transformers.core_model_loading import revert_weight_conversion
 
 from estimators import EstimatorArgs, compute_advantages
 from generator import Segment, decode_image
@@ -234,10 +234,9 @@ def collate(segments: list[Segment], moe: tuple[int, int, int] | None = None, vl
 
 def collate_routing(segments: list[Segment], T: int, layers: int, top_k: int, experts: int) -> np.ndarray:
     """(B, T, layers, top_k) int16 expert ids from each segment's routed_experts, -1 where none was recorded
-    (padding, a segment without routing, a row the engine marked -1); ValueError names the bad segment.
-    A row whose action tokens carry two or more versions (a partial rollout across a refit) routes live:
-    its tokens after the refit attended to a KV cache recomputed with the new weights' routing, while the
-    recorded rows before it hold the old weights' choice, so no one selection reproduces both samplers."""
+    (padding, a segment without routing, a row the engine marked -1); ValueError names the bad segment. A row whose
+    action tokens carry several versions (a partial rollout across a refit) routes live: no one recorded selection
+    reproduces both the old weights' routing and the new weights' recomputed KV cache."""
     if all(seg.routed_experts is None for seg in segments):
         raise ValueError("--train.routing_replay: no segment of the batch carries routed_experts; record them "
                          "(--vllm.return_routed_experts) or leave the flag off")
@@ -288,10 +287,9 @@ def plan_step(lengths: list[int], *, minibatches: int, dp_size: int, max_tokens:
 
 
 def rows_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool, entropy_grad: bool):
-    """(N,) log p(targets) under softmax(logits / temperature) for (N, V) logits, and the (N,) entropy of that
-    distribution when asked (else None). Eager, one fp32 copy scaled in place (none for fp32 logits at T = 1:
-    x / 1 == x) and its log-softmax (the only tensor backward keeps); compiled (CUDA), two fused passes over
-    the logits that keep only their logsumexp."""
+    """(N,) log p(targets) under softmax(logits / temperature) for (N, V) logits, and its (N,) entropy when asked
+    (else None). Eager: one fp32 copy scaled in place (none for fp32 logits at T = 1) and its log-softmax, the only
+    tensor backward keeps; compiled (CUDA): two fused passes over the logits that keep only their logsumexp."""
     if temperature == 1.0:
         scaled = logits.to(torch.float32)  # (N, V)
     else:
@@ -370,28 +368,13 @@ def merge_metrics(records: list[tuple[float, dict[str, float]]]) -> dict[str, fl
     return {k: v / weights[k] if k in weights else v for k, v in out.items()}
 
 
-def read_chat_jsonl(path: str) -> list[dict]:
-    """Examples {"messages": [{"role", "content"}, ...]} from a JSONL file; ValueError names the bad line."""
-    examples = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                example = json.loads(line)
-                if not isinstance(example, dict) or not isinstance(example.get("messages"), list):
-                    raise ValueError(f"{path}:{n}: expected an object with a \"messages\" list")
-                examples.append(example)
-    return examples
-
-
 def sft_batch(examples: list[dict], tokenizer, *, end_token: str = "<|im_end|>", template=None) -> list[Segment]:
     """Chat examples ({"messages", optional "tools"}) -> Segments whose action tokens are each assistant turn's
-    tokens after the template's `<|im_start|>assistant\\n` up to and including its closing end_token (the newline
-    after it is glue); an assistant message with "weight": 0 is context only, as in OpenAI's fine-tuning format.
-    Token-exact: each turn's boundaries come from rendering the message prefixes with the chat template,
-    and every prefix must be a token prefix of the full rendering, else ValueError. SFT rows carry version 0.
-    A VLM's content may be a list of {"type": "text", "text"} / {"type": "image", "image": encoded bytes} parts:
-    the checks run on the rendered ids (one image id per image), then `template` (chat_server.ChatTemplate of the
-    model) expands each image id into its placeholder run (mask 0) and Segment.images holds the runs' spans."""
+    tokens after the template's `<|im_start|>assistant\\n` up to and including its end_token; "weight": 0 makes a turn
+    context only (OpenAI's fine-tuning format). Turn boundaries come from rendering the message prefixes, each of which
+    must be a token prefix of the full rendering, else ValueError. SFT rows carry version 0. A VLM's content may hold
+    {"type": "image", "image": encoded bytes} parts: `template` (chat_server.ChatTemplate) expands each image id into
+    its placeholder run (mask 0), whose spans go to Segment.images."""
     end_id = tokenizer.convert_tokens_to_ids(end_token)
     if end_id is None or end_id == tokenizer.unk_token_id:
         raise ValueError(f"end_token {end_token!r}: not a single token of this tokenizer; "
@@ -434,13 +417,12 @@ def sft_batch(examples: list[dict], tokenizer, *, end_token: str = "<|im_end|>",
     return segments
 
 
-# --- checkpoint directories: step_NNNNNN is complete, step_NNNNNN.tmp is being written, step_NNNNNN.old is a
-# complete one set aside while the same step is saved again
+# --- names: checkpoint directories, exported parameters
 
 
 def checkpoint_dirs(root: str) -> list[str]:
-    """Complete checkpoints under root, oldest first: step_NNNNNN, else its .old (a crash came between setting it
-    aside and renaming its replacement). A .tmp directory is never listed."""
+    """Complete checkpoints under root, oldest first: step_NNNNNN, else its .old (set aside while the same step was
+    saved again, and a crash came before the replacement took the name). A .tmp (being written) is never listed."""
     if not os.path.isdir(root):
         return []
     names = set(os.listdir(root))
@@ -515,7 +497,7 @@ class TrainerRank:
         self.device = torch.device("cuda", 0) if self.cuda else torch.device("cpu")  # Ray shows each rank its GPU as 0
         if not self.cuda:
             torch.set_num_threads(1)  # ranks share the cores; one thread each is fastest and deterministic
-        self.step, self.version = 0, 0  # train steps taken; optimizer steps taken (0 = the loaded weights)
+        self.version = 0  # optimizer steps taken (0 = the loaded weights); the driver counts train steps
         self.router = None  # the Generator this rank refits (rank 0)
         # --train.routing_replay: (MoE layers, top_k, experts), and this forward's (b, t, layers, top_k) expert ids
         self.moe, self.replay = None, None
@@ -552,10 +534,9 @@ class TrainerRank:
         config = AutoConfig.from_pretrained(self.model_path)   # a VLM: its processor (the engine's) and image id
         self.processor = AutoProcessor.from_pretrained(self.model_path) if hasattr(config, "vision_config") else None
         self.image_id = getattr(config, "image_token_id", None)
-        # FSDP shards each vision layer as its own unit, so every rank must run the tower in every forward: else one
-        # rank's all-gather of a vision layer meets another's of a text layer (gloo aborts on the size mismatch). A
-        # forward without an image gets one more row, a blank image's run, whose logits are dropped (gradient 0).
-        # One rank has no one to meet: it skips the tower then.
+        # FSDP shards each vision layer as its own unit, so with several ranks every rank runs the tower in every
+        # forward (else one rank's vision all-gather meets another's text one): a forward without an image gets one
+        # more row, a blank image's run, whose logits are dropped (policy_logprobs).
         self.blank = None
         if self.processor is not None and self.dp_size > 1:
             from PIL import Image
@@ -566,7 +547,6 @@ class TrainerRank:
         if self.train.routing_replay:
             self.moe = self.install_replay(self.model)
         # names transformers keeps fused (an MoE layer's experts in one tensor): export reverts them as save_pretrained
-        from transformers.core_model_loading import revert_weight_conversion
         meta = {export_name(n): torch.empty(p.shape, dtype=p.dtype, device="meta")
                 for n, p in self.model.named_parameters()}
         self.fused = set(meta) - set(revert_weight_conversion(self.model, meta))
@@ -596,11 +576,8 @@ class TrainerRank:
             from nemo_automodel.components.models.common import BackendConfig
             kwargs.update(backend=BackendConfig(experts="torch_mm"), moe_overrides={"aux_loss_coeff": 0.0})
         if self.cuda:
-            from nemo_automodel import (NeMoAutoModelForCausalLM, NeMoAutoModelForImageTextToText,
-                                        NeMoAutoModelForTokenClassification)
-            nemo_class = {AutoModelForCausalLM: NeMoAutoModelForCausalLM,
-                          AutoModelForImageTextToText: NeMoAutoModelForImageTextToText,
-                          AutoModelForTokenClassification: NeMoAutoModelForTokenClassification}[auto_class]
+            import nemo_automodel
+            nemo_class = getattr(nemo_automodel, "NeMo" + auto_class.__name__)  # NeMoAutoModelForCausalLM, ...
             model = nemo_class.from_pretrained(self.model_path, dtype=torch.float32, force_hf=not nemo_moe,
                                                use_liger_kernel=False, **kwargs)  # no Liger: the engine's math
         elif nemo_moe:  # NeMo's loader needs CUDA, and so does the class's rotary cache at construction
@@ -663,20 +640,19 @@ class TrainerRank:
 
     def microbatch(self, batch: dict, rows: list[int]) -> dict[str, torch.Tensor]:
         """The rows' tensors cropped to their longest row, on this rank's device; no rows give one masked pad token.
-        A VLM's "images" become the model's image inputs for the rows' images in order (pixel_values, and what else
-        its processor returns: Idefics3's pixel_attention_mask, ...), which the model puts at its image ids."""
+        A VLM's "images" become the model's image inputs for the rows' images in order."""
         tensors = {k: v for k, v in batch.items() if k != "images"}
         if not rows:
             return {k: torch.full_like(v[:1, :1] if v.ndim >= 2 else v[:1], -1 if k == "routed" else 0).to(self.device)
                     for k, v in tensors.items()}
         width = int(batch["lengths"][rows].max())
         x = {k: (v[rows, :width] if v.ndim >= 2 else v[rows]).to(self.device) for k, v in tensors.items()}
-        if images := [image for r in rows for image in batch["images"][r]] if "images" in batch else None:
+        if "images" in batch and (images := [image for r in rows for image in batch["images"][r]]):
             x["images"] = self.image_inputs(images)
         return x
 
     def image_inputs(self, images: list) -> dict[str, torch.Tensor]:
-        """A VLM's inputs for decoded images, as its processor computes them (pixel_values, and what else it returns:
+        """A VLM's inputs for decoded images as its processor computes them (pixel_values, and what else it returns:
         Idefics3's pixel_attention_mask, ...), on this rank's device."""
         inputs = self.processor.image_processor(images=images, return_tensors="pt")
         return {k: v.to(self.device) for k, v in inputs.items()}
@@ -786,14 +762,11 @@ class TrainerRank:
                         loss_metrics.update(value_metrics)
                         value_mean = (v.detach() * x["mask"]).sum() / x["mask"].sum().clamp(min=1)
                         loss_metrics["train/value_mean"] = float(value_mean)
-                    records.append((float(x["mask"].sum()) if micro else 0.0, loss_metrics))
-                step_metrics = {}
+                    records.append((float(x["mask"].sum()), loss_metrics))
                 if self.critic is not None:
-                    step_metrics["train/critic_grad_norm"], _ = self.optimizer_step(self.critic, self.critic_optimizer,
-                                                                                    self.train.critic_lr)
-                step_metrics.update(self.policy_step(step_loss))
-                records.append((1.0, step_metrics))
-        self.step += 1
+                    grad_norm, _ = self.optimizer_step(self.critic, self.critic_optimizer, self.train.critic_lr)
+                    records.append((1.0, {"train/critic_grad_norm": grad_norm}))
+                records.append((1.0, self.policy_step(step_loss)))
         return records, self.version
 
     def optimizer_step(self, model, optimizer, base_lr: float) -> tuple[float, float]:
@@ -833,28 +806,24 @@ class TrainerRank:
             loss, metrics = sft_loss(self.policy_logprobs(self.model, x, 1.0)[0], x["mask"], denoms=denoms)
             (loss * self.dp_size).backward()
             step_loss += loss.detach()
-            records.append((float(x["mask"].sum()) if micro else 0.0, metrics))
+            records.append((float(x["mask"].sum()), metrics))
         records.append((1.0, self.policy_step(step_loss)))
-        self.step += 1
         return records, self.version
 
     def logprobs(self, segments: list[Segment], temperature: float | None) -> list[torch.Tensor] | None:
         """Every segment's (T,) recomputed log-probs (0 at t = 0) on rank 0; None on the others."""
         batch = collate(segments, self.moe, vlm=self.processor is not None)
-        plan = self.plan(batch, 1)
         temperature = self.temperature if temperature is None else temperature
         policy = lambda x: self.policy_logprobs(self.model, x, temperature)[0]
-        logp = self.forward_rows(policy, batch, plan)
+        logp = self.forward_rows(policy, batch, self.plan(batch, 1))
         return [logp[i, :n] for i, n in enumerate(batch["lengths"].tolist())] if self.rank == 0 else None
 
     # --- refit export: full tensors under HF names, in buckets
 
     def full_params(self, params: list[tuple[str, torch.nn.Parameter]]):
-        """(checkpoint name, whole tensor) of each parameter in turn, as save_pretrained writes them (what vLLM
-        loads); every rank must iterate (the gathers are collective). named_parameters() lists a tied
-        lm_head.weight once, as model.embed_tokens.weight; fused experts become one tensor per expert (NeMo's
-        MoE class: its state_dict_adapter; transformers: its own reverse conversion)."""
-        from transformers.core_model_loading import revert_weight_conversion
+        """(checkpoint name, whole tensor) of each parameter in turn, as save_pretrained writes them (what vLLM loads);
+        every rank must iterate (the gathers are collective). A tied lm_head.weight comes once, as the embedding;
+        fused experts become one tensor per expert (NeMo's state_dict_adapter, or transformers' reverse conversion)."""
         adapter = getattr(self.model, "state_dict_adapter", None)
         for name, param in params:
             name, full = export_name(name), (param.detach().full_tensor() if isinstance(param, DTensor)
@@ -914,8 +883,7 @@ class TrainerRank:
         """An HF model directory: one safetensors file of the full weights, and model_path's other files. With LoRA,
         peft's adapter directory instead (adapter_model.safetensors, adapter_config.json), unless merged (default
         --ckpt.hf_merged): then the full weights with the adapter merged in."""
-        merged = self.ckpt.hf_merged if merged is None else merged
-        adapter = bool(self.adapted) and not merged
+        adapter = bool(self.adapted) and not (self.ckpt.hf_merged if merged is None else merged)
         if adapter:
             trained = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
             pairs = ((PEFT_PREFIX + name, full) for name, full in self.full_params(trained))
@@ -949,11 +917,11 @@ class TrainerRank:
             state["critic"], state["critic_optim"] = get_state_dict(self.critic, self.critic_optimizer)
         return state
 
-    def save(self, root: str, data_position: dict | None) -> str:
+    def save(self, root: str, step: int, data_position: dict | None) -> str:
         """Write step_NNNNNN.tmp, then rename it to step_NNNNNN (atomic), then delete all but the newest --ckpt.keep.
         Killed at any point, the newest complete checkpoint is still listed by checkpoint_dirs. A failed write (a
         full disk) on any rank removes the .tmp and raises OSError naming the checkpoint and the disk."""
-        final = os.path.join(root, f"step_{self.step:06d}")
+        final = os.path.join(root, f"step_{step:06d}")
         tmp, old = final + ".tmp", final + ".old"
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # a crash's leftover
@@ -969,7 +937,7 @@ class TrainerRank:
             torch.save(rng, os.path.join(tmp, f"rng_rank{self.rank}.pt"))
             if self.rank == 0:
                 with open(os.path.join(tmp, "meta.json"), "w") as f:
-                    json.dump({"step": self.step, "version": self.version, "world_size": self.world_size,
+                    json.dump({"step": step, "version": self.version, "world_size": self.world_size,
                                "data_position": data_position}, f)
         except CheckpointException as e:  # DCP raises it on every rank when one rank's write failed
             rank, (cause, _) = next(iter(e.failures.items()))
@@ -1019,7 +987,7 @@ class TrainerRank:
         np.random.set_state(rng["numpy"])
         if self.cuda:
             torch.cuda.set_rng_state_all(rng["cuda"])
-        self.step, self.version = meta["step"], meta["version"]
+        self.version = meta["version"]
         return meta
 
     def shutdown(self) -> None:
@@ -1039,20 +1007,20 @@ class TrainerGroup:
         gpus = (1.0 if torch.cuda.is_available() else 0.0) if gpus_per_rank is None else gpus_per_rank
         check_args(train, fsdp, loss, estimator, cuda=gpus > 0)
         config, ep = AutoConfig.from_pretrained(model_path), fsdp.ep_size
+        self.ckpt, self.colocated, self.vlm = ckpt, colocated, hasattr(config, "vision_config")
         if ep > 1 and (config.model_type != "qwen3_moe" or config.num_experts % ep or train.critic_lr is not None):
             raise ValueError(f"--fsdp.ep_size {ep}: expert parallelism needs a Qwen3-MoE policy whose expert count "
                              f"it divides, and no critic (a transformers class); {model_path} is {config.model_type} "
                              f"with {getattr(config, 'num_experts', 0)} experts; set another ep_size")
-        if train.freeze_vision and not hasattr(config, "vision_config"):
+        if train.freeze_vision and not self.vlm:
             raise ValueError(f"--train.freeze_vision: {model_path} has no vision_config (not a VLM); leave it off")
         if not temperature > 0.0:
             raise ValueError(f"temperature {temperature}: must be > 0, the rollout's --rollout.temperature")
-        if train.lora_rank and (config.model_type == "qwen3_moe" or hasattr(config, "vision_config")):
+        if train.lora_rank and (config.model_type == "qwen3_moe" or self.vlm):
             raise ValueError(f"--train.lora_rank {train.lora_rank} with {model_path} ({config.model_type}): LoRA "
                              "covers dense text models (not NeMo's MoE class, not VLMs); set --train.lora_rank 0")
         if ckpt.hf_merged and not train.lora_rank:
             raise ValueError("--ckpt.hf_merged with --train.lora_rank 0: there is no adapter to merge; drop it")
-        self.ckpt, self.colocated, self.vlm = ckpt, colocated, hasattr(config, "vision_config")
         actor_class = ray.remote(num_cpus=0, num_gpus=gpus)(TrainerRank)
         self.actors = [actor_class.remote(r, train.world_size, model_path, train, fsdp, ckpt, loss, estimator,
                                           temperature) for r in range(train.world_size)]
@@ -1142,7 +1110,7 @@ class TrainerGroup:
             raise ValueError("save: --ckpt.dir is not set")
         if self.version == 0:  # and get_state_dict would initialise AdamW's state with a step of lr 0
             raise ValueError("save: nothing trained yet; the model directory itself is that checkpoint")
-        self.saved = (self.step, self.call("save", self.ckpt.dir, data_position)[0])
+        self.saved = (self.step, self.call("save", self.ckpt.dir, self.step, data_position)[0])
         return self.saved[1]
 
     def final_checkpoint(self, data_position: dict | None) -> str | None:

@@ -4,7 +4,6 @@ References are independent of the trainer: a plain transformers forward of the s
 checkpoint's own safetensors file, and counts derived by hand. Trainer groups are module-scoped
 (each start costs ~15 s of imports); tests that need untouched weights say so and come first.
 """
-import json
 import os
 import random
 
@@ -16,8 +15,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from estimators import EstimatorArgs
 from generator import Segment
 from losses import LossArgs
-from trainer import (CkptArgs, FsdpArgs, TrainArgs, TrainerGroup, check_args, lr_at, plan_step, read_chat_jsonl,
-                     sft_batch, token_logprobs)
+from trainer import (CkptArgs, FsdpArgs, TrainArgs, TrainerGroup, check_args, lr_at, plan_step, sft_batch,
+                     token_logprobs)
 
 VOCAB = 72  # tiny_chars_model
 
@@ -169,13 +168,11 @@ def test_flag_combinations_are_refused_naming_the_flags():
         check_args(TrainArgs(world_size=2), FsdpArgs(offload="optimizer"), LossArgs(), EstimatorArgs(), cuda=False)
 
 
-def test_sft_mask_covers_exactly_each_assistant_turn_and_its_end_token(tiny_chars_model, tmp_path):
-    path = tmp_path / "chat.jsonl"
+def test_sft_mask_covers_exactly_each_assistant_turn_and_its_end_token(tiny_chars_model):
     messages = [{"role": "user", "content": "12"}, {"role": "assistant", "content": "34"},
                  {"role": "user", "content": "5"}, {"role": "assistant", "content": "6"}]
-    path.write_text(json.dumps({"messages": messages}) + "\n")
     tok = AutoTokenizer.from_pretrained(tiny_chars_model)
-    (seg,) = sft_batch(read_chat_jsonl(str(path)), tok)
+    (seg,) = sft_batch([{"messages": messages}], tok)
     # chars tokenizer: one token per character, role words and ChatML markers are single tokens:
     #  0-6  <|im_start|> user \n 1 2 <|im_end|> \n       7-13  <|im_start|> assistant \n [3 4 <|im_end|>] \n
     # 14-19 <|im_start|> user \n 5 <|im_end|> \n        20-25 <|im_start|> assistant \n [6 <|im_end|>] \n
