@@ -7,12 +7,12 @@
 Reading order: the chat template as token ids (ChatTemplate, shared with agent.py) -> the canonical request -> the
 matcher, this file's one idea: a request is EXTEND / RETRY / REWRITE / UNRELATED against the episode's segments, and an
 EXTEND appends the stored sampled ids, a bridge and the delta tokens of the new messages (mask 0), never a re-render
--> one section per wire format -> HTTP (ChatServer.parse and writer: the only protocol switches). Streams are "fake":
-one engine call, then a protocol-exact SSE sequence. Constrained decoding is sampled under vLLM's grammar mask, its
-turns marked in Segment.info["constrained"]. Reasoning goes out as an opaque handle mapping back to its exact text. A
-resend of a request whose client left joins that turn. Not here: sampling settings (the generator's --rollout.*),
-stateful Responses (previous_response_id), remote images (an inline one lands in a VLM's segment as its placeholder
-run plus its bytes), other non-text content (400), admin HTTP routes (the trainer calls open/close_episode directly)."""
+-> one section per wire format (OpenAI chat, Responses, Anthropic) -> HTTP (ChatServer.parse and WRITERS: the only
+protocol switches). Streams are "fake": one engine call, then a protocol-exact SSE sequence. Constrained decoding is
+sampled under vLLM's grammar mask, its turns marked in Segment.info["constrained"]. Reasoning goes out as an opaque
+handle mapping back to its exact text. A resend of a request whose client left joins that turn. Not here: sampling
+settings (the generator's --rollout.*), stateful Responses (previous_response_id), remote images (an inline one lands
+in a VLM's segment as its placeholder run plus its bytes), other non-text content (400), admin HTTP routes."""
 import asyncio
 import base64
 import binascii
@@ -138,8 +138,7 @@ class ChatTemplate:
             log.warning("chat template refused as an append role: %s (%s); such turns open a new segment", role, why)
 
     def render_text(self, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = True) -> str:
-        """Every render goes through here. Image parts for a text model raise ValueError before the render (its
-        template may fail on a list of parts, or print it as text)."""
+        """Every render goes through here; image parts for a text model are a ValueError (templates print them)."""
         images = sum(isinstance(p, dict) and p.get("type") == "image" for m in messages
                      if isinstance(m.get("content"), list) for p in m["content"])
         if images and self.processor is None:
@@ -155,8 +154,7 @@ class ChatTemplate:
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def render_full(self, messages: list[dict], tools: list | None = None) -> list[int]:
-        """A whole prompt up to the assistant generation prompt, as a fresh list; the last RECENT distinct requests
-        are remembered (the samples of one prompt render the same messages)."""
+        """A whole prompt up to the generation prompt, as a fresh list; the last RECENT distinct renders are kept."""
         key = json.dumps([messages, tools], sort_keys=True, default=str)
         ids = self.recent.pop(key, None) or tuple(self.encode(self.render_text(messages, tools)))
         self.recent[key] = ids
@@ -165,10 +163,9 @@ class ChatTemplate:
         return list(ids)
 
     def render_delta(self, messages: list[dict], last_assistant_had_tool_calls: bool = False) -> list[int]:
-        """Tokens of messages appended after an assistant turn and its bridge, up to the next generation prompt:
-        what follows the end of a dummy turn [user, assistant MARK]. The dummy calls a tool when the real turn did
-        (templates branch on it), with MARK in the arguments too (Llama 3.1 drops content next to calls).
-        Raises ValueError, naming the roles and the template, when no such delta exists."""
+        """Tokens of messages appended after an assistant turn and its bridge, up to the next generation prompt: what
+        follows a dummy turn [user, assistant MARK], which calls a tool when the real turn did (templates branch on
+        it), MARK in its arguments too (Llama 3.1 drops content next to calls). ValueError when no such delta exists."""
         def refuse(why: str) -> ValueError:
             return ValueError(f"chat template of {self.tokenizer.name_or_path}: cannot append "
                               f"{[m['role'] for m in messages]} as delta tokens: {why}")
@@ -198,9 +195,8 @@ class ChatTemplate:
         return delta
 
     def expand_images(self, ids: list[int], images: list[bytes], at: int = 0) -> tuple[list[int], list[tuple]]:
-        """Rendered ids with one image id per image part (in order) -> the ids with each replaced by that image's
-        placeholder run, as the model's processor expands it, and the runs' spans [(start + at, end + at, bytes)].
-        Raises ValueError when the template rendered another number of them (render_text refuses a text model's)."""
+        """Each rendered image id (one per image, in order) replaced by its placeholder run as the processor expands
+        it, and the runs' spans [(start + at, end + at, bytes)]; ValueError when the counts differ."""
         if not images:
             return ids, []
         spots = [k for k, i in enumerate(ids) if i == self.image_id]
@@ -304,8 +300,7 @@ class Msg:
 
 
 def template_content(content: str | tuple | list):
-    """A message's content for the chat template: a str as it is; parts (str text, bytes an image) as a list of
-    {"type": "text", "text"} and {"type": "image"} parts, as VLM templates read them."""
+    """A message's content for the chat template: a str as it is; parts as the text and image parts VLMs read."""
     return content if isinstance(content, str) else [
         {"type": "image"} if isinstance(p, bytes) else {"type": "text", "text": p} for p in content]
 
@@ -337,7 +332,6 @@ class ChatRequest:
         return hash(self.msgs[0].key()) if self.msgs else 0
 
     def images(self, start: int = 0) -> list[bytes]:
-        """The images of msgs[start:], in order."""
         return [p for m in self.msgs[start:] if isinstance(m.content, tuple) for p in m.content if isinstance(p, bytes)]
 
 
@@ -363,10 +357,8 @@ TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.S)
 
 
 def parse_reply(text: str) -> tuple[str, str, list[tuple[str, dict]]]:
-    """(reasoning, content, [(name, arguments)]) of a sampled turn's text, as vLLM's hermes parser reads it.
-
-    Content is the text before the first <tool_call>; text after the last call is dropped. One call
-    that is not a JSON object with a string name and object arguments makes the whole text content."""
+    """(reasoning, content, [(name, arguments)]) of a sampled turn's text, as vLLM's hermes parser reads it: content
+    is the text before the first <tool_call>; a call that is not {"name": str, "arguments": {}} makes it all content."""
     reasoning = ""
     if "</think>" in text:
         head, _, text = text.partition("</think>")
@@ -388,8 +380,8 @@ def parse_reply(text: str) -> tuple[str, str, list[tuple[str, dict]]]:
 
 
 def cut_at_stop(template: ChatTemplate, ids: list[int], stops: tuple) -> tuple[int, str, str] | None:
-    """(tokens kept, stop string, text before it) at the first stop string, or None. The kept tokens are
-    the fewest whose text covers the stop string: sampled ids are never split."""
+    """(tokens kept, stop string, text before it) at the first stop string, or None: the fewest whole sampled ids
+    whose text covers it."""
     text = template.decode(ids)
     hits = sorted((text.find(s), s) for s in stops if s and s in text)
     if not hits:
@@ -907,6 +899,116 @@ class OpenAIWriter:
         return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "verbatim"}]}
 
 
+# --- OpenAI Responses (stateless): POST /v1/responses (and /responses)
+
+def parse_responses(body: dict, handles: dict = {}) -> ChatRequest:
+    """A reasoning item whose encrypted_content is one of our `handles` restores its turn's exact reasoning."""
+    if body.get("previous_response_id") is not None:
+        raise bad("previous_response_id", "this server is stateless: send the whole conversation as input")
+    items = body.get("input")
+    items = [{"role": "user", "content": items}] if isinstance(items, str) else get(body, "input", list, required=True)
+    system, msgs, thought = get(body, "instructions", str), [], ""   # thought: a reasoning item's, for its turn
+    for i, it in enumerate(items):
+        p, kind = f"input.{i}.", it.get("type", "message") if isinstance(it, dict) else None
+        if kind == "message":
+            role = get(it, "role", str, p, required=True)
+            text = text_of(it.get("content"), p + "content", ("input_text", "output_text", "text"),
+                           "input_image" if role == "user" else "")
+            if role in ("system", "developer") and system is None and not msgs:
+                system = text
+            elif role in ("system", "developer", "user", "assistant"):
+                msgs.append(Msg("system" if role == "developer" else role, text, thought * (role == "assistant")))
+                thought = "" if role == "assistant" else thought
+            else:
+                raise bad(p + "role", f"unsupported role {role!r}")
+        elif kind == "function_call":   # a namespace's tool is sent back as {namespace, name}: the model saw ns.name
+            name, ns = get(it, "name", str, p, required=True), get(it, "namespace", str, p)
+            call = Call(get(it, "call_id", str, p, required=True), f"{ns}.{name}" if ns else name,
+                        parse_arguments(it.get("arguments")))
+            if msgs and msgs[-1].role == "assistant" and not thought:   # a turn: [reasoning?, message?, call, ...]
+                msgs[-1] = replace(msgs[-1], calls=msgs[-1].calls + (call,))
+            else:
+                msgs.append(Msg("assistant", reasoning=thought, calls=(call,)))
+                thought = ""
+        elif kind == "function_call_output":
+            msgs.append(Msg("tool", text_of(it.get("output"), p + "output", ("input_text", "output_text"),
+                                            "input_image"),
+                            call_id=get(it, "call_id", str, p, required=True)))
+        elif kind == "reasoning":   # ours carries a handle; another server's opaque content stays opaque
+            thought = handles.get(it.get("encrypted_content"), "")
+        else:
+            raise bad(p + "type", f"unsupported input item {kind!r}")
+    tools, server = parse_tools(body)
+    constraint = constrain(tools, openai_forced(body.get("tool_choice")),
+                           (get(body, "text", dict) or {}).get("format") or {}, ("tool_choice", "text.format"),
+                           body.get("parallel_tool_calls") is False)
+    return ChatRequest(get(body, "model", str, required=True), system, tools, msgs, "call_", OPENAI_TOO_LONG,
+                       max_tokens=get(body, "max_output_tokens", int), seed=get(body, "seed", int),
+                       stream=bool(get(body, "stream", bool)), constraint=constraint, server_tools=server,
+                       namespaces=tuple(t["name"] for t in body["tools"] if t.get("type") == "namespace") if tools
+                       else ())
+
+
+def responses_body(req: ChatRequest, r: Reply | None, reply_id: str = "") -> dict:
+    """The Response object (id: the reply's, else reply_id); r None gives the in-progress shell a stream opens with."""
+    output = [{"type": "reasoning", "id": f"rs_{r.id}", "summary": [], "encrypted_content": r.handle}] \
+        if r is not None and r.reasoning else []   # the handle, never the text: a client sends it back, we map it
+    if r is not None and (r.content or not r.calls):
+        output.append({"type": "message", "id": f"msg_{r.id}", "status": "completed", "role": "assistant",
+                       "content": [{"type": "output_text", "text": r.content, "annotations": [], "logprobs": []}]})
+    for c in r.calls if r else ():
+        ns, _, name = c.name.rpartition(".") if c.name.partition(".")[0] in req.namespaces else ("", "", c.name)
+        output.append({"type": "function_call", "id": f"fc_{c.id}", "call_id": c.id, "name": name,
+                       "arguments": arguments_json(c), "status": "completed", **({"namespace": ns} if ns else {})})
+    status = "in_progress" if r is None else "incomplete" if r.finish == "length" and not r.calls else "completed"
+    usage = None if r is None else {
+        "input_tokens": r.prompt_tokens, "output_tokens": len(r.ids), "total_tokens": r.prompt_tokens + len(r.ids),
+        "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
+    return {"id": f"resp_{r.id if r else reply_id}", "object": "response",
+            "created_at": r.created if r else int(time.time()),
+            "status": status, "model": req.model, "output": output, "usage": usage, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": req.system, "tools": [], "tool_choice": "auto", "parallel_tool_calls": True, "metadata": {}}
+
+
+class ResponsesWriter(OpenAIWriter):
+    """OpenAI's errors and pings; a stream is named events with sequence numbers: created, in_progress, per item
+    added/delta/done, then completed or incomplete (or an error event)."""
+    body = staticmethod(responses_body)
+
+    def __init__(self, req: ChatRequest, plan: Plan):
+        self.req, self.seq = req, -1
+        shell = responses_body(req, None, plan.reply_id)
+        self.head = [self.event("response.created", response=shell), self.event("response.in_progress", response=shell)]
+
+    def event(self, kind: str, **data) -> str:
+        self.seq += 1
+        return event(kind, sequence_number=self.seq, **data)
+
+    def tail(self, r: Reply) -> list[str]:
+        full, out = responses_body(self.req, r), []
+        for i, item in enumerate(full["output"]):
+            at = {"item_id": item["id"], "output_index": i}
+            empty = {"message": {"content": []}, "function_call": {"arguments": ""}}.get(item["type"], {})
+            out.append(self.event("response.output_item.added", output_index=i,
+                                  item={**item, "status": "in_progress", **empty}))
+            if item["type"] == "message":
+                part, at = item["content"][0], {**at, "content_index": 0}
+                out += [self.event("response.content_part.added", **at, part={**part, "text": ""}),
+                        self.event("response.output_text.delta", **at, delta=part["text"], logprobs=[]),
+                        self.event("response.output_text.done", **at, text=part["text"], logprobs=[]),
+                        self.event("response.content_part.done", **at, part=part)]
+            elif item["type"] == "function_call":
+                out += [self.event("response.function_call_arguments.delta", **at, delta=item["arguments"]),
+                        self.event("response.function_call_arguments.done", **at, name=item["name"],
+                                   arguments=item["arguments"])]
+            out.append(self.event("response.output_item.done", output_index=i, item=item))
+        return out + [self.event(f"response.{full['status']}", response=full)]
+
+    def error_event(self, e: ApiError) -> str:
+        return self.event("error", **self.error(e, ""))
+
+
 # --- Anthropic Messages: POST /v1/messages, /v1/messages/count_tokens
 
 ANTHROPIC_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large", 500: "api_error",
@@ -1025,116 +1127,6 @@ class AnthropicWriter:
         return {"data": [{"type": "model", "id": name, "display_name": name,
                           "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))}],
                 "has_more": False, "first_id": name, "last_id": name}
-
-
-# --- OpenAI Responses (stateless): POST /v1/responses (and /responses)
-
-def parse_responses(body: dict, handles: dict = {}) -> ChatRequest:
-    """A reasoning item whose encrypted_content is one of our `handles` restores its turn's exact reasoning."""
-    if body.get("previous_response_id") is not None:
-        raise bad("previous_response_id", "this server is stateless: send the whole conversation as input")
-    items = body.get("input")
-    items = [{"role": "user", "content": items}] if isinstance(items, str) else get(body, "input", list, required=True)
-    system, msgs, thought = get(body, "instructions", str), [], ""   # thought: a reasoning item's, for its turn
-    for i, it in enumerate(items):
-        p, kind = f"input.{i}.", it.get("type", "message") if isinstance(it, dict) else None
-        if kind == "message":
-            role = get(it, "role", str, p, required=True)
-            text = text_of(it.get("content"), p + "content", ("input_text", "output_text", "text"),
-                           "input_image" if role == "user" else "")
-            if role in ("system", "developer") and system is None and not msgs:
-                system = text
-            elif role in ("system", "developer", "user", "assistant"):
-                msgs.append(Msg("system" if role == "developer" else role, text, thought * (role == "assistant")))
-                thought = "" if role == "assistant" else thought
-            else:
-                raise bad(p + "role", f"unsupported role {role!r}")
-        elif kind == "function_call":   # a namespace's tool is sent back as {namespace, name}: the model saw ns.name
-            name, ns = get(it, "name", str, p, required=True), get(it, "namespace", str, p)
-            call = Call(get(it, "call_id", str, p, required=True), f"{ns}.{name}" if ns else name,
-                        parse_arguments(it.get("arguments")))
-            if msgs and msgs[-1].role == "assistant" and not thought:   # a turn: [reasoning?, message?, call, ...]
-                msgs[-1] = replace(msgs[-1], calls=msgs[-1].calls + (call,))
-            else:
-                msgs.append(Msg("assistant", reasoning=thought, calls=(call,)))
-                thought = ""
-        elif kind == "function_call_output":
-            msgs.append(Msg("tool", text_of(it.get("output"), p + "output", ("input_text", "output_text"),
-                                            "input_image"),
-                            call_id=get(it, "call_id", str, p, required=True)))
-        elif kind == "reasoning":   # ours carries a handle; another server's opaque content stays opaque
-            thought = handles.get(it.get("encrypted_content"), "")
-        else:
-            raise bad(p + "type", f"unsupported input item {kind!r}")
-    tools, server = parse_tools(body)
-    constraint = constrain(tools, openai_forced(body.get("tool_choice")),
-                           (get(body, "text", dict) or {}).get("format") or {}, ("tool_choice", "text.format"),
-                           body.get("parallel_tool_calls") is False)
-    return ChatRequest(get(body, "model", str, required=True), system, tools, msgs, "call_", OPENAI_TOO_LONG,
-                       max_tokens=get(body, "max_output_tokens", int), seed=get(body, "seed", int),
-                       stream=bool(get(body, "stream", bool)), constraint=constraint, server_tools=server,
-                       namespaces=tuple(t["name"] for t in body["tools"] if t.get("type") == "namespace") if tools
-                       else ())
-
-
-def responses_body(req: ChatRequest, r: Reply | None, reply_id: str = "") -> dict:
-    """The Response object (id: the reply's, else reply_id); r None gives the in-progress shell a stream opens with."""
-    output = [{"type": "reasoning", "id": f"rs_{r.id}", "summary": [], "encrypted_content": r.handle}] \
-        if r is not None and r.reasoning else []   # the handle, never the text: a client sends it back, we map it
-    if r is not None and (r.content or not r.calls):
-        output.append({"type": "message", "id": f"msg_{r.id}", "status": "completed", "role": "assistant",
-                       "content": [{"type": "output_text", "text": r.content, "annotations": [], "logprobs": []}]})
-    for c in r.calls if r else ():
-        ns, _, name = c.name.rpartition(".") if c.name.partition(".")[0] in req.namespaces else ("", "", c.name)
-        output.append({"type": "function_call", "id": f"fc_{c.id}", "call_id": c.id, "name": name,
-                       "arguments": arguments_json(c), "status": "completed", **({"namespace": ns} if ns else {})})
-    status = "in_progress" if r is None else "incomplete" if r.finish == "length" and not r.calls else "completed"
-    usage = None if r is None else {
-        "input_tokens": r.prompt_tokens, "output_tokens": len(r.ids), "total_tokens": r.prompt_tokens + len(r.ids),
-        "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
-    return {"id": f"resp_{r.id if r else reply_id}", "object": "response",
-            "created_at": r.created if r else int(time.time()),
-            "status": status, "model": req.model, "output": output, "usage": usage, "error": None,
-            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": req.system, "tools": [], "tool_choice": "auto", "parallel_tool_calls": True, "metadata": {}}
-
-
-class ResponsesWriter(OpenAIWriter):
-    """OpenAI's errors and pings; a stream is named events with sequence numbers: created, in_progress, per item
-    added/delta/done, then completed or incomplete (or an error event)."""
-    body = staticmethod(responses_body)
-
-    def __init__(self, req: ChatRequest, plan: Plan):
-        self.req, self.seq = req, -1
-        shell = responses_body(req, None, plan.reply_id)
-        self.head = [self.event("response.created", response=shell), self.event("response.in_progress", response=shell)]
-
-    def event(self, kind: str, **data) -> str:
-        self.seq += 1
-        return event(kind, sequence_number=self.seq, **data)
-
-    def tail(self, r: Reply) -> list[str]:
-        full, out = responses_body(self.req, r), []
-        for i, item in enumerate(full["output"]):
-            at = {"item_id": item["id"], "output_index": i}
-            empty = {"message": {"content": []}, "function_call": {"arguments": ""}}.get(item["type"], {})
-            out.append(self.event("response.output_item.added", output_index=i,
-                                  item={**item, "status": "in_progress", **empty}))
-            if item["type"] == "message":
-                part, at = item["content"][0], {**at, "content_index": 0}
-                out += [self.event("response.content_part.added", **at, part={**part, "text": ""}),
-                        self.event("response.output_text.delta", **at, delta=part["text"], logprobs=[]),
-                        self.event("response.output_text.done", **at, text=part["text"], logprobs=[]),
-                        self.event("response.content_part.done", **at, part=part)]
-            elif item["type"] == "function_call":
-                out += [self.event("response.function_call_arguments.delta", **at, delta=item["arguments"]),
-                        self.event("response.function_call_arguments.done", **at, name=item["name"],
-                                   arguments=item["arguments"])]
-            out.append(self.event("response.output_item.done", output_index=i, item=item))
-        return out + [self.event(f"response.{full['status']}", response=full)]
-
-    def error_event(self, e: ApiError) -> str:
-        return self.event("error", **self.error(e, ""))
 
 
 # --- HTTP: the two protocol dispatch points (ChatServer.parse, writer), attribution, routes, streaming
