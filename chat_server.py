@@ -322,6 +322,7 @@ class ChatRequest:
     constraint: tuple = (None, "")   # (vLLM structured-output fields, the request field that asked for them)
     server_tools: int = 0            # server-side tools (web search...) the client listed: never offered
     namespaces: tuple = ()           # Responses namespace tools: a call of ns.name goes out as {namespace, name}
+    changes: list = field(default_factory=list)   # options that would change the distribution sampled from (OpenAI)
     hashes: list = field(default_factory=list)   # hashes[k]: chain over (system, tools) and msgs[:k]
 
     def template_messages(self) -> list[dict]:
@@ -634,7 +635,11 @@ TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a bo
 
 
 def get(obj: dict, key: str, types, path: str = "", required: bool = False):
-    """obj[key] checked against types; None when absent and optional; else a 400 naming the field."""
+    """obj[key] checked against types (a dotted key walks nested objects); None when absent and optional; else a 400
+    naming the field."""
+    head, dot, key = key.rpartition(".")
+    if dot:
+        obj, path = get(obj, head, dict, path) or {}, f"{path}{head}."
     value = obj.get(key)
     if value is None:
         if required:
@@ -829,18 +834,15 @@ def parse_openai(body: dict, prior: tuple = (0, None, ())) -> ChatRequest:
     options, (tools, server) = get(body, "stream_options", dict) or {}, parse_tools(body, nested=True)
     constraint = constrain(tools, openai_forced(body.get("tool_choice")), get(body, "response_format", dict) or {},
                            ("tool_choice", "response_format"), body.get("parallel_tool_calls") is False)
+    changes = ["n"] * ((get(body, "n", int) or 1) > 1) + ["logit_bias"] * bool(get(body, "logit_bias", dict))
+    changes += [k for k in ("frequency_penalty", "presence_penalty") if get(body, k, (int, float))]
     return ChatRequest(get(body, "model", str, required=True), system, tools, msgs, "call_", OPENAI_TOO_LONG,
                        constraint=constraint, server_tools=server,
                        max_tokens=get(body, "max_completion_tokens", int) or get(body, "max_tokens", int),
                        stop=(stop,) if isinstance(stop, str) else tuple(s for s in stop or () if isinstance(s, str)),
                        seed=get(body, "seed", int), stream=bool(get(body, "stream", bool)),
-                       include_usage=bool(options.get("include_usage")), logprobs=bool(get(body, "logprobs", bool)))
-
-
-def openai_changes(body: dict) -> list[str]:
-    """Options of this request that would change the distribution the recorded log-probs come from."""
-    found = ["n"] * ((get(body, "n", int) or 1) > 1) + ["logit_bias"] * bool(get(body, "logit_bias", dict))
-    return found + [k for k in ("frequency_penalty", "presence_penalty") if get(body, k, (int, float))]
+                       include_usage=bool(options.get("include_usage")), logprobs=bool(get(body, "logprobs", bool)),
+                       changes=changes)
 
 
 def openai_body(req: ChatRequest, r: Reply) -> dict:
@@ -939,9 +941,8 @@ def parse_responses(body: dict, handles: dict = {}) -> ChatRequest:
         else:
             raise bad(p + "type", f"unsupported input item {kind!r}")
     tools, server = parse_tools(body)
-    constraint = constrain(tools, openai_forced(body.get("tool_choice")),
-                           (get(body, "text", dict) or {}).get("format") or {}, ("tool_choice", "text.format"),
-                           body.get("parallel_tool_calls") is False)
+    constraint = constrain(tools, openai_forced(body.get("tool_choice")), get(body, "text.format", dict) or {},
+                           ("tool_choice", "text.format"), body.get("parallel_tool_calls") is False)
     return ChatRequest(get(body, "model", str, required=True), system, tools, msgs, "call_", OPENAI_TOO_LONG,
                        max_tokens=get(body, "max_output_tokens", int), seed=get(body, "seed", int),
                        stream=bool(get(body, "stream", bool)), constraint=constraint, server_tools=server,
@@ -949,24 +950,21 @@ def parse_responses(body: dict, handles: dict = {}) -> ChatRequest:
                        else ())
 
 
-def responses_body(req: ChatRequest, r: Reply | None, reply_id: str = "") -> dict:
-    """The Response object (id: the reply's, else reply_id); r None gives the in-progress shell a stream opens with."""
+def responses_body(req: ChatRequest, r: Reply) -> dict:
     output = [{"type": "reasoning", "id": f"rs_{r.id}", "summary": [], "encrypted_content": r.handle}] \
-        if r is not None and r.reasoning else []   # the handle, never the text: a client sends it back, we map it
-    if r is not None and (r.content or not r.calls):
+        if r.reasoning else []   # the handle, never the text: a client sends it back, we map it
+    if r.content or not r.calls:
         output.append({"type": "message", "id": f"msg_{r.id}", "status": "completed", "role": "assistant",
                        "content": [{"type": "output_text", "text": r.content, "annotations": [], "logprobs": []}]})
-    for c in r.calls if r else ():
+    for c in r.calls:
         ns, _, name = c.name.rpartition(".") if c.name.partition(".")[0] in req.namespaces else ("", "", c.name)
         output.append({"type": "function_call", "id": f"fc_{c.id}", "call_id": c.id, "name": name,
                        "arguments": arguments_json(c), "status": "completed", **({"namespace": ns} if ns else {})})
-    status = "in_progress" if r is None else "incomplete" if r.finish == "length" and not r.calls else "completed"
-    usage = None if r is None else {
-        "input_tokens": r.prompt_tokens, "output_tokens": len(r.ids), "total_tokens": r.prompt_tokens + len(r.ids),
-        "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
-    return {"id": f"resp_{r.id if r else reply_id}", "object": "response",
-            "created_at": r.created if r else int(time.time()),
-            "status": status, "model": req.model, "output": output, "usage": usage, "error": None,
+    status = "incomplete" if r.finish == "length" and not r.calls else "completed"
+    usage = {"input_tokens": r.prompt_tokens, "output_tokens": len(r.ids), "total_tokens": r.prompt_tokens + len(r.ids),
+             "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
+    return {"id": f"resp_{r.id}", "object": "response", "created_at": r.created, "status": status, "model": req.model,
+            "output": output, "usage": usage, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": req.system, "tools": [], "tool_choice": "auto", "parallel_tool_calls": True, "metadata": {}}
 
@@ -978,7 +976,8 @@ class ResponsesWriter(OpenAIWriter):
 
     def __init__(self, req: ChatRequest, plan: Plan):
         self.req, self.seq = req, -1
-        shell = responses_body(req, None, plan.reply_id)
+        empty = Reply(plan.reply_id, plan.pending.prompt_tokens, [], "stop", None, False, "", "", (), None, [])
+        shell = {**responses_body(req, empty), "status": "in_progress", "output": [], "usage": None}
         self.head = [self.event("response.created", response=shell), self.event("response.in_progress", response=shell)]
 
     def event(self, kind: str, **data) -> str:
@@ -1058,7 +1057,7 @@ def parse_anthropic(body: dict, counting: bool = False, prior: tuple = (0, None,
     (tools, server), choice = parse_tools(body, "custom", "input_schema"), get(body, "tool_choice", dict) or {}
     forced = {"any": "", "tool": choice.get("name") if isinstance(choice.get("name"), str) else ""}
     forced = forced.get(get(choice, "type", str, "tool_choice."))   # a non-string type is a 400, not a dict key
-    constraint = constrain(tools, forced, (get(body, "output_config", dict) or {}).get("format") or {},
+    constraint = constrain(tools, forced, get(body, "output_config.format", dict) or {},
                            ("tool_choice", "output_config.format"), bool(choice.get("disable_parallel_tool_use")))
     return ChatRequest(get(body, "model", str, required=True), system, tools, msgs, "toolu_",
                        "prompt is too long: {n} tokens > {limit} maximum", max_tokens=max_tokens,
@@ -1067,21 +1066,19 @@ def parse_anthropic(body: dict, counting: bool = False, prior: tuple = (0, None,
                        seed=get(body, "seed", int), stream=bool(get(body, "stream", bool)))
 
 
-def anthropic_stop(r: Reply) -> str:
-    if r.calls:
-        return "tool_use"
-    if r.finish == "length":
-        return "model_context_window_exceeded" if r.clamped else "max_tokens"
-    return "stop_sequence" if r.stop_sequence else "end_turn"
-
-
 def anthropic_body(req: ChatRequest, r: Reply) -> dict:
+    if r.calls:
+        stop = "tool_use"
+    elif r.finish == "length":
+        stop = "model_context_window_exceeded" if r.clamped else "max_tokens"
+    else:
+        stop = "stop_sequence" if r.stop_sequence else "end_turn"
     blocks = [{"type": "thinking", "thinking": r.reasoning, "signature": r.handle}] if r.reasoning else []
     if r.content or not r.calls:
         blocks.append({"type": "text", "text": r.content})
     blocks += [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments} for c in r.calls]
     return {"id": f"msg_{r.id}", "type": "message", "role": "assistant", "model": req.model, "content": blocks,
-            "stop_reason": anthropic_stop(r), "stop_sequence": r.stop_sequence,
+            "stop_reason": stop, "stop_sequence": r.stop_sequence,
             "usage": {"input_tokens": r.prompt_tokens, "output_tokens": len(r.ids)}}
 
 
@@ -1098,8 +1095,8 @@ class AnthropicWriter:
             "usage": {"input_tokens": plan.pending.prompt_tokens, "output_tokens": 0}})]
 
     def tail(self, r: Reply) -> list[str]:
-        out = []
-        for i, block in enumerate(anthropic_body(self.req, r)["content"]):
+        body, out = anthropic_body(self.req, r), []
+        for i, block in enumerate(body["content"]):
             if block["type"] == "tool_use":
                 start = {**block, "input": {}}
                 deltas = [{"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}]
@@ -1111,7 +1108,7 @@ class AnthropicWriter:
                     *[event("content_block_delta", index=i, delta=d) for d in deltas],
                     event("content_block_stop", index=i)]
         return out + [event("message_delta", usage={"output_tokens": len(r.ids)},
-                            delta={"stop_reason": anthropic_stop(r), "stop_sequence": r.stop_sequence}),
+                            delta={k: body[k] for k in ("stop_reason", "stop_sequence")}),
                       event("message_stop")]
 
     def error_event(self, e: ApiError) -> str:
@@ -1129,11 +1126,10 @@ class AnthropicWriter:
                 "has_more": False, "first_id": name, "last_id": name}
 
 
-# --- HTTP: the two protocol dispatch points (ChatServer.parse, writer), attribution, routes, streaming
+# --- HTTP: the two protocol dispatch points (ChatServer.parse, WRITERS), attribution, routes, streaming
 
-def writer(protocol: str) -> type:
-    """The one dispatch for everything written back: reply bodies, streams, errors and the model list."""
-    return {"openai": OpenAIWriter, "anthropic": AnthropicWriter, "responses": ResponsesWriter}[protocol]
+# the one dispatch for everything written back: reply bodies, streams, errors and the model list
+WRITERS = {"openai": OpenAIWriter, "anthropic": AnthropicWriter, "responses": ResponsesWriter}
 
 
 @dataclass
@@ -1226,11 +1222,11 @@ class ChatServer(SegmentStore):
         unknown = "The model '{}' does not exist"
         handles = ep.handles if ep is not None else {}
         if protocol == "openai":
-            req, changes = parse_openai(body, prior), openai_changes(body)
+            req = parse_openai(body, prior)
         elif protocol == "anthropic":
-            req, changes, unknown = parse_anthropic(body, counting, prior, handles), [], "model: {}"
+            req, unknown = parse_anthropic(body, counting, prior, handles), "model: {}"
         elif protocol == "responses":   # items merge into turns across items: always parsed whole, never remembered
-            req, changes, raw = parse_responses(body, handles), [], None
+            req, raw = parse_responses(body, handles), None
         else:
             raise ValueError(f"unknown protocol {protocol!r}")
         if self.args.strict_model and req.model != self.model_name:
@@ -1238,10 +1234,10 @@ class ChatServer(SegmentStore):
                            kind="invalid_request_error")
         ignored = sum(body.get(k) is not None for k in ("temperature", "top_p", "top_k"))
         self.counts["chat/ignored_sampling_params"] += ignored   # the generator's --rollout.* settings rule
-        if changes and self.args.reject_sampling_changes:
-            raise bad(changes[0], "changes the sampling distribution the trainer learns from; the server samples with "
-                                  "the trainer's settings (--chat.reject_sampling_changes false ignores it)")
-        self.counts["chat/ignored_params"] += len(changes)
+        if req.changes and self.args.reject_sampling_changes:
+            raise bad(req.changes[0], "changes the sampling distribution the trainer learns from; the server samples "
+                                      "with the trainer's settings (--chat.reject_sampling_changes false ignores it)")
+        self.counts["chat/ignored_params"] += len(req.changes)
         if req.constraint[0] and self.args.refuse_constrained:
             raise bad(req.constraint[1], "constrained decoding is refused here (--chat.refuse_constrained); "
                                          "--chat.refuse_constrained false samples under the constraint")
@@ -1302,7 +1298,7 @@ class ChatServer(SegmentStore):
             raise ApiError(400, "could not parse JSON body: expected an object", code="invalid_json")
         return body, arrived
 
-    # --- routes and replies out: every Response is written by writer(protocol)
+    # --- routes and replies out: every Response is written by WRITERS[protocol]
 
     def endpoint(self, handler, protocol: str | None):
         async def run(request: Request) -> Response:
@@ -1322,7 +1318,7 @@ class ChatServer(SegmentStore):
 
     def error_response(self, protocol: str, e: ApiError) -> Response:
         self.counts[f"chat/errors_{e.status}"] += 1   # by our status: 503 is the engine being down, in any protocol
-        request_id, w = "req_" + secrets.token_hex(12), writer(protocol)
+        request_id, w = "req_" + secrets.token_hex(12), WRITERS[protocol]
         headers = {"x-should-retry": "true" if e.status == 503 else "false", "request-id": request_id}
         if e.status == 503:
             headers["retry-after"] = "2"
@@ -1342,11 +1338,11 @@ class ChatServer(SegmentStore):
         self.tasks.add(task)
         task.add_done_callback(lambda t: (self.tasks.discard(t), t.cancelled() or t.exception()))
         if req.stream:
-            return StreamingResponse(self.stream(ep, writer(protocol)(req, plan), task, plan, start),
+            return StreamingResponse(self.stream(ep, WRITERS[protocol](req, plan), task, plan, start),
                                      media_type="text/event-stream", headers={"cache-control": "no-cache"})
         watch = asyncio.ensure_future(self.watch(request, plan.pending))
         try:
-            response = JSONResponse(writer(protocol).body(req, await asyncio.shield(task)))
+            response = JSONResponse(WRITERS[protocol].body(req, await asyncio.shield(task)))
         finally:
             watch.cancel()
         self.overheads_ms.append((time.perf_counter() - start - plan.gen_s) * 1000)
@@ -1394,7 +1390,7 @@ class ChatServer(SegmentStore):
         return JSONResponse({"input_tokens": len(ids)})
 
     async def models(self, request: Request, protocol: str) -> Response:
-        return JSONResponse(writer(protocol).models(self.model_name, self.created))
+        return JSONResponse(WRITERS[protocol].models(self.model_name, self.created))
 
     async def health(self, request: Request, protocol: str) -> Response:
         return JSONResponse({"status": "ok"})
