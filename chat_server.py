@@ -628,7 +628,7 @@ class SegmentStore:
         return ApiError(500, f"internal error: {e!r}{note}")
 
 
-# --- wire formats: typed field reads shared by the three parsers
+# --- wire formats: typed field reads and SSE frames, shared by the three protocols
 
 TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "an array",
               dict: "an object"}
@@ -717,9 +717,8 @@ def parse_arguments(raw):
 
 def parse_tools(body: dict, kind: str = "function", schema: str = "parameters", nested: bool = False,
                 tools: list | None = None) -> tuple[list[dict], int]:
-    """Client tools of `kind` (their spec under "function" when nested) as OpenAI function tools, and the count of
-    server-side tools (another type: web search, ...), which the model is never offered. A Responses "namespace"
-    tool stands for its nested function tools, each named namespace.name."""
+    """Client tools of `kind` (spec under "function" when nested) as OpenAI function tools, and the count of server-side
+    tools (another type: web search...), never offered; a Responses namespace stands for its tools, named ns.name."""
     out, server = [], 0
     for j, t in enumerate(get(body, "tools", list) or [] if tools is None else tools):
         if not isinstance(t, dict):
@@ -743,9 +742,8 @@ def parse_tools(body: dict, kind: str = "function", schema: str = "parameters", 
 
 def constrain(tools: list, forced: str | None, fmt: dict, paths: tuple[str, str],
               single: bool = False) -> tuple[dict | None, str]:
-    """(vLLM structured-output fields, the field that asked) for a forced tool call (forced "": any tool, `single`:
-    one call; a name: one call of that tool), in the Hermes form parse_reply reads with each tool's schema on its
-    arguments, or a JSON format."""
+    """(vLLM structured-output fields, the field that asked) for a forced tool call (forced "": any tool, `single`: one
+    call; a name: one call of it) in the Hermes form parse_reply reads, schema-checked arguments; or a JSON format."""
     if forced is not None:
         calls = [t["function"] for t in tools if forced in ("", t["function"]["name"])]
         if not calls:
@@ -768,6 +766,22 @@ def constrain(tools: list, forced: str | None, fmt: dict, paths: tuple[str, str]
     return None, ""
 
 
+def sse(name: str | None, data: dict) -> str:
+    return (f"event: {name}\n" if name else "") + f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def event(kind: str, **data) -> str:
+    """A named event whose data repeats its name as "type" (Anthropic, Responses)."""
+    return sse(kind, {"type": kind, **data})
+
+
+# --- OpenAI Chat Completions: POST /v1/chat/completions (and /chat/completions)
+
+OPENAI_TOO_LONG = ("This model's maximum context length is {window} tokens. However, your messages resulted in {n} "
+                   "tokens. Please reduce the length of the messages.")
+OPENAI_TYPES = {401: "invalid_request_error", 404: "not_found_error", 500: "server_error", 503: "server_error"}
+
+
 def openai_forced(choice) -> str | None:
     """tool_choice "required" (any tool: ""), {"type": "function", "function"|"name": ...} (that one), else None."""
     if choice == "required":
@@ -778,24 +792,8 @@ def openai_forced(choice) -> str | None:
     return None
 
 
-def sse(name: str | None, data: dict) -> str:
-    return (f"event: {name}\n" if name else "") + f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-
-def event(kind: str, **data) -> str:
-    """A named event whose data repeats its name as "type" (Anthropic, Responses)."""
-    return sse(kind, {"type": kind, **data})
-
-
 def arguments_json(c: Call) -> str:
     return c.arguments if isinstance(c.arguments, str) else json.dumps(c.arguments, ensure_ascii=False)
-
-
-# --- OpenAI Chat Completions: POST /v1/chat/completions (and /chat/completions)
-
-OPENAI_TOO_LONG = ("This model's maximum context length is {window} tokens. However, your messages resulted in {n} "
-                   "tokens. Please reduce the length of the messages.")
-OPENAI_TYPES = {401: "invalid_request_error", 404: "not_found_error", 500: "server_error", 503: "server_error"}
 
 
 def parse_openai(body: dict, prior: tuple = (0, None, ())) -> ChatRequest:
@@ -1210,10 +1208,9 @@ class ChatServer(SegmentStore):
     # --- requests in: the parse dispatch, then protocol-free policy checks
 
     def parse(self, protocol: str, body: dict, ep: EpisodeState | None = None, counting: bool = False) -> ChatRequest:
-        """The one dispatch for requests: the canonical form plus every policy check, before any state changes.
-
-        Harnesses resend the whole history: when it starts with a recent request's raw messages (a C-level
-        list comparison), only the new messages are parsed and hashed, so a turn costs O(new messages)."""
+        """The one dispatch for requests: the canonical form plus every policy check, before any state changes. When
+        the messages start with a recent request's raw messages (a C-level list comparison), only the new ones are
+        parsed and hashed: harnesses resend the whole history, and a turn costs O(new messages)."""
         raw, prior, memo = body.get("messages"), (0, None, ()), None
         for kind, seen, old in ep.parsed if ep is not None and isinstance(raw, list) else ():
             if kind == protocol and len(seen) <= len(raw) and raw[:len(seen)] == seen:
@@ -1356,9 +1353,8 @@ class ChatServer(SegmentStore):
         pending.gone = True
 
     async def stream(self, ep: EpisodeState, w, task: asyncio.Task, plan: Plan, start: float):
-        """Headers and first frames at once, keep-alive frames while generating, then the whole turn.
-        Errors after the headers become the protocol's error event (validation ran before). A client that leaves
-        before the whole turn marks it, as `watch` does."""
+        """Headers and first frames at once, keep-alive frames while generating, then the whole turn; an error after
+        the headers is the protocol's error event. A client leaving before the whole turn marks it, as `watch` does."""
         sent = False
         try:
             for frame in w.head:
