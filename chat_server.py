@@ -635,11 +635,7 @@ TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a bo
 
 
 def get(obj: dict, key: str, types, path: str = "", required: bool = False):
-    """obj[key] checked against types (a dotted key walks nested objects); None when absent and optional; else a 400
-    naming the field."""
-    head, dot, key = key.rpartition(".")
-    if dot:
-        obj, path = get(obj, head, dict, path) or {}, f"{path}{head}."
+    """obj[key] checked against types; None when absent and optional; else a 400 naming the field."""
     value = obj.get(key)
     if value is None:
         if required:
@@ -832,15 +828,15 @@ def parse_openai(body: dict, prior: tuple = (0, None, ())) -> ChatRequest:
     options, (tools, server) = get(body, "stream_options", dict) or {}, parse_tools(body, nested=True)
     constraint = constrain(tools, openai_forced(body.get("tool_choice")), get(body, "response_format", dict) or {},
                            ("tool_choice", "response_format"), body.get("parallel_tool_calls") is False)
-    changes = ["n"] * ((get(body, "n", int) or 1) > 1) + ["logit_bias"] * bool(get(body, "logit_bias", dict))
-    changes += [k for k in ("frequency_penalty", "presence_penalty") if get(body, k, (int, float))]
-    return ChatRequest(get(body, "model", str, required=True), system, tools, msgs, "call_", OPENAI_TOO_LONG,
-                       constraint=constraint, server_tools=server,
-                       max_tokens=get(body, "max_completion_tokens", int) or get(body, "max_tokens", int),
-                       stop=(stop,) if isinstance(stop, str) else tuple(s for s in stop or () if isinstance(s, str)),
-                       seed=get(body, "seed", int), stream=bool(get(body, "stream", bool)),
-                       include_usage=bool(options.get("include_usage")), logprobs=bool(get(body, "logprobs", bool)),
-                       changes=changes)
+    req = ChatRequest(get(body, "model", str, required=True), system, tools, msgs, "call_", OPENAI_TOO_LONG,
+                      constraint=constraint, server_tools=server,
+                      max_tokens=get(body, "max_completion_tokens", int) or get(body, "max_tokens", int),
+                      stop=(stop,) if isinstance(stop, str) else tuple(s for s in stop or () if isinstance(s, str)),
+                      seed=get(body, "seed", int), stream=bool(get(body, "stream", bool)),
+                      include_usage=bool(options.get("include_usage")), logprobs=bool(get(body, "logprobs", bool)))
+    req.changes = ["n"] * ((get(body, "n", int) or 1) > 1) + ["logit_bias"] * bool(get(body, "logit_bias", dict))
+    req.changes += [k for k in ("frequency_penalty", "presence_penalty") if get(body, k, (int, float))]
+    return req
 
 
 def openai_body(req: ChatRequest, r: Reply) -> dict:
@@ -939,8 +935,9 @@ def parse_responses(body: dict, handles: dict = {}) -> ChatRequest:
         else:
             raise bad(p + "type", f"unsupported input item {kind!r}")
     tools, server = parse_tools(body)
-    constraint = constrain(tools, openai_forced(body.get("tool_choice")), get(body, "text.format", dict) or {},
-                           ("tool_choice", "text.format"), body.get("parallel_tool_calls") is False)
+    constraint = constrain(tools, openai_forced(body.get("tool_choice")),
+                           (get(body, "text", dict) or {}).get("format") or {}, ("tool_choice", "text.format"),
+                           body.get("parallel_tool_calls") is False)
     return ChatRequest(get(body, "model", str, required=True), system, tools, msgs, "call_", OPENAI_TOO_LONG,
                        max_tokens=get(body, "max_output_tokens", int), seed=get(body, "seed", int),
                        stream=bool(get(body, "stream", bool)), constraint=constraint, server_tools=server,
@@ -1055,7 +1052,7 @@ def parse_anthropic(body: dict, counting: bool = False, prior: tuple = (0, None,
     (tools, server), choice = parse_tools(body, "custom", "input_schema"), get(body, "tool_choice", dict) or {}
     forced = {"any": "", "tool": choice.get("name") if isinstance(choice.get("name"), str) else ""}
     forced = forced.get(get(choice, "type", str, "tool_choice."))   # a non-string type is a 400, not a dict key
-    constraint = constrain(tools, forced, get(body, "output_config.format", dict) or {},
+    constraint = constrain(tools, forced, (get(body, "output_config", dict) or {}).get("format") or {},
                            ("tool_choice", "output_config.format"), bool(choice.get("disable_parallel_tool_use")))
     return ChatRequest(get(body, "model", str, required=True), system, tools, msgs, "toolu_",
                        "prompt is too long: {n} tokens > {limit} maximum", max_tokens=max_tokens,
