@@ -711,17 +711,17 @@ def parse_arguments(raw):
     return {} if raw is None else raw
 
 
-def parse_tools(body: dict, kind: str = "function", schema: str = "parameters", nested: bool = False,
-                tools: list | None = None) -> tuple[list[dict], int]:
+def parse_tools(tools: list, kind: str = "function", schema: str = "parameters",
+                nested: bool = False) -> tuple[list[dict], int]:
     """Client tools of `kind` (spec under "function" when nested) as OpenAI function tools, and the count of server-side
     tools (another type: web search...), never offered; a Responses namespace stands for its tools, named ns.name."""
     out, server = [], 0
-    for j, t in enumerate(get(body, "tools", list) or [] if tools is None else tools):
+    for j, t in enumerate(tools):
         if not isinstance(t, dict):
             raise bad(f"tools.{j}", "expected an object")
         if t.get("type", kind) == "namespace" and kind == "function":
             ns = get(t, "name", str, f"tools.{j}.", required=True)
-            inner, more = parse_tools({}, tools=get(t, "tools", list, f"tools.{j}.", required=True))
+            inner, more = parse_tools(get(t, "tools", list, f"tools.{j}.", required=True))
             out += [{"type": "function", "function": {**f["function"], "name": f"{ns}.{f['function']['name']}"}}
                     for f in inner]
             server += more
@@ -824,8 +824,8 @@ def parse_openai(body: dict, prior: tuple = (0, None, ())) -> ChatRequest:
                             call_id=get(m, "tool_call_id", str, p, required=True)))
         else:
             raise bad(p + "role", f"unsupported role {role!r}")
-    stop = get(body, "stop", (str, list))
-    options, (tools, server) = get(body, "stream_options", dict) or {}, parse_tools(body, nested=True)
+    stop, options = get(body, "stop", (str, list)), get(body, "stream_options", dict) or {}
+    tools, server = parse_tools(get(body, "tools", list) or [], nested=True)
     constraint = constrain(tools, openai_forced(body.get("tool_choice")), get(body, "response_format", dict) or {},
                            ("tool_choice", "response_format"), body.get("parallel_tool_calls") is False)
     req = ChatRequest(get(body, "model", str, required=True), system, tools, msgs, "call_", OPENAI_TOO_LONG,
@@ -934,7 +934,7 @@ def parse_responses(body: dict, handles: dict = {}) -> ChatRequest:
             thought = handles.get(it.get("encrypted_content"), "")
         else:
             raise bad(p + "type", f"unsupported input item {kind!r}")
-    tools, server = parse_tools(body)
+    tools, server = parse_tools(get(body, "tools", list) or [])
     constraint = constrain(tools, openai_forced(body.get("tool_choice")),
                            (get(body, "text", dict) or {}).get("format") or {}, ("tool_choice", "text.format"),
                            body.get("parallel_tool_calls") is False)
@@ -1049,7 +1049,8 @@ def parse_anthropic(body: dict, counting: bool = False, prior: tuple = (0, None,
         elif texts or not results:   # tool results first, then the user's own text (the template's order)
             msgs.append(Msg("user", join_parts(texts)))
     max_tokens = None if counting else get(body, "max_tokens", int, required=True)
-    (tools, server), choice = parse_tools(body, "custom", "input_schema"), get(body, "tool_choice", dict) or {}
+    tools, server = parse_tools(get(body, "tools", list) or [], "custom", "input_schema")
+    choice = get(body, "tool_choice", dict) or {}
     forced = {"any": "", "tool": choice.get("name") if isinstance(choice.get("name"), str) else ""}
     forced = forced.get(get(choice, "type", str, "tool_choice."))   # a non-string type is a 400, not a dict key
     constraint = constrain(tools, forced, (get(body, "output_config", dict) or {}).get("format") or {},
