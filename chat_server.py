@@ -108,10 +108,9 @@ RECENT = 256  # full renders ChatTemplate keeps
 class ChatTemplate:
     """The model's chat template as token ids, on chat-template dicts; shared by the chat server and agent.py.
 
-    After a sampled turn, ids + bridge(ids) + render_delta(new messages) continue a segment. The delta is cut behind a
-    dummy assistant turn, so it never depends on how the template re-renders earlier turns (stock Qwen3 drops their
-    reasoning). The start-up check (`append_roles`, chat server only) proves that appending a role keeps the full render
-    equal to the segment; a failing role lands in `refused`, and such turns open a new segment instead."""
+    After a sampled turn, ids + bridge(ids) + render_delta(new messages) continue a segment. The start-up check
+    (`append_roles`, chat server only) proves that appending a role keeps the full render equal to the segment; a
+    failing role lands in `refused`, and such turns open a new segment instead."""
 
     def __init__(self, tokenizer_path: str, append_roles: tuple = ("tool", "user")):
         from transformers import AutoConfig, AutoProcessor, AutoTokenizer
@@ -164,8 +163,9 @@ class ChatTemplate:
 
     def render_delta(self, messages: list[dict], last_assistant_had_tool_calls: bool = False) -> list[int]:
         """Tokens of messages appended after an assistant turn and its bridge, up to the next generation prompt: what
-        follows a dummy turn [user, assistant MARK], which calls a tool when the real turn did (templates branch on
-        it), MARK in its arguments too (Llama 3.1 drops content next to calls). ValueError when no such delta exists."""
+        follows a dummy turn [user, assistant MARK], never a re-render of earlier turns (stock Qwen3 drops their
+        reasoning). The dummy calls a tool when the real turn did, MARK in its arguments too (Llama 3.1 drops content
+        next to calls). ValueError when no such delta exists."""
         def refuse(why: str) -> ValueError:
             return ValueError(f"chat template of {self.tokenizer.name_or_path}: cannot append "
                               f"{[m['role'] for m in messages]} as delta tokens: {why}")
