@@ -1085,10 +1085,8 @@ class AnthropicWriter:
 
     def __init__(self, req: ChatRequest, plan: Plan):
         self.req = req
-        self.head = [event("message_start", message={
-            "id": f"msg_{plan.reply_id}", "type": "message", "role": "assistant", "model": req.model, "content": [],
-            "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": plan.pending.prompt_tokens, "output_tokens": 0}})]
+        empty = Reply(plan.reply_id, plan.pending.prompt_tokens, [], "stop", None, False, "", "", (), None, [])
+        self.head = [event("message_start", message={**anthropic_body(req, empty), "content": [], "stop_reason": None})]
 
     def tail(self, r: Reply) -> list[str]:
         body, out = anthropic_body(self.req, r), []
