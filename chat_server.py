@@ -7,12 +7,12 @@
 Reading order: the chat template as token ids (ChatTemplate, shared with agent.py) -> the canonical request -> the
 matcher, this file's one idea: a request is EXTEND / RETRY / REWRITE / UNRELATED against the episode's segments, and an
 EXTEND appends the stored sampled ids, a bridge and the delta tokens of the new messages (mask 0), never a re-render
--> one section per wire format -> HTTP (ChatServer.parse and writer: the only protocol switches). Streams are "fake":
-one engine call, then a protocol-exact SSE sequence. Constrained decoding is sampled under vLLM's grammar mask, its
-turns marked in Segment.info["constrained"]. Reasoning goes out as an opaque handle mapping back to its exact text. A
-resend of a request whose client left joins that turn. Not here: sampling settings (the generator's --rollout.*),
-stateful Responses (previous_response_id), remote images (an inline one lands in a VLM's segment as its placeholder
-run plus its bytes), other non-text content (400), admin HTTP routes (the trainer calls open/close_episode directly)."""
+-> one section per wire format (OpenAI chat, Responses, Anthropic) -> HTTP (ChatServer.parse and WRITERS: the only
+protocol switches). Streams are "fake": one engine call, then a protocol-exact SSE sequence. Constrained decoding is
+sampled under vLLM's grammar mask, its turns marked in Segment.info["constrained"]. Reasoning goes out as an opaque
+handle mapping back to its exact text. A resend of a request whose client left joins that turn. Not here: sampling
+settings (the generator's --rollout.*), stateful Responses (previous_response_id), remote images (an inline one lands
+in a VLM's segment as its placeholder run plus its bytes), other non-text content (400), admin HTTP routes."""
 import asyncio
 import base64
 import binascii
@@ -108,10 +108,9 @@ RECENT = 256  # full renders ChatTemplate keeps
 class ChatTemplate:
     """The model's chat template as token ids, on chat-template dicts; shared by the chat server and agent.py.
 
-    After a sampled turn, ids + bridge(ids) + render_delta(new messages) continue a segment. The delta is cut behind a
-    dummy assistant turn, so it never depends on how the template re-renders earlier turns (stock Qwen3 drops their
-    reasoning). The start-up check (`append_roles`, chat server only) proves that appending a role keeps the full render
-    equal to the segment; a failing role lands in `refused`, and such turns open a new segment instead."""
+    After a sampled turn, ids + bridge(ids) + render_delta(new messages) continue a segment. The start-up check
+    (`append_roles`, chat server only) proves that appending a role keeps the full render equal to the segment; a
+    failing role lands in `refused`, and such turns open a new segment instead."""
 
     def __init__(self, tokenizer_path: str, append_roles: tuple = ("tool", "user")):
         from transformers import AutoConfig, AutoProcessor, AutoTokenizer
@@ -138,8 +137,7 @@ class ChatTemplate:
             log.warning("chat template refused as an append role: %s (%s); such turns open a new segment", role, why)
 
     def render_text(self, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = True) -> str:
-        """Every render goes through here. Image parts for a text model raise ValueError before the render (its
-        template may fail on a list of parts, or print it as text)."""
+        """Every render goes through here; image parts for a text model are a ValueError (templates print them)."""
         images = sum(isinstance(p, dict) and p.get("type") == "image" for m in messages
                      if isinstance(m.get("content"), list) for p in m["content"])
         if images and self.processor is None:
@@ -155,8 +153,7 @@ class ChatTemplate:
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def render_full(self, messages: list[dict], tools: list | None = None) -> list[int]:
-        """A whole prompt up to the assistant generation prompt, as a fresh list; the last RECENT distinct requests
-        are remembered (the samples of one prompt render the same messages)."""
+        """A whole prompt up to the generation prompt, as a fresh list; the last RECENT distinct renders are kept."""
         key = json.dumps([messages, tools], sort_keys=True, default=str)
         ids = self.recent.pop(key, None) or tuple(self.encode(self.render_text(messages, tools)))
         self.recent[key] = ids
@@ -165,10 +162,10 @@ class ChatTemplate:
         return list(ids)
 
     def render_delta(self, messages: list[dict], last_assistant_had_tool_calls: bool = False) -> list[int]:
-        """Tokens of messages appended after an assistant turn and its bridge, up to the next generation prompt:
-        what follows the end of a dummy turn [user, assistant MARK]. The dummy calls a tool when the real turn did
-        (templates branch on it), with MARK in the arguments too (Llama 3.1 drops content next to calls).
-        Raises ValueError, naming the roles and the template, when no such delta exists."""
+        """Tokens of messages appended after an assistant turn and its bridge, up to the next generation prompt: what
+        follows a dummy turn [user, assistant MARK], never a re-render of earlier turns (stock Qwen3 drops their
+        reasoning). The dummy calls a tool when the real turn did, MARK in its arguments too (Llama 3.1 drops content
+        next to calls). ValueError when no such delta exists."""
         def refuse(why: str) -> ValueError:
             return ValueError(f"chat template of {self.tokenizer.name_or_path}: cannot append "
                               f"{[m['role'] for m in messages]} as delta tokens: {why}")
@@ -198,9 +195,8 @@ class ChatTemplate:
         return delta
 
     def expand_images(self, ids: list[int], images: list[bytes], at: int = 0) -> tuple[list[int], list[tuple]]:
-        """Rendered ids with one image id per image part (in order) -> the ids with each replaced by that image's
-        placeholder run, as the model's processor expands it, and the runs' spans [(start + at, end + at, bytes)].
-        Raises ValueError when the template rendered another number of them (render_text refuses a text model's)."""
+        """Each rendered image id (one per image, in order) replaced by its placeholder run as the processor expands
+        it, and the runs' spans [(start + at, end + at, bytes)]; ValueError when the counts differ."""
         if not images:
             return ids, []
         spots = [k for k, i in enumerate(ids) if i == self.image_id]
@@ -304,8 +300,7 @@ class Msg:
 
 
 def template_content(content: str | tuple | list):
-    """A message's content for the chat template: a str as it is; parts (str text, bytes an image) as a list of
-    {"type": "text", "text"} and {"type": "image"} parts, as VLM templates read them."""
+    """A message's content for the chat template: a str as it is; parts as the text and image parts VLMs read."""
     return content if isinstance(content, str) else [
         {"type": "image"} if isinstance(p, bytes) else {"type": "text", "text": p} for p in content]
 
@@ -327,6 +322,7 @@ class ChatRequest:
     constraint: tuple = (None, "")   # (vLLM structured-output fields, the request field that asked for them)
     server_tools: int = 0            # server-side tools (web search...) the client listed: never offered
     namespaces: tuple = ()           # Responses namespace tools: a call of ns.name goes out as {namespace, name}
+    changes: list = field(default_factory=list)   # options that would change the distribution sampled from (OpenAI)
     hashes: list = field(default_factory=list)   # hashes[k]: chain over (system, tools) and msgs[:k]
 
     def template_messages(self) -> list[dict]:
@@ -337,7 +333,6 @@ class ChatRequest:
         return hash(self.msgs[0].key()) if self.msgs else 0
 
     def images(self, start: int = 0) -> list[bytes]:
-        """The images of msgs[start:], in order."""
         return [p for m in self.msgs[start:] if isinstance(m.content, tuple) for p in m.content if isinstance(p, bytes)]
 
 
@@ -363,10 +358,8 @@ TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.S)
 
 
 def parse_reply(text: str) -> tuple[str, str, list[tuple[str, dict]]]:
-    """(reasoning, content, [(name, arguments)]) of a sampled turn's text, as vLLM's hermes parser reads it.
-
-    Content is the text before the first <tool_call>; text after the last call is dropped. One call
-    that is not a JSON object with a string name and object arguments makes the whole text content."""
+    """(reasoning, content, [(name, arguments)]) of a sampled turn's text, as vLLM's hermes parser reads it: content
+    is the text before the first <tool_call>; a call that is not {"name": str, "arguments": {}} makes it all content."""
     reasoning = ""
     if "</think>" in text:
         head, _, text = text.partition("</think>")
@@ -388,8 +381,8 @@ def parse_reply(text: str) -> tuple[str, str, list[tuple[str, dict]]]:
 
 
 def cut_at_stop(template: ChatTemplate, ids: list[int], stops: tuple) -> tuple[int, str, str] | None:
-    """(tokens kept, stop string, text before it) at the first stop string, or None. The kept tokens are
-    the fewest whose text covers the stop string: sampled ids are never split."""
+    """(tokens kept, stop string, text before it) at the first stop string, or None: the fewest whole sampled ids
+    whose text covers it."""
     text = template.decode(ids)
     hits = sorted((text.find(s), s) for s in stops if s and s in text)
     if not hits:
@@ -635,7 +628,7 @@ class SegmentStore:
         return ApiError(500, f"internal error: {e!r}{note}")
 
 
-# --- wire formats: typed field reads shared by the three parsers
+# --- wire formats: typed field reads and SSE frames, shared by the three protocols
 
 TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "an array",
               dict: "an object"}
@@ -718,18 +711,17 @@ def parse_arguments(raw):
     return {} if raw is None else raw
 
 
-def parse_tools(body: dict, kind: str = "function", schema: str = "parameters", nested: bool = False,
-                tools: list | None = None) -> tuple[list[dict], int]:
-    """Client tools of `kind` (their spec under "function" when nested) as OpenAI function tools, and the count of
-    server-side tools (another type: web search, ...), which the model is never offered. A Responses "namespace"
-    tool stands for its nested function tools, each named namespace.name."""
+def parse_tools(tools: list, kind: str = "function", schema: str = "parameters",
+                nested: bool = False) -> tuple[list[dict], int]:
+    """Client tools of `kind` (spec under "function" when nested) as OpenAI function tools, and the count of server-side
+    tools (another type: web search...), never offered; a Responses namespace stands for its tools, named ns.name."""
     out, server = [], 0
-    for j, t in enumerate(get(body, "tools", list) or [] if tools is None else tools):
+    for j, t in enumerate(tools):
         if not isinstance(t, dict):
             raise bad(f"tools.{j}", "expected an object")
         if t.get("type", kind) == "namespace" and kind == "function":
             ns = get(t, "name", str, f"tools.{j}.", required=True)
-            inner, more = parse_tools({}, tools=get(t, "tools", list, f"tools.{j}.", required=True))
+            inner, more = parse_tools(get(t, "tools", list, f"tools.{j}.", required=True))
             out += [{"type": "function", "function": {**f["function"], "name": f"{ns}.{f['function']['name']}"}}
                     for f in inner]
             server += more
@@ -746,9 +738,8 @@ def parse_tools(body: dict, kind: str = "function", schema: str = "parameters", 
 
 def constrain(tools: list, forced: str | None, fmt: dict, paths: tuple[str, str],
               single: bool = False) -> tuple[dict | None, str]:
-    """(vLLM structured-output fields, the field that asked) for a forced tool call (forced "": any tool, `single`:
-    one call; a name: one call of that tool), in the Hermes form parse_reply reads with each tool's schema on its
-    arguments, or a JSON format."""
+    """(vLLM structured-output fields, the field that asked) for a forced tool call (forced "": any tool, `single`: one
+    call; a name: one call of it) in the Hermes form parse_reply reads, schema-checked arguments; or a JSON format."""
     if forced is not None:
         calls = [t["function"] for t in tools if forced in ("", t["function"]["name"])]
         if not calls:
@@ -771,6 +762,22 @@ def constrain(tools: list, forced: str | None, fmt: dict, paths: tuple[str, str]
     return None, ""
 
 
+def sse(name: str | None, data: dict) -> str:
+    return (f"event: {name}\n" if name else "") + f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def event(kind: str, **data) -> str:
+    """A named event whose data repeats its name as "type" (Anthropic, Responses)."""
+    return sse(kind, {"type": kind, **data})
+
+
+# --- OpenAI Chat Completions: POST /v1/chat/completions (and /chat/completions)
+
+OPENAI_TOO_LONG = ("This model's maximum context length is {window} tokens. However, your messages resulted in {n} "
+                   "tokens. Please reduce the length of the messages.")
+OPENAI_TYPES = {401: "invalid_request_error", 404: "not_found_error", 500: "server_error", 503: "server_error"}
+
+
 def openai_forced(choice) -> str | None:
     """tool_choice "required" (any tool: ""), {"type": "function", "function"|"name": ...} (that one), else None."""
     if choice == "required":
@@ -781,24 +788,8 @@ def openai_forced(choice) -> str | None:
     return None
 
 
-def sse(name: str | None, data: dict) -> str:
-    return (f"event: {name}\n" if name else "") + f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-
-def event(kind: str, **data) -> str:
-    """A named event whose data repeats its name as "type" (Anthropic, Responses)."""
-    return sse(kind, {"type": kind, **data})
-
-
 def arguments_json(c: Call) -> str:
     return c.arguments if isinstance(c.arguments, str) else json.dumps(c.arguments, ensure_ascii=False)
-
-
-# --- OpenAI Chat Completions: POST /v1/chat/completions (and /chat/completions)
-
-OPENAI_TOO_LONG = ("This model's maximum context length is {window} tokens. However, your messages resulted in {n} "
-                   "tokens. Please reduce the length of the messages.")
-OPENAI_TYPES = {401: "invalid_request_error", 404: "not_found_error", 500: "server_error", 503: "server_error"}
 
 
 def parse_openai(body: dict, prior: tuple = (0, None, ())) -> ChatRequest:
@@ -833,22 +824,19 @@ def parse_openai(body: dict, prior: tuple = (0, None, ())) -> ChatRequest:
                             call_id=get(m, "tool_call_id", str, p, required=True)))
         else:
             raise bad(p + "role", f"unsupported role {role!r}")
-    stop = get(body, "stop", (str, list))
-    options, (tools, server) = get(body, "stream_options", dict) or {}, parse_tools(body, nested=True)
+    stop, options = get(body, "stop", (str, list)), get(body, "stream_options", dict) or {}
+    tools, server = parse_tools(get(body, "tools", list) or [], nested=True)
     constraint = constrain(tools, openai_forced(body.get("tool_choice")), get(body, "response_format", dict) or {},
                            ("tool_choice", "response_format"), body.get("parallel_tool_calls") is False)
-    return ChatRequest(get(body, "model", str, required=True), system, tools, msgs, "call_", OPENAI_TOO_LONG,
-                       constraint=constraint, server_tools=server,
-                       max_tokens=get(body, "max_completion_tokens", int) or get(body, "max_tokens", int),
-                       stop=(stop,) if isinstance(stop, str) else tuple(s for s in stop or () if isinstance(s, str)),
-                       seed=get(body, "seed", int), stream=bool(get(body, "stream", bool)),
-                       include_usage=bool(options.get("include_usage")), logprobs=bool(get(body, "logprobs", bool)))
-
-
-def openai_changes(body: dict) -> list[str]:
-    """Options of this request that would change the distribution the recorded log-probs come from."""
-    found = ["n"] * ((get(body, "n", int) or 1) > 1) + ["logit_bias"] * bool(get(body, "logit_bias", dict))
-    return found + [k for k in ("frequency_penalty", "presence_penalty") if get(body, k, (int, float))]
+    req = ChatRequest(get(body, "model", str, required=True), system, tools, msgs, "call_", OPENAI_TOO_LONG,
+                      constraint=constraint, server_tools=server,
+                      max_tokens=get(body, "max_completion_tokens", int) or get(body, "max_tokens", int),
+                      stop=(stop,) if isinstance(stop, str) else tuple(s for s in stop or () if isinstance(s, str)),
+                      seed=get(body, "seed", int), stream=bool(get(body, "stream", bool)),
+                      include_usage=bool(options.get("include_usage")), logprobs=bool(get(body, "logprobs", bool)))
+    req.changes = ["n"] * ((get(body, "n", int) or 1) > 1) + ["logit_bias"] * bool(get(body, "logit_bias", dict))
+    req.changes += [k for k in ("frequency_penalty", "presence_penalty") if get(body, k, (int, float))]
+    return req
 
 
 def openai_body(req: ChatRequest, r: Reply) -> dict:
@@ -907,6 +895,114 @@ class OpenAIWriter:
         return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "verbatim"}]}
 
 
+# --- OpenAI Responses (stateless): POST /v1/responses (and /responses)
+
+def parse_responses(body: dict, handles: dict = {}) -> ChatRequest:
+    """A reasoning item whose encrypted_content is one of our `handles` restores its turn's exact reasoning."""
+    if body.get("previous_response_id") is not None:
+        raise bad("previous_response_id", "this server is stateless: send the whole conversation as input")
+    items = body.get("input")
+    items = [{"role": "user", "content": items}] if isinstance(items, str) else get(body, "input", list, required=True)
+    system, msgs, thought = get(body, "instructions", str), [], ""   # thought: a reasoning item's, for its turn
+    for i, it in enumerate(items):
+        p, kind = f"input.{i}.", it.get("type", "message") if isinstance(it, dict) else None
+        if kind == "message":
+            role = get(it, "role", str, p, required=True)
+            text = text_of(it.get("content"), p + "content", ("input_text", "output_text", "text"),
+                           "input_image" if role == "user" else "")
+            if role in ("system", "developer") and system is None and not msgs:
+                system = text
+            elif role in ("system", "developer", "user", "assistant"):
+                msgs.append(Msg("system" if role == "developer" else role, text, thought * (role == "assistant")))
+                thought = "" if role == "assistant" else thought
+            else:
+                raise bad(p + "role", f"unsupported role {role!r}")
+        elif kind == "function_call":   # a namespace's tool is sent back as {namespace, name}: the model saw ns.name
+            name, ns = get(it, "name", str, p, required=True), get(it, "namespace", str, p)
+            call = Call(get(it, "call_id", str, p, required=True), f"{ns}.{name}" if ns else name,
+                        parse_arguments(it.get("arguments")))
+            if msgs and msgs[-1].role == "assistant" and not thought:   # a turn: [reasoning?, message?, call, ...]
+                msgs[-1] = replace(msgs[-1], calls=msgs[-1].calls + (call,))
+            else:
+                msgs.append(Msg("assistant", reasoning=thought, calls=(call,)))
+                thought = ""
+        elif kind == "function_call_output":
+            msgs.append(Msg("tool", text_of(it.get("output"), p + "output", ("input_text", "output_text"),
+                                            "input_image"),
+                            call_id=get(it, "call_id", str, p, required=True)))
+        elif kind == "reasoning":   # ours carries a handle; another server's opaque content stays opaque
+            thought = handles.get(it.get("encrypted_content"), "")
+        else:
+            raise bad(p + "type", f"unsupported input item {kind!r}")
+    tools, server = parse_tools(get(body, "tools", list) or [])
+    constraint = constrain(tools, openai_forced(body.get("tool_choice")),
+                           (get(body, "text", dict) or {}).get("format") or {}, ("tool_choice", "text.format"),
+                           body.get("parallel_tool_calls") is False)
+    return ChatRequest(get(body, "model", str, required=True), system, tools, msgs, "call_", OPENAI_TOO_LONG,
+                       max_tokens=get(body, "max_output_tokens", int), seed=get(body, "seed", int),
+                       stream=bool(get(body, "stream", bool)), constraint=constraint, server_tools=server,
+                       namespaces=tuple(t["name"] for t in body["tools"] if t.get("type") == "namespace") if tools
+                       else ())
+
+
+def responses_body(req: ChatRequest, r: Reply) -> dict:
+    output = [{"type": "reasoning", "id": f"rs_{r.id}", "summary": [], "encrypted_content": r.handle}] \
+        if r.reasoning else []   # the handle, never the text: a client sends it back, we map it
+    if r.content or not r.calls:
+        output.append({"type": "message", "id": f"msg_{r.id}", "status": "completed", "role": "assistant",
+                       "content": [{"type": "output_text", "text": r.content, "annotations": [], "logprobs": []}]})
+    for c in r.calls:
+        ns, _, name = c.name.rpartition(".") if c.name.partition(".")[0] in req.namespaces else ("", "", c.name)
+        output.append({"type": "function_call", "id": f"fc_{c.id}", "call_id": c.id, "name": name,
+                       "arguments": arguments_json(c), "status": "completed", **({"namespace": ns} if ns else {})})
+    status = "incomplete" if r.finish == "length" and not r.calls else "completed"
+    usage = {"input_tokens": r.prompt_tokens, "output_tokens": len(r.ids), "total_tokens": r.prompt_tokens + len(r.ids),
+             "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
+    return {"id": f"resp_{r.id}", "object": "response", "created_at": r.created, "status": status, "model": req.model,
+            "output": output, "usage": usage, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": req.system, "tools": [], "tool_choice": "auto", "parallel_tool_calls": True, "metadata": {}}
+
+
+class ResponsesWriter(OpenAIWriter):
+    """OpenAI's errors and pings; a stream is named events with sequence numbers: created, in_progress, per item
+    added/delta/done, then completed or incomplete (or an error event)."""
+    body = staticmethod(responses_body)
+
+    def __init__(self, req: ChatRequest, plan: Plan):
+        self.req, self.seq = req, -1
+        empty = Reply(plan.reply_id, plan.pending.prompt_tokens, [], "stop", None, False, "", "", (), None, [])
+        shell = {**responses_body(req, empty), "status": "in_progress", "output": [], "usage": None}
+        self.head = [self.event("response.created", response=shell), self.event("response.in_progress", response=shell)]
+
+    def event(self, kind: str, **data) -> str:
+        self.seq += 1
+        return event(kind, sequence_number=self.seq, **data)
+
+    def tail(self, r: Reply) -> list[str]:
+        full, out = responses_body(self.req, r), []
+        for i, item in enumerate(full["output"]):
+            at = {"item_id": item["id"], "output_index": i}
+            empty = {"message": {"content": []}, "function_call": {"arguments": ""}}.get(item["type"], {})
+            out.append(self.event("response.output_item.added", output_index=i,
+                                  item={**item, "status": "in_progress", **empty}))
+            if item["type"] == "message":
+                part, at = item["content"][0], {**at, "content_index": 0}
+                out += [self.event("response.content_part.added", **at, part={**part, "text": ""}),
+                        self.event("response.output_text.delta", **at, delta=part["text"], logprobs=[]),
+                        self.event("response.output_text.done", **at, text=part["text"], logprobs=[]),
+                        self.event("response.content_part.done", **at, part=part)]
+            elif item["type"] == "function_call":
+                out += [self.event("response.function_call_arguments.delta", **at, delta=item["arguments"]),
+                        self.event("response.function_call_arguments.done", **at, name=item["name"],
+                                   arguments=item["arguments"])]
+            out.append(self.event("response.output_item.done", output_index=i, item=item))
+        return out + [self.event(f"response.{full['status']}", response=full)]
+
+    def error_event(self, e: ApiError) -> str:
+        return self.event("error", **self.error(e, ""))
+
+
 # --- Anthropic Messages: POST /v1/messages, /v1/messages/count_tokens
 
 ANTHROPIC_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large", 500: "api_error",
@@ -953,7 +1049,8 @@ def parse_anthropic(body: dict, counting: bool = False, prior: tuple = (0, None,
         elif texts or not results:   # tool results first, then the user's own text (the template's order)
             msgs.append(Msg("user", join_parts(texts)))
     max_tokens = None if counting else get(body, "max_tokens", int, required=True)
-    (tools, server), choice = parse_tools(body, "custom", "input_schema"), get(body, "tool_choice", dict) or {}
+    tools, server = parse_tools(get(body, "tools", list) or [], "custom", "input_schema")
+    choice = get(body, "tool_choice", dict) or {}
     forced = {"any": "", "tool": choice.get("name") if isinstance(choice.get("name"), str) else ""}
     forced = forced.get(get(choice, "type", str, "tool_choice."))   # a non-string type is a 400, not a dict key
     constraint = constrain(tools, forced, (get(body, "output_config", dict) or {}).get("format") or {},
@@ -965,21 +1062,19 @@ def parse_anthropic(body: dict, counting: bool = False, prior: tuple = (0, None,
                        seed=get(body, "seed", int), stream=bool(get(body, "stream", bool)))
 
 
-def anthropic_stop(r: Reply) -> str:
-    if r.calls:
-        return "tool_use"
-    if r.finish == "length":
-        return "model_context_window_exceeded" if r.clamped else "max_tokens"
-    return "stop_sequence" if r.stop_sequence else "end_turn"
-
-
 def anthropic_body(req: ChatRequest, r: Reply) -> dict:
+    if r.calls:
+        stop = "tool_use"
+    elif r.finish == "length":
+        stop = "model_context_window_exceeded" if r.clamped else "max_tokens"
+    else:
+        stop = "stop_sequence" if r.stop_sequence else "end_turn"
     blocks = [{"type": "thinking", "thinking": r.reasoning, "signature": r.handle}] if r.reasoning else []
     if r.content or not r.calls:
         blocks.append({"type": "text", "text": r.content})
     blocks += [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments} for c in r.calls]
     return {"id": f"msg_{r.id}", "type": "message", "role": "assistant", "model": req.model, "content": blocks,
-            "stop_reason": anthropic_stop(r), "stop_sequence": r.stop_sequence,
+            "stop_reason": stop, "stop_sequence": r.stop_sequence,
             "usage": {"input_tokens": r.prompt_tokens, "output_tokens": len(r.ids)}}
 
 
@@ -990,14 +1085,12 @@ class AnthropicWriter:
 
     def __init__(self, req: ChatRequest, plan: Plan):
         self.req = req
-        self.head = [event("message_start", message={
-            "id": f"msg_{plan.reply_id}", "type": "message", "role": "assistant", "model": req.model, "content": [],
-            "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": plan.pending.prompt_tokens, "output_tokens": 0}})]
+        empty = Reply(plan.reply_id, plan.pending.prompt_tokens, [], "stop", None, False, "", "", (), None, [])
+        self.head = [event("message_start", message={**anthropic_body(req, empty), "content": [], "stop_reason": None})]
 
     def tail(self, r: Reply) -> list[str]:
-        out = []
-        for i, block in enumerate(anthropic_body(self.req, r)["content"]):
+        body, out = anthropic_body(self.req, r), []
+        for i, block in enumerate(body["content"]):
             if block["type"] == "tool_use":
                 start = {**block, "input": {}}
                 deltas = [{"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}]
@@ -1009,7 +1102,7 @@ class AnthropicWriter:
                     *[event("content_block_delta", index=i, delta=d) for d in deltas],
                     event("content_block_stop", index=i)]
         return out + [event("message_delta", usage={"output_tokens": len(r.ids)},
-                            delta={"stop_reason": anthropic_stop(r), "stop_sequence": r.stop_sequence}),
+                            delta={k: body[k] for k in ("stop_reason", "stop_sequence")}),
                       event("message_stop")]
 
     def error_event(self, e: ApiError) -> str:
@@ -1027,121 +1120,10 @@ class AnthropicWriter:
                 "has_more": False, "first_id": name, "last_id": name}
 
 
-# --- OpenAI Responses (stateless): POST /v1/responses (and /responses)
+# --- HTTP: the two protocol dispatch points (ChatServer.parse, WRITERS), attribution, routes, streaming
 
-def parse_responses(body: dict, handles: dict = {}) -> ChatRequest:
-    """A reasoning item whose encrypted_content is one of our `handles` restores its turn's exact reasoning."""
-    if body.get("previous_response_id") is not None:
-        raise bad("previous_response_id", "this server is stateless: send the whole conversation as input")
-    items = body.get("input")
-    items = [{"role": "user", "content": items}] if isinstance(items, str) else get(body, "input", list, required=True)
-    system, msgs, thought = get(body, "instructions", str), [], ""   # thought: a reasoning item's, for its turn
-    for i, it in enumerate(items):
-        p, kind = f"input.{i}.", it.get("type", "message") if isinstance(it, dict) else None
-        if kind == "message":
-            role = get(it, "role", str, p, required=True)
-            text = text_of(it.get("content"), p + "content", ("input_text", "output_text", "text"),
-                           "input_image" if role == "user" else "")
-            if role in ("system", "developer") and system is None and not msgs:
-                system = text
-            elif role in ("system", "developer", "user", "assistant"):
-                msgs.append(Msg("system" if role == "developer" else role, text, thought * (role == "assistant")))
-                thought = "" if role == "assistant" else thought
-            else:
-                raise bad(p + "role", f"unsupported role {role!r}")
-        elif kind == "function_call":   # a namespace's tool is sent back as {namespace, name}: the model saw ns.name
-            name, ns = get(it, "name", str, p, required=True), get(it, "namespace", str, p)
-            call = Call(get(it, "call_id", str, p, required=True), f"{ns}.{name}" if ns else name,
-                        parse_arguments(it.get("arguments")))
-            if msgs and msgs[-1].role == "assistant" and not thought:   # a turn: [reasoning?, message?, call, ...]
-                msgs[-1] = replace(msgs[-1], calls=msgs[-1].calls + (call,))
-            else:
-                msgs.append(Msg("assistant", reasoning=thought, calls=(call,)))
-                thought = ""
-        elif kind == "function_call_output":
-            msgs.append(Msg("tool", text_of(it.get("output"), p + "output", ("input_text", "output_text"),
-                                            "input_image"),
-                            call_id=get(it, "call_id", str, p, required=True)))
-        elif kind == "reasoning":   # ours carries a handle; another server's opaque content stays opaque
-            thought = handles.get(it.get("encrypted_content"), "")
-        else:
-            raise bad(p + "type", f"unsupported input item {kind!r}")
-    tools, server = parse_tools(body)
-    constraint = constrain(tools, openai_forced(body.get("tool_choice")),
-                           (get(body, "text", dict) or {}).get("format") or {}, ("tool_choice", "text.format"),
-                           body.get("parallel_tool_calls") is False)
-    return ChatRequest(get(body, "model", str, required=True), system, tools, msgs, "call_", OPENAI_TOO_LONG,
-                       max_tokens=get(body, "max_output_tokens", int), seed=get(body, "seed", int),
-                       stream=bool(get(body, "stream", bool)), constraint=constraint, server_tools=server,
-                       namespaces=tuple(t["name"] for t in body["tools"] if t.get("type") == "namespace") if tools
-                       else ())
-
-
-def responses_body(req: ChatRequest, r: Reply | None, reply_id: str = "") -> dict:
-    """The Response object (id: the reply's, else reply_id); r None gives the in-progress shell a stream opens with."""
-    output = [{"type": "reasoning", "id": f"rs_{r.id}", "summary": [], "encrypted_content": r.handle}] \
-        if r is not None and r.reasoning else []   # the handle, never the text: a client sends it back, we map it
-    if r is not None and (r.content or not r.calls):
-        output.append({"type": "message", "id": f"msg_{r.id}", "status": "completed", "role": "assistant",
-                       "content": [{"type": "output_text", "text": r.content, "annotations": [], "logprobs": []}]})
-    for c in r.calls if r else ():
-        ns, _, name = c.name.rpartition(".") if c.name.partition(".")[0] in req.namespaces else ("", "", c.name)
-        output.append({"type": "function_call", "id": f"fc_{c.id}", "call_id": c.id, "name": name,
-                       "arguments": arguments_json(c), "status": "completed", **({"namespace": ns} if ns else {})})
-    status = "in_progress" if r is None else "incomplete" if r.finish == "length" and not r.calls else "completed"
-    usage = None if r is None else {
-        "input_tokens": r.prompt_tokens, "output_tokens": len(r.ids), "total_tokens": r.prompt_tokens + len(r.ids),
-        "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
-    return {"id": f"resp_{r.id if r else reply_id}", "object": "response",
-            "created_at": r.created if r else int(time.time()),
-            "status": status, "model": req.model, "output": output, "usage": usage, "error": None,
-            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": req.system, "tools": [], "tool_choice": "auto", "parallel_tool_calls": True, "metadata": {}}
-
-
-class ResponsesWriter(OpenAIWriter):
-    """OpenAI's errors and pings; a stream is named events with sequence numbers: created, in_progress, per item
-    added/delta/done, then completed or incomplete (or an error event)."""
-    body = staticmethod(responses_body)
-
-    def __init__(self, req: ChatRequest, plan: Plan):
-        self.req, self.seq = req, -1
-        shell = responses_body(req, None, plan.reply_id)
-        self.head = [self.event("response.created", response=shell), self.event("response.in_progress", response=shell)]
-
-    def event(self, kind: str, **data) -> str:
-        self.seq += 1
-        return event(kind, sequence_number=self.seq, **data)
-
-    def tail(self, r: Reply) -> list[str]:
-        full, out = responses_body(self.req, r), []
-        for i, item in enumerate(full["output"]):
-            at = {"item_id": item["id"], "output_index": i}
-            empty = {"message": {"content": []}, "function_call": {"arguments": ""}}.get(item["type"], {})
-            out.append(self.event("response.output_item.added", output_index=i,
-                                  item={**item, "status": "in_progress", **empty}))
-            if item["type"] == "message":
-                part, at = item["content"][0], {**at, "content_index": 0}
-                out += [self.event("response.content_part.added", **at, part={**part, "text": ""}),
-                        self.event("response.output_text.delta", **at, delta=part["text"], logprobs=[]),
-                        self.event("response.output_text.done", **at, text=part["text"], logprobs=[]),
-                        self.event("response.content_part.done", **at, part=part)]
-            elif item["type"] == "function_call":
-                out += [self.event("response.function_call_arguments.delta", **at, delta=item["arguments"]),
-                        self.event("response.function_call_arguments.done", **at, name=item["name"],
-                                   arguments=item["arguments"])]
-            out.append(self.event("response.output_item.done", output_index=i, item=item))
-        return out + [self.event(f"response.{full['status']}", response=full)]
-
-    def error_event(self, e: ApiError) -> str:
-        return self.event("error", **self.error(e, ""))
-
-
-# --- HTTP: the two protocol dispatch points (ChatServer.parse, writer), attribution, routes, streaming
-
-def writer(protocol: str) -> type:
-    """The one dispatch for everything written back: reply bodies, streams, errors and the model list."""
-    return {"openai": OpenAIWriter, "anthropic": AnthropicWriter, "responses": ResponsesWriter}[protocol]
+# the one dispatch for everything written back: reply bodies, streams, errors and the model list
+WRITERS = {"openai": OpenAIWriter, "anthropic": AnthropicWriter, "responses": ResponsesWriter}
 
 
 @dataclass
@@ -1222,10 +1204,9 @@ class ChatServer(SegmentStore):
     # --- requests in: the parse dispatch, then protocol-free policy checks
 
     def parse(self, protocol: str, body: dict, ep: EpisodeState | None = None, counting: bool = False) -> ChatRequest:
-        """The one dispatch for requests: the canonical form plus every policy check, before any state changes.
-
-        Harnesses resend the whole history: when it starts with a recent request's raw messages (a C-level
-        list comparison), only the new messages are parsed and hashed, so a turn costs O(new messages)."""
+        """The one dispatch for requests: the canonical form plus every policy check, before any state changes. When
+        the messages start with a recent request's raw messages (a C-level list comparison), only the new ones are
+        parsed and hashed: harnesses resend the whole history, and a turn costs O(new messages)."""
         raw, prior, memo = body.get("messages"), (0, None, ()), None
         for kind, seen, old in ep.parsed if ep is not None and isinstance(raw, list) else ():
             if kind == protocol and len(seen) <= len(raw) and raw[:len(seen)] == seen:
@@ -1234,11 +1215,11 @@ class ChatServer(SegmentStore):
         unknown = "The model '{}' does not exist"
         handles = ep.handles if ep is not None else {}
         if protocol == "openai":
-            req, changes = parse_openai(body, prior), openai_changes(body)
+            req = parse_openai(body, prior)
         elif protocol == "anthropic":
-            req, changes, unknown = parse_anthropic(body, counting, prior, handles), [], "model: {}"
+            req, unknown = parse_anthropic(body, counting, prior, handles), "model: {}"
         elif protocol == "responses":   # items merge into turns across items: always parsed whole, never remembered
-            req, changes, raw = parse_responses(body, handles), [], None
+            req, raw = parse_responses(body, handles), None
         else:
             raise ValueError(f"unknown protocol {protocol!r}")
         if self.args.strict_model and req.model != self.model_name:
@@ -1246,10 +1227,10 @@ class ChatServer(SegmentStore):
                            kind="invalid_request_error")
         ignored = sum(body.get(k) is not None for k in ("temperature", "top_p", "top_k"))
         self.counts["chat/ignored_sampling_params"] += ignored   # the generator's --rollout.* settings rule
-        if changes and self.args.reject_sampling_changes:
-            raise bad(changes[0], "changes the sampling distribution the trainer learns from; the server samples with "
-                                  "the trainer's settings (--chat.reject_sampling_changes false ignores it)")
-        self.counts["chat/ignored_params"] += len(changes)
+        if req.changes and self.args.reject_sampling_changes:
+            raise bad(req.changes[0], "changes the sampling distribution the trainer learns from; the server samples "
+                                      "with the trainer's settings (--chat.reject_sampling_changes false ignores it)")
+        self.counts["chat/ignored_params"] += len(req.changes)
         if req.constraint[0] and self.args.refuse_constrained:
             raise bad(req.constraint[1], "constrained decoding is refused here (--chat.refuse_constrained); "
                                          "--chat.refuse_constrained false samples under the constraint")
@@ -1310,7 +1291,7 @@ class ChatServer(SegmentStore):
             raise ApiError(400, "could not parse JSON body: expected an object", code="invalid_json")
         return body, arrived
 
-    # --- routes and replies out: every Response is written by writer(protocol)
+    # --- routes and replies out: every Response is written by WRITERS[protocol]
 
     def endpoint(self, handler, protocol: str | None):
         async def run(request: Request) -> Response:
@@ -1330,7 +1311,7 @@ class ChatServer(SegmentStore):
 
     def error_response(self, protocol: str, e: ApiError) -> Response:
         self.counts[f"chat/errors_{e.status}"] += 1   # by our status: 503 is the engine being down, in any protocol
-        request_id, w = "req_" + secrets.token_hex(12), writer(protocol)
+        request_id, w = "req_" + secrets.token_hex(12), WRITERS[protocol]
         headers = {"x-should-retry": "true" if e.status == 503 else "false", "request-id": request_id}
         if e.status == 503:
             headers["retry-after"] = "2"
@@ -1350,11 +1331,11 @@ class ChatServer(SegmentStore):
         self.tasks.add(task)
         task.add_done_callback(lambda t: (self.tasks.discard(t), t.cancelled() or t.exception()))
         if req.stream:
-            return StreamingResponse(self.stream(ep, writer(protocol)(req, plan), task, plan, start),
+            return StreamingResponse(self.stream(ep, WRITERS[protocol](req, plan), task, plan, start),
                                      media_type="text/event-stream", headers={"cache-control": "no-cache"})
         watch = asyncio.ensure_future(self.watch(request, plan.pending))
         try:
-            response = JSONResponse(writer(protocol).body(req, await asyncio.shield(task)))
+            response = JSONResponse(WRITERS[protocol].body(req, await asyncio.shield(task)))
         finally:
             watch.cancel()
         self.overheads_ms.append((time.perf_counter() - start - plan.gen_s) * 1000)
@@ -1368,9 +1349,8 @@ class ChatServer(SegmentStore):
         pending.gone = True
 
     async def stream(self, ep: EpisodeState, w, task: asyncio.Task, plan: Plan, start: float):
-        """Headers and first frames at once, keep-alive frames while generating, then the whole turn.
-        Errors after the headers become the protocol's error event (validation ran before). A client that leaves
-        before the whole turn marks it, as `watch` does."""
+        """Headers and first frames at once, keep-alive frames while generating, then the whole turn; an error after
+        the headers is the protocol's error event. A client leaving before the whole turn marks it, as `watch` does."""
         sent = False
         try:
             for frame in w.head:
@@ -1402,7 +1382,7 @@ class ChatServer(SegmentStore):
         return JSONResponse({"input_tokens": len(ids)})
 
     async def models(self, request: Request, protocol: str) -> Response:
-        return JSONResponse(writer(protocol).models(self.model_name, self.created))
+        return JSONResponse(WRITERS[protocol].models(self.model_name, self.created))
 
     async def health(self, request: Request, protocol: str) -> Response:
         return JSONResponse({"status": "ok"})
