@@ -15,7 +15,6 @@ settings (the generator's --rollout.*), stateful Responses (previous_response_id
 in a VLM's segment as its placeholder run plus its bytes), other non-text content (400), admin HTTP routes."""
 import asyncio
 import base64
-import binascii
 import bisect
 import functools
 import gc
@@ -693,7 +692,7 @@ def image_of(part: dict, path: str) -> bytes:
             raise bad(where, "expected a base64 data URL (data:image/...;base64,...)")
     try:
         raw = base64.b64decode(data, validate=True)
-    except binascii.Error as e:
+    except ValueError as e:   # binascii.Error, or a str with non-ASCII characters
         raise bad(where, f"not valid base64 ({e})") from None
     try:
         decode_image(raw, where)
@@ -736,7 +735,7 @@ def parse_tools(tools: list, kind: str = "function", schema: str = "parameters",
     return out, server
 
 
-def constrain(tools: list, forced: str | None, fmt: dict, paths: tuple[str, str],
+def constrain(tools: list, forced: str | None, fmt: dict | None, paths: tuple[str, str],
               single: bool = False) -> tuple[dict | None, str]:
     """(vLLM structured-output fields, the field that asked) for a forced tool call (forced "": any tool, `single`: one
     call; a name: one call of it) in the Hermes form parse_reply reads, schema-checked arguments; or a JSON format."""
@@ -751,11 +750,17 @@ def constrain(tools: list, forced: str | None, fmt: dict, paths: tuple[str, str]
         tag = {"type": "structural_tag", "format": {"type": "tags_with_separator", "tags": tags, "separator": "\n",
                                                     "at_least_one": True, "stop_after_first": single or bool(forced)}}
         return {"structural_tag": json.dumps(tag)}, paths[0]
+    fmt = {} if fmt is None else fmt
+    if not isinstance(fmt, dict):
+        raise bad(paths[1], "expected an object")
     kind = fmt.get("type", "text")
     if kind == "json_object":
         return {"json_object": True}, paths[1]
     if kind == "json_schema":   # OpenAI nests the schema under json_schema; Responses and Anthropic do not
-        schema = (fmt.get("json_schema") or {}).get("schema") if "json_schema" in fmt else fmt.get("schema")
+        nested = fmt.get("json_schema") if "json_schema" in fmt else fmt
+        if not isinstance(nested, dict):
+            raise bad(paths[1] + ".json_schema", "expected an object")
+        schema = nested.get("schema")
         return {"json": schema if isinstance(schema, dict) else {"type": "object"}}, paths[1]
     if kind != "text":
         raise bad(paths[1] + ".type", f"unsupported format {kind!r}: use text, json_object or json_schema")
@@ -826,7 +831,7 @@ def parse_openai(body: dict, prior: tuple = (0, None, ())) -> ChatRequest:
             raise bad(p + "role", f"unsupported role {role!r}")
     stop, options = get(body, "stop", (str, list)), get(body, "stream_options", dict) or {}
     tools, server = parse_tools(get(body, "tools", list) or [], nested=True)
-    constraint = constrain(tools, openai_forced(body.get("tool_choice")), get(body, "response_format", dict) or {},
+    constraint = constrain(tools, openai_forced(body.get("tool_choice")), get(body, "response_format", dict),
                            ("tool_choice", "response_format"), body.get("parallel_tool_calls") is False)
     req = ChatRequest(get(body, "model", str, required=True), system, tools, msgs, "call_", OPENAI_TOO_LONG,
                       constraint=constraint, server_tools=server,
@@ -936,7 +941,7 @@ def parse_responses(body: dict, handles: dict = {}) -> ChatRequest:
             raise bad(p + "type", f"unsupported input item {kind!r}")
     tools, server = parse_tools(get(body, "tools", list) or [])
     constraint = constrain(tools, openai_forced(body.get("tool_choice")),
-                           (get(body, "text", dict) or {}).get("format") or {}, ("tool_choice", "text.format"),
+                           (get(body, "text", dict) or {}).get("format"), ("tool_choice", "text.format"),
                            body.get("parallel_tool_calls") is False)
     return ChatRequest(get(body, "model", str, required=True), system, tools, msgs, "call_", OPENAI_TOO_LONG,
                        max_tokens=get(body, "max_output_tokens", int), seed=get(body, "seed", int),
@@ -1053,7 +1058,7 @@ def parse_anthropic(body: dict, counting: bool = False, prior: tuple = (0, None,
     choice = get(body, "tool_choice", dict) or {}
     forced = {"any": "", "tool": choice.get("name") if isinstance(choice.get("name"), str) else ""}
     forced = forced.get(get(choice, "type", str, "tool_choice."))   # a non-string type is a 400, not a dict key
-    constraint = constrain(tools, forced, (get(body, "output_config", dict) or {}).get("format") or {},
+    constraint = constrain(tools, forced, (get(body, "output_config", dict) or {}).get("format"),
                            ("tool_choice", "output_config.format"), bool(choice.get("disable_parallel_tool_use")))
     return ChatRequest(get(body, "model", str, required=True), system, tools, msgs, "toolu_",
                        "prompt is too long: {n} tokens > {limit} maximum", max_tokens=max_tokens,

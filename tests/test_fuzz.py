@@ -356,6 +356,20 @@ def test_inputs_the_fuzz_found_get_a_400_or_their_answer(fuzzed, loop):
     r = post(server, "/v1/messages", {**hi, "tool_choice": {"type": []}}, ep.api_key,
              **{"anthropic-version": "2023-06-01"})
     assert r.status_code == 400 and "tool_choice.type" in r.text
+    # A format that was not an object reached .get(): AttributeError, a 500 (found reading the code, not by the fuzz).
+    anthropic = {"anthropic-version": "2023-06-01"}
+    for path, body, field, headers in (
+            ("/v1/responses", {"model": "m", "input": "hi", "text": {"format": "x"}}, "text.format", {}),
+            ("/v1/messages", {**hi, "output_config": {"format": []}}, "output_config.format", anthropic),
+            ("/v1/chat/completions", {**hi, "response_format": {"type": "json_schema", "json_schema": "x"}},
+             "response_format.json_schema", {})):
+        r = post(server, path, body, ep.api_key, **headers)
+        assert r.status_code == 400 and field in r.text and "expected an object" in r.text, r.text
+    # Base64 image data with a non-ASCII character: b64decode's ValueError was not its binascii.Error, a 500.
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "\u00e9"}}
+    r = post(server, "/v1/messages", {**hi, "messages": [{"role": "user", "content": [image]}]}, ep.api_key,
+             **anthropic)
+    assert r.status_code == 400 and "messages.0.content.0.source.data" in r.text and "base64" in r.text, r.text
     segments = call(loop, server.close_episode, ep.id)
     assert len(recorder.of(ep.id)) == 3 and not any(s.info["tainted"] for s in segments)
 
