@@ -94,6 +94,14 @@ class VllmArgs:
             raise ValueError("--vllm.enable_expert_parallel with --vllm.tensor_parallel_size 1: one GPU holds "
                              "every expert anyway; set --vllm.tensor_parallel_size > 1 or drop the flag")
 
+    def check_lora_rank(self, lora_rank: int) -> None:
+        """Refuse engines that serve LoRA with a trainer that trains no adapter they fit (launch.py calls this)."""
+        if self.max_lora_rank and not self.max_lora_rank >= lora_rank > 0:
+            raise ValueError(f"--vllm.max_lora_rank {self.max_lora_rank} with --train.lora_rank {lora_rank}: engines "
+                             "that serve LoRA are refit by adapter, so the trainer must train one of at most that "
+                             "rank; set --vllm.max_lora_rank >= --train.lora_rank, or 0 to refit the weights with it "
+                             "merged in")
+
 
 @dataclass
 class RolloutArgs:
@@ -658,6 +666,12 @@ class EngineDied(RuntimeError):
     every later episode."""
 
 
+def refit_metrics(start: float, worker_s: float, messages: int, nbytes: int) -> dict:
+    """A refit's generator/refit_* metrics (either kind), returned in its report for the caller to log."""
+    return {"generator/refit_s": time.perf_counter() - start, "generator/refit_worker_s": worker_s,
+            "generator/refit_messages": messages, "generator/refit_bytes": nbytes}
+
+
 def engine_error(i: int, e: Exception) -> Exception:
     """What a failed engine call raises: the caller's own ValueError, else an error naming the engine."""
     if isinstance(e, ray.exceptions.RayTaskError) and isinstance(e.cause, ValueError):
@@ -697,6 +711,11 @@ class Generator:
 
     def __getstate__(self):  # an NCCL communicator and a CUDA IPC buffer belong to the process that made them
         return {**self.__dict__, "_nccl": None, "_ipc": None}
+
+    @property
+    def serves_adapters(self) -> bool:
+        """Engines with --vllm.max_lora_rank load adapters (update_adapter, no pause), others full weights."""
+        return self.vllm.max_lora_rank > 0
 
     def with_rollout(self, rollout: RolloutArgs) -> "Generator":
         """A router over the same engines that samples with other --rollout.* values (evaluation, tests)."""
@@ -795,7 +814,7 @@ class Generator:
                              f"engines hold a partial update: send every parameter before resume()")
         await self._all("set_version", version)
         self.version = version
-        metrics = self.record(start, worker_s, len(applied), nbytes)
+        metrics = refit_metrics(start, worker_s, len(applied), nbytes)
         return {"applied": applied, "refit_s": metrics["generator/refit_s"], "worker_s": worker_s,
                 "transport": transport, "bytes": nbytes, "metrics": metrics}
 
@@ -822,19 +841,8 @@ class Generator:
         worker_s = (await self._all("load_adapter", ray.put((layout, flat.numpy().tobytes(), config)), version))[0]
         self.version = version
         nbytes = sum(tensor.nbytes for _, tensor in tensors)
-        metrics = self.record(start, worker_s, 1, nbytes)
+        metrics = refit_metrics(start, worker_s, 1, nbytes)
         return {"refit_s": metrics["generator/refit_s"], "worker_s": worker_s, "bytes": nbytes, "metrics": metrics}
-
-    def record(self, start: float, worker_s: float, messages: int, nbytes: int) -> dict:
-        """A refit's metrics (either kind), kept for metrics(). The trainer's rank 0 refits through its own copy of
-        this router: TrainerGroup.refit hands them to the caller's copy (record_metrics)."""
-        metrics = {"generator/refit_s": time.perf_counter() - start, "generator/refit_worker_s": worker_s,
-                   "generator/refit_messages": messages, "generator/refit_bytes": nbytes}
-        self.record_metrics(metrics)
-        return metrics
-
-    def record_metrics(self, metrics: dict) -> None:
-        self._timings.update(metrics)
 
     async def _load(self, bucket: list, first: bool, last: bool, colocated: bool) -> tuple[tuple[list, float], str]:
         """One bucket into every engine, over refit_transport's choice; (engine 0's report, transport)."""

@@ -166,11 +166,7 @@ def check_cross_flags(cfg: dict) -> None:
         raise ValueError("--train.routing_replay without --vllm.return_routed_experts: the engine records no "
                          "routing to replay; set --vllm.return_routed_experts")
     rollout.check_logprobs_usable(importance_correction=loss.importance_correction, kl_to_rollout=loss.kl_to_rollout)
-    served = cfg["vllm"].max_lora_rank
-    if served and not served >= train.lora_rank > 0:
-        raise ValueError(f"--vllm.max_lora_rank {served} with --train.lora_rank {train.lora_rank}: engines that serve "
-                         "LoRA are refit by adapter, so the trainer must train one of at most that rank; set "
-                         "--vllm.max_lora_rank >= --train.lora_rank, or 0 to refit the weights with it merged in")
+    cfg["vllm"].check_lora_rank(train.lora_rank)
     if not launch.model:
         raise ValueError("--launch.model is required: a Hugging Face model directory "
                          "(recipes/tiny_model.py builds one)")
@@ -402,17 +398,16 @@ def chat_counters(per_worker: list[dict]) -> dict:
     return out
 
 
-async def refit(generator: Generator, trainer: TrainerGroup) -> float:
-    """Pause every engine (requests kept), load the trainer's weights (rank 0 sends them), resume. Engines that serve
-    LoRA (--vllm.max_lora_rank) load the adapter unpaused: a request in flight keeps the adapter it started with."""
-    start = time.perf_counter()
-    adapter = generator.vllm.max_lora_rank > 0
-    if not adapter:
+async def refit(generator: Generator, trainer: TrainerGroup) -> dict:
+    """Pause every engine (requests kept), load the trainer's weights (rank 0 sends them), resume; returns the
+    generator/refit_* metrics. Engines that serve LoRA load the adapter unpaused: a request in flight keeps the
+    adapter it started with."""
+    if not generator.serves_adapters:
         await generator.pause()
-    await asyncio.to_thread(trainer.refit, generator)
-    if not adapter:
+    report = await asyncio.to_thread(trainer.refit, generator)
+    if not generator.serves_adapters:
         await generator.resume()
-    return time.perf_counter() - start
+    return report["metrics"]
 
 
 def gpu_shares(launch: LaunchArgs, train: TrainArgs, vllm: VllmArgs) -> tuple[dict | None, float | None]:
@@ -513,7 +508,9 @@ async def run_rl(cfg: dict) -> dict:
         # --- refit: without partial rollouts, in-flight groups finish on the old weights first
         if not launch.partial_rollout:
             await queue.drain()
-        refit_s = await refit(generator, trainer)
+        t2 = time.perf_counter()
+        metrics.update(await refit(generator, trainer))
+        refit_s = time.perf_counter() - t2
         probe = None
         if "loss/vllm_kl" not in metrics:  # mismatch is measured every step, K > 0 included
             probe = asyncio.create_task(probe_mismatch(generator, trainer, segments))
