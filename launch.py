@@ -106,13 +106,11 @@ def none_or(kind):
 
 
 def add_flag(group, prefix: str, f: dataclasses.Field) -> None:
-    kind, default, meta = f.type, f.default, f.metadata
-    name, extra = f"--{prefix}.{f.name}", {}
+    kind, meta, extra = f.type, f.metadata, {}
     args = typing.get_args(kind)
     optional = isinstance(kind, types.UnionType) and type(None) in args
     if optional:
         kind = next(a for a in args if a is not type(None))
-    help_text = f"{meta['help']} (default: {default})"
     if kind is bool:  # --x / --no-x
         extra["action"] = argparse.BooleanOptionalAction
     elif typing.get_origin(kind) is tuple:  # tuple[float, float]: exactly 2 values; tuple[str, ...]: 1 or more
@@ -122,9 +120,10 @@ def add_flag(group, prefix: str, f: dataclasses.Field) -> None:
         extra["type"] = none_or(kind) if optional else kind
     if "choices" in meta:
         extra["choices"] = meta["choices"]
-    if kind is not bool and "choices" not in meta:
+    elif kind is not bool:
         extra["metavar"] = f.name.upper()
-    group.add_argument(name, dest=f"{prefix}.{f.name}", default=default, help=help_text, **extra)
+    group.add_argument(f"--{prefix}.{f.name}", dest=f"{prefix}.{f.name}", default=f.default,
+                       help=f"{meta['help']} (default: {f.default})", **extra)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -192,7 +191,8 @@ def load_rows(path: str, split: str) -> list[dict]:
 
 
 class MetricsLog:
-    def __init__(self, launch: LaunchArgs, config: dict):
+    def __init__(self, cfg: dict):
+        launch = cfg["launch"]
         os.makedirs(launch.out_dir, exist_ok=True)
         self.path = os.path.join(launch.out_dir, "metrics.jsonl")
         self.file = open(self.path, "a")
@@ -203,7 +203,8 @@ class MetricsLog:
             self.tb = SummaryWriter(os.path.join(launch.out_dir, "tb"))
         if launch.wandb_project:
             import wandb  # optional dependency: asked for by --launch.wandb_project
-            self.wandb = wandb.init(project=launch.wandb_project, config=config)
+            self.wandb = wandb.init(project=launch.wandb_project, config={p: dataclasses.asdict(a)
+                                                                          for p, a in cfg.items()})
 
     def log(self, step: int, metrics: dict) -> None:
         row = {"step": step, "time": time.time() - self.start, **metrics}
@@ -475,7 +476,7 @@ async def run_rl(cfg: dict) -> dict:
     await asyncio.gather(*(w.start.remote() for w in workers))
     queue = GroupQueue(workers, rows, launch.samples_per_prompt, trainer.data_position or {"epoch": 0, "index": 0},
                        launch.seed, groups=(launch.steps - trainer.step) * launch.batch_prompts)
-    log = MetricsLog(launch, {p: dataclasses.asdict(a) for p, a in cfg.items()})
+    log = MetricsLog(cfg)
     # K=0: nothing is sampled while training; with partial rollouts --launch.in_flight may keep more groups going
     capacity = launch.in_flight or launch.batch_prompts * (launch.max_staleness + 1)
     metrics, before = {}, {}
@@ -525,8 +526,8 @@ async def run_rl(cfg: dict) -> dict:
             metrics.update(await evaluate(workers, held_out, cfg["eval"].prompts))
         metrics.update(before)  # the first step's row also holds the baseline
         before = {}
-        counters = {**(await generator.metrics()), **chat_counters(await asyncio.gather(*(w.metrics.remote()
-                                                                                         for w in workers)))}
+        counters = {**(await generator.metrics()),
+                    **chat_counters(await asyncio.gather(*(w.metrics.remote() for w in workers)))}
         step_s = time.perf_counter() - t0  # the whole cycle: the next step starts now
         metrics.update({"launch/step_s": step_s,
                         "launch/rollout_wait_s": wait_s,
@@ -555,7 +556,7 @@ def run_sft(cfg: dict) -> dict:
     segments = sft_batch(examples, template.tokenizer, template=template)
     trainer = TrainerGroup(launch.model, train, cfg["fsdp"], cfg["ckpt"], cfg["loss"], cfg["estimator"],
                            temperature=cfg["rollout"].temperature)
-    log = MetricsLog(launch, {p: dataclasses.asdict(a) for p, a in cfg.items()})
+    log = MetricsLog(cfg)
     order, metrics = random.Random(launch.seed).sample(range(len(segments)), len(segments)), {}
     for step in range(trainer.step, launch.steps):
         start = step * launch.batch_prompts
