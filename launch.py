@@ -261,21 +261,19 @@ class GroupQueue:
         self.errors: list[str] = []
         self.idle_since, self.engine_idle_s = time.perf_counter(), 0.0
 
-    def next_position(self) -> tuple[int, int]:
-        """A re-issued position first, else the data order's next (epoch, index 1-based): seeded per epoch."""
-        if self.reissue:
-            return self.reissue.pop(0)
-        p = self.position
-        if p["index"] >= len(self.rows):
-            p["epoch"], p["index"] = p["epoch"] + 1, 0
-        p["index"] += 1
-        self.to_launch -= 1
-        return p["epoch"], p["index"]
-
     def launch(self) -> None:
+        """Start a group: a re-issued position first, else the data order's next (epoch, index 1-based)."""
         if not self.tasks:  # engines were idle since the last group finished
             self.engine_idle_s += time.perf_counter() - self.idle_since
-        epoch, index = self.next_position()
+        if self.reissue:
+            epoch, index = self.reissue.pop(0)
+        else:
+            p = self.position
+            if p["index"] >= len(self.rows):
+                p["epoch"], p["index"] = p["epoch"] + 1, 0
+            p["index"] += 1
+            self.to_launch -= 1
+            epoch, index = p["epoch"], p["index"]
         if self.order[0] != epoch:  # the epoch's seeded order, shuffled once per epoch, not once per group
             order = list(range(len(self.rows)))
             random.Random(self.seed + epoch).shuffle(order)
