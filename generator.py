@@ -428,18 +428,16 @@ class WeightLoader:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
         model = self.model_runner.get_model()
-        if first:  # unquantized dense weights on CUDA are used as loaded, so they can be copied in place; MoE
-            # experts may be re-laid out for their kernel backend, and quantized or CPU weights are processed
-            self.refit_in_place = (self.device.type == "cuda" and self.vllm_config.quant_config is None
-                                   and not any(hasattr(m, "w13_weight") for m in model.modules()))
-        # otherwise vLLM's layerwise reload (what reload_weights runs), opened on the first bucket and closed on
-        # the last: each layer is processed again once its weights are complete, across buckets too
-        layerwise = not self.refit_in_place
+        if first:  # unquantized dense weights on CUDA are used as loaded: copied in place. Others (MoE experts re-laid
+            # out for their kernel, quantized or CPU weights) go through vLLM's layerwise reload, opened on the first
+            # bucket and closed on the last: each layer is processed again once its weights are complete
+            self.refit_layerwise = (self.device.type != "cuda" or self.vllm_config.quant_config is not None
+                                    or any(hasattr(m, "w13_weight") for m in model.modules()))
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            if layerwise and first:
+            if self.refit_layerwise and first:
                 initialize_layerwise_reload(model)
             model.load_weights(unpack(layout, flat))
-            if layerwise and last:
+            if self.refit_layerwise and last:
                 finalize_layerwise_reload(model, self.vllm_config.model_config)
                 if self.device.type == "cpu":
                     repack_cpu_weights(model, tied=self.vllm_config.model_config.hf_config.tie_word_embeddings)
