@@ -203,8 +203,8 @@ class MetricsLog:
             self.tb = SummaryWriter(os.path.join(launch.out_dir, "tb"))
         if launch.wandb_project:
             import wandb  # optional dependency: asked for by --launch.wandb_project
-            self.wandb = wandb.init(project=launch.wandb_project, config={p: dataclasses.asdict(a)
-                                                                          for p, a in cfg.items()})
+            config = {p: dataclasses.asdict(a) for p, a in cfg.items()}  # the logged config is the parsed one
+            self.wandb = wandb.init(project=launch.wandb_project, config=config)
 
     def log(self, step: int, metrics: dict) -> None:
         row = {"step": step, "time": time.time() - self.start, **metrics}
