@@ -1,25 +1,16 @@
 """Token-exact capture over vLLM: token ids in; sampled ids, log-probs, policy versions, finish reason out.
 
-`Segment` is the data contract (README, How it works: one training row of T tokens); `Completion` is one engine
-answer (T sampled tokens). `Generator` is a picklable router over `--vllm.num_engines` Ray actors, each
-driving one vLLM `AsyncLLM` in process (no HTTP); an episode's requests (`affinity`) share one engine.
+`Segment` is the data contract (one training row of T tokens); `Completion` is one engine answer (T sampled tokens).
+`Generator` is a picklable router over `--vllm.num_engines` Ray actors, each driving one in-process vLLM `AsyncLLM`;
+an episode's requests (`affinity`) share one engine. Log-probs are vLLM's processed ones (logits / temperature).
     c = await gen.generate(prompt_ids, affinity=episode_id)   # c.token_ids, c.logprobs, c.versions: (T,)
     await gen.pause(); await gen.update_weights(named_tensors, version=7); await gen.resume()
-A refit keeps in-flight requests (vLLM's pause in keep mode): their tokens before it carry the old version,
-after it the new one, and their KV cache is recomputed with the new weights. The boundary is the count of
-tokens vLLM had emitted when the pause completed, read once its output handler has processed all of them
-(`Engine.sampled_counts` says why that count is exact). vLLM >= 0.32 also labels tokens with weight-version
-spans: there every boundary is checked against them. vLLM 0.26 (the GPU build here) has no spans.
-Log-probs are vLLM's processed log-probs: the sampled token's under logits / temperature.
-A VLM's row holds each image's placeholder run as its processor expands it (`images`: spans and encoded bytes);
-the engine is sent one image id per image with the decoded images, and checks that vLLM expands them back into
-exactly the row's ids.
-Refit tensors carry checkpoint names and the engine's dtype (never cast), packed into `--vllm.refit_bucket_mb`
-buckets, one `collective_rpc` each: bytes from a CPU trainer; from a GPU, as `colocated` (--launch.colocate) says,
-a CUDA IPC buffer (opened once) to the engine on its GPU or an NCCL broadcast to engines on other GPUs.
-Unquantized dense weights on CUDA are copied in place; others go through vLLM's layerwise reload.
-LoRA (--vllm.max_lora_rank): `update_adapter` loads peft-format adapter tensors under a new vLLM id per version, with
-no pause; a request keeps the adapter it started with, so all its tokens carry its start version.
+A refit keeps in-flight requests (pause in keep mode, KV recomputed): tokens emitted before the pause carry the old
+version, later ones the new (`Engine.sampled_counts` says why that count is exact; vLLM >= 0.32's weight-version
+spans check it). Refit tensors keep checkpoint names and the engine's dtype, in `--vllm.refit_bucket_mb` buckets:
+bytes from a CPU trainer, CUDA IPC to a colocated engine, else an NCCL broadcast. LoRA (--vllm.max_lora_rank):
+`update_adapter` loads an adapter per version with no pause; a request keeps the adapter it started with.
+A VLM's row holds each image's expanded placeholder run; the engine checks that vLLM expands it into the same ids.
 Not here: text, chat templates (chat_server.py, agent.py): this file moves token ids only (vLLM loads the
 tokenizer only to compile constrained-decoding grammars).
 """
@@ -93,6 +84,14 @@ class VllmArgs:
         if self.enable_expert_parallel and self.tensor_parallel_size == 1:
             raise ValueError("--vllm.enable_expert_parallel with --vllm.tensor_parallel_size 1: one GPU holds "
                              "every expert anyway; set --vllm.tensor_parallel_size > 1 or drop the flag")
+
+    def check_lora_rank(self, lora_rank: int) -> None:
+        """Refuse engines that serve LoRA with a trainer that trains no adapter they fit (launch.py calls this)."""
+        if self.max_lora_rank and not self.max_lora_rank >= lora_rank > 0:
+            raise ValueError(f"--vllm.max_lora_rank {self.max_lora_rank} with --train.lora_rank {lora_rank}: engines "
+                             "that serve LoRA are refit by adapter, so the trainer must train one of at most that "
+                             "rank; set --vllm.max_lora_rank >= --train.lora_rank, or 0 to refit the weights with it "
+                             "merged in")
 
 
 @dataclass
@@ -429,18 +428,16 @@ class WeightLoader:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
         model = self.model_runner.get_model()
-        if first:  # unquantized dense weights on CUDA are used as loaded, so they can be copied in place; MoE
-            # experts may be re-laid out for their kernel backend, and quantized or CPU weights are processed
-            self.refit_in_place = (self.device.type == "cuda" and self.vllm_config.quant_config is None
-                                   and not any(hasattr(m, "w13_weight") for m in model.modules()))
-        # otherwise vLLM's layerwise reload (what reload_weights runs), opened on the first bucket and closed on
-        # the last: each layer is processed again once its weights are complete, across buckets too
-        layerwise = not self.refit_in_place
+        if first:  # unquantized dense weights on CUDA are used as loaded: copied in place. Others (MoE experts re-laid
+            # out for their kernel, quantized or CPU weights) go through vLLM's layerwise reload, opened on the first
+            # bucket and closed on the last: each layer is processed again once its weights are complete
+            self.refit_layerwise = (self.device.type != "cuda" or self.vllm_config.quant_config is not None
+                                    or any(hasattr(m, "w13_weight") for m in model.modules()))
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            if layerwise and first:
+            if self.refit_layerwise and first:
                 initialize_layerwise_reload(model)
             model.load_weights(unpack(layout, flat))
-            if layerwise and last:
+            if self.refit_layerwise and last:
                 finalize_layerwise_reload(model, self.vllm_config.model_config)
                 if self.device.type == "cpu":
                     repack_cpu_weights(model, tied=self.vllm_config.model_config.hf_config.tie_word_embeddings)
@@ -559,27 +556,21 @@ class Engine:
     async def sampled_counts(self) -> dict[str, int]:
         """Output tokens of each request in flight, all sampled before the pause that just completed.
 
-        Exact, by the order in which vLLM (0.26 and 0.32) moves outputs: in keep mode the engine core
-        answers the pause only once it is idle, after every step's outputs are queued for sending, and the
-        answer travels on the same socket behind them; the client queues step outputs in arrival order for
-        the output handler and resolves the pause after them; nothing is sampled until resume. The handler
-        takes the next item of that queue only after processing the previous one, so once it has taken an
-        empty item put in behind them, the output processor's per-request counts hold every token sampled
-        before the pause and none after it."""
+        Exact by vLLM's ordering (0.26 and 0.32): in keep mode the engine core answers the pause only when idle,
+        behind every step's outputs on the same socket; the client queues them, in order, for the output handler,
+        which takes an item only after processing the one before. Once it has taken an empty item put in behind
+        them, the per-request counts hold every token sampled before the pause and none after (nor is any until
+        resume)."""
         if not self.refits:
             return {}
         from vllm.v1.engine import EngineCoreOutputs
-        outputs = self.llm.engine_core.outputs_queue
+        outputs, deadline = self.llm.engine_core.outputs_queue, time.monotonic() + 60
         outputs.put_nowait(EngineCoreOutputs())
-
-        async def taken():
-            while outputs.qsize():
-                await asyncio.sleep(0.001)
-        try:
-            await asyncio.wait_for(taken(), timeout=60)
-        except TimeoutError:
-            raise RuntimeError("vLLM's output handler took nothing from its queue for 60 s after a pause "
-                               "(dead engine?)") from None
+        while outputs.qsize():
+            if time.monotonic() > deadline:
+                raise RuntimeError("vLLM's output handler took nothing from its queue for 60 s after a pause "
+                                   "(dead engine?)")
+            await asyncio.sleep(0.001)
         states = self.llm.output_processor.request_states.values()
         return {s.external_req_id: s.detokenizer.num_output_tokens() for s in states}
 
@@ -658,6 +649,15 @@ class EngineDied(RuntimeError):
     every later episode."""
 
 
+def refit_report(start: float, worker_s: float, messages: int, nbytes: int, **extra) -> dict:
+    """What a refit (either kind) returns: its seconds, engine 0's worker seconds, the bytes sent, and "metrics",
+    the generator/refit_* metrics that launch.py logs with the step."""
+    refit_s = time.perf_counter() - start
+    return {"refit_s": refit_s, "worker_s": worker_s, "bytes": nbytes, **extra,
+            "metrics": {"generator/refit_s": refit_s, "generator/refit_worker_s": worker_s,
+                        "generator/refit_messages": messages, "generator/refit_bytes": nbytes}}
+
+
 def engine_error(i: int, e: Exception) -> Exception:
     """What a failed engine call raises: the caller's own ValueError, else an error naming the engine."""
     if isinstance(e, ray.exceptions.RayTaskError) and isinstance(e.cause, ValueError):
@@ -697,6 +697,11 @@ class Generator:
 
     def __getstate__(self):  # an NCCL communicator and a CUDA IPC buffer belong to the process that made them
         return {**self.__dict__, "_nccl": None, "_ipc": None}
+
+    @property
+    def serves_adapters(self) -> bool:
+        """Engines with --vllm.max_lora_rank load adapters (update_adapter, no pause), others full weights."""
+        return self.vllm.max_lora_rank > 0
 
     def with_rollout(self, rollout: RolloutArgs) -> "Generator":
         """A router over the same engines that samples with other --rollout.* values (evaluation, tests)."""
@@ -758,18 +763,12 @@ class Generator:
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *,
                              colocated: bool = False, keep: Iterable[str] = ()) -> dict:
-        """Load every (checkpoint name, tensor) into every engine; tokens sampled next carry `version`.
+        """Load every (checkpoint name, tensor) pair into the paused engines; tokens sampled next carry `version`.
 
-        Takes pairs, streamed (a generator works: a trainer's export), only while paused; every
-        checkpoint parameter exactly once, in the engine's dtype, except those named in `keep` (frozen in the
-        trainer: the engine keeps them as loaded). Tensors travel in packed buckets of
-        --vllm.refit_bucket_mb: CPU tensors as bytes; CUDA tensors, as the caller's `colocated` says
-        (--launch.colocate, checked by refit_transport): over CUDA IPC to the engine on this GPU, else
-        broadcast over NCCL from this process (which joins the engines' group on first use).
-        Returns {"applied": per bucket, the (name, dtype) list engine 0 loaded; "refit_s": seconds; "worker_s": of
-        those, the seconds engine 0's worker spent loading; "transport": "bytes" | "ipc" | "nccl"; "bytes": the
-        tensors' bytes; "metrics": the generator/refit_* metrics}.
-        """
+        Pairs may stream (a trainer's export): every checkpoint parameter exactly once, in the engine's dtype, except
+        those named in `keep` (frozen in the trainer: the engine keeps them as loaded). Buckets travel as
+        refit_transport picks for `colocated` (--launch.colocate). Returns refit_report's dict, with "applied" (per
+        bucket, the (name, dtype) list engine 0 loaded) and "transport" ("bytes" | "ipc" | "nccl")."""
         if not all(await self._all("is_paused")):
             raise ValueError("update_weights while the engines are running: call pause() first")
         start, seen, applied, transport, worker_s, nbytes = time.perf_counter(), set(), [], None, 0.0, 0
@@ -795,18 +794,13 @@ class Generator:
                              f"engines hold a partial update: send every parameter before resume()")
         await self._all("set_version", version)
         self.version = version
-        metrics = self.record(start, worker_s, len(applied), nbytes)
-        return {"applied": applied, "refit_s": metrics["generator/refit_s"], "worker_s": worker_s,
-                "transport": transport, "bytes": nbytes, "metrics": metrics}
+        return refit_report(start, worker_s, len(applied), nbytes, applied=applied, transport=transport)
 
     async def update_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], config: dict,
                              version: int) -> dict:
-        """Load a LoRA adapter into every engine as `version`: peft's tensor names (base_model.model.<module>.lora_A /
-        lora_B.weight) in the engine's dtype, and peft's adapter_config. Needs no pause: requests started after it
-        use it; a request in flight finishes with the adapter it started with, so all of its tokens carry its start
-        version, and its engine keeps that adapter loaded until it ends. The adapter travels as bytes through Ray
-        (GPUs too: it is small). Returns {"refit_s", "worker_s": engine 0's seconds to write and load it, "bytes",
-        "metrics"} as update_weights does."""
+        """Load a LoRA adapter (peft's lora_A / lora_B tensor names, in the engine's dtype; peft's adapter_config) into
+        every engine as `version`, with no pause: a request in flight keeps the adapter it started with, so all its
+        tokens carry its start version. It travels as bytes through Ray (it is small). Returns refit_report's dict."""
         if not 0 < config["r"] <= self.vllm.max_lora_rank:
             raise ValueError(f"update_adapter: an adapter of rank {config['r']}, engines with --vllm.max_lora_rank "
                              f"{self.vllm.max_lora_rank}; set it to at least the adapter's rank")
@@ -821,20 +815,7 @@ class Generator:
         layout, flat = pack(tensors)
         worker_s = (await self._all("load_adapter", ray.put((layout, flat.numpy().tobytes(), config)), version))[0]
         self.version = version
-        nbytes = sum(tensor.nbytes for _, tensor in tensors)
-        metrics = self.record(start, worker_s, 1, nbytes)
-        return {"refit_s": metrics["generator/refit_s"], "worker_s": worker_s, "bytes": nbytes, "metrics": metrics}
-
-    def record(self, start: float, worker_s: float, messages: int, nbytes: int) -> dict:
-        """A refit's metrics (either kind), kept for metrics(). The trainer's rank 0 refits through its own copy of
-        this router: TrainerGroup.refit hands them to the caller's copy (record_metrics)."""
-        metrics = {"generator/refit_s": time.perf_counter() - start, "generator/refit_worker_s": worker_s,
-                   "generator/refit_messages": messages, "generator/refit_bytes": nbytes}
-        self.record_metrics(metrics)
-        return metrics
-
-    def record_metrics(self, metrics: dict) -> None:
-        self._timings.update(metrics)
+        return refit_report(start, worker_s, 1, sum(tensor.nbytes for _, tensor in tensors))
 
     async def _load(self, bucket: list, first: bool, last: bool, colocated: bool) -> tuple[tuple[list, float], str]:
         """One bucket into every engine, over refit_transport's choice; (engine 0's report, transport)."""
@@ -887,7 +868,7 @@ class Generator:
     # --- metrics and lifetime
 
     async def metrics(self) -> dict:
-        """Counters summed over engines (requests, tokens, seconds in requests), last pause / refit timings."""
+        """Counters summed over engines (requests, tokens, seconds in requests), the last pause's seconds."""
         total = {}
         for counts in await self._all("metrics"):
             for k, v in counts.items():

@@ -106,13 +106,11 @@ def none_or(kind):
 
 
 def add_flag(group, prefix: str, f: dataclasses.Field) -> None:
-    kind, default, meta = f.type, f.default, f.metadata
-    name, extra = f"--{prefix}.{f.name}", {}
+    kind, meta, extra = f.type, f.metadata, {}
     args = typing.get_args(kind)
     optional = isinstance(kind, types.UnionType) and type(None) in args
     if optional:
         kind = next(a for a in args if a is not type(None))
-    help_text = f"{meta['help']} (default: {default})"
     if kind is bool:  # --x / --no-x
         extra["action"] = argparse.BooleanOptionalAction
     elif typing.get_origin(kind) is tuple:  # tuple[float, float]: exactly 2 values; tuple[str, ...]: 1 or more
@@ -122,9 +120,10 @@ def add_flag(group, prefix: str, f: dataclasses.Field) -> None:
         extra["type"] = none_or(kind) if optional else kind
     if "choices" in meta:
         extra["choices"] = meta["choices"]
-    if kind is not bool and "choices" not in meta:
+    elif kind is not bool:
         extra["metavar"] = f.name.upper()
-    group.add_argument(name, dest=f"{prefix}.{f.name}", default=default, help=help_text, **extra)
+    group.add_argument(f"--{prefix}.{f.name}", dest=f"{prefix}.{f.name}", default=f.default,
+                       help=f"{meta['help']} (default: {f.default})", **extra)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -166,11 +165,7 @@ def check_cross_flags(cfg: dict) -> None:
         raise ValueError("--train.routing_replay without --vllm.return_routed_experts: the engine records no "
                          "routing to replay; set --vllm.return_routed_experts")
     rollout.check_logprobs_usable(importance_correction=loss.importance_correction, kl_to_rollout=loss.kl_to_rollout)
-    served = cfg["vllm"].max_lora_rank
-    if served and not served >= train.lora_rank > 0:
-        raise ValueError(f"--vllm.max_lora_rank {served} with --train.lora_rank {train.lora_rank}: engines that serve "
-                         "LoRA are refit by adapter, so the trainer must train one of at most that rank; set "
-                         "--vllm.max_lora_rank >= --train.lora_rank, or 0 to refit the weights with it merged in")
+    cfg["vllm"].check_lora_rank(train.lora_rank)
     if not launch.model:
         raise ValueError("--launch.model is required: a Hugging Face model directory "
                          "(recipes/tiny_model.py builds one)")
@@ -196,7 +191,8 @@ def load_rows(path: str, split: str) -> list[dict]:
 
 
 class MetricsLog:
-    def __init__(self, launch: LaunchArgs, config: dict):
+    def __init__(self, cfg: dict):
+        launch = cfg["launch"]
         os.makedirs(launch.out_dir, exist_ok=True)
         self.path = os.path.join(launch.out_dir, "metrics.jsonl")
         self.file = open(self.path, "a")
@@ -207,6 +203,7 @@ class MetricsLog:
             self.tb = SummaryWriter(os.path.join(launch.out_dir, "tb"))
         if launch.wandb_project:
             import wandb  # optional dependency: asked for by --launch.wandb_project
+            config = {p: dataclasses.asdict(a) for p, a in cfg.items()}  # the logged config is the parsed one
             self.wandb = wandb.init(project=launch.wandb_project, config=config)
 
     def log(self, step: int, metrics: dict) -> None:
@@ -264,21 +261,19 @@ class GroupQueue:
         self.errors: list[str] = []
         self.idle_since, self.engine_idle_s = time.perf_counter(), 0.0
 
-    def next_position(self) -> tuple[int, int]:
-        """A re-issued position first, else the data order's next (epoch, index 1-based): seeded per epoch."""
-        if self.reissue:
-            return self.reissue.pop(0)
-        p = self.position
-        if p["index"] >= len(self.rows):
-            p["epoch"], p["index"] = p["epoch"] + 1, 0
-        p["index"] += 1
-        self.to_launch -= 1
-        return p["epoch"], p["index"]
-
     def launch(self) -> None:
+        """Start a group: a re-issued position first, else the data order's next (epoch, index 1-based)."""
         if not self.tasks:  # engines were idle since the last group finished
             self.engine_idle_s += time.perf_counter() - self.idle_since
-        epoch, index = self.next_position()
+        if self.reissue:
+            epoch, index = self.reissue.pop(0)
+        else:
+            p = self.position
+            if p["index"] >= len(self.rows):
+                p["epoch"], p["index"] = p["epoch"] + 1, 0
+            p["index"] += 1
+            self.to_launch -= 1
+            epoch, index = p["epoch"], p["index"]
         if self.order[0] != epoch:  # the epoch's seeded order, shuffled once per epoch, not once per group
             order = list(range(len(self.rows)))
             random.Random(self.seed + epoch).shuffle(order)
@@ -402,17 +397,16 @@ def chat_counters(per_worker: list[dict]) -> dict:
     return out
 
 
-async def refit(generator: Generator, trainer: TrainerGroup) -> float:
-    """Pause every engine (requests kept), load the trainer's weights (rank 0 sends them), resume. Engines that serve
-    LoRA (--vllm.max_lora_rank) load the adapter unpaused: a request in flight keeps the adapter it started with."""
-    start = time.perf_counter()
-    adapter = generator.vllm.max_lora_rank > 0
-    if not adapter:
+async def refit(generator: Generator, trainer: TrainerGroup) -> dict:
+    """Pause every engine (requests kept), load the trainer's weights (rank 0 sends them), resume; returns the
+    generator/refit_* metrics. Engines that serve LoRA load the adapter unpaused: a request in flight keeps the
+    adapter it started with."""
+    if not generator.serves_adapters:
         await generator.pause()
-    await asyncio.to_thread(trainer.refit, generator)
-    if not adapter:
+    report = await asyncio.to_thread(trainer.refit, generator)
+    if not generator.serves_adapters:
         await generator.resume()
-    return time.perf_counter() - start
+    return report["metrics"]
 
 
 def gpu_shares(launch: LaunchArgs, train: TrainArgs, vllm: VllmArgs) -> tuple[dict | None, float | None]:
@@ -480,7 +474,7 @@ async def run_rl(cfg: dict) -> dict:
     await asyncio.gather(*(w.start.remote() for w in workers))
     queue = GroupQueue(workers, rows, launch.samples_per_prompt, trainer.data_position or {"epoch": 0, "index": 0},
                        launch.seed, groups=(launch.steps - trainer.step) * launch.batch_prompts)
-    log = MetricsLog(launch, {p: dataclasses.asdict(a) for p, a in cfg.items()})
+    log = MetricsLog(cfg)
     # K=0: nothing is sampled while training; with partial rollouts --launch.in_flight may keep more groups going
     capacity = launch.in_flight or launch.batch_prompts * (launch.max_staleness + 1)
     metrics, before = {}, {}
@@ -513,7 +507,9 @@ async def run_rl(cfg: dict) -> dict:
         # --- refit: without partial rollouts, in-flight groups finish on the old weights first
         if not launch.partial_rollout:
             await queue.drain()
-        refit_s = await refit(generator, trainer)
+        t2 = time.perf_counter()
+        metrics.update(await refit(generator, trainer))
+        refit_s = time.perf_counter() - t2
         probe = None
         if "loss/vllm_kl" not in metrics:  # mismatch is measured every step, K > 0 included
             probe = asyncio.create_task(probe_mismatch(generator, trainer, segments))
@@ -528,8 +524,8 @@ async def run_rl(cfg: dict) -> dict:
             metrics.update(await evaluate(workers, held_out, cfg["eval"].prompts))
         metrics.update(before)  # the first step's row also holds the baseline
         before = {}
-        counters = {**(await generator.metrics()), **chat_counters(await asyncio.gather(*(w.metrics.remote()
-                                                                                         for w in workers)))}
+        counters = {**(await generator.metrics()),
+                    **chat_counters(await asyncio.gather(*(w.metrics.remote() for w in workers)))}
         step_s = time.perf_counter() - t0  # the whole cycle: the next step starts now
         metrics.update({"launch/step_s": step_s,
                         "launch/rollout_wait_s": wait_s,
@@ -558,7 +554,7 @@ def run_sft(cfg: dict) -> dict:
     segments = sft_batch(examples, template.tokenizer, template=template)
     trainer = TrainerGroup(launch.model, train, cfg["fsdp"], cfg["ckpt"], cfg["loss"], cfg["estimator"],
                            temperature=cfg["rollout"].temperature)
-    log = MetricsLog(launch, {p: dataclasses.asdict(a) for p, a in cfg.items()})
+    log = MetricsLog(cfg)
     order, metrics = random.Random(launch.seed).sample(range(len(segments)), len(segments)), {}
     for step in range(trainer.step, launch.steps):
         start = step * launch.batch_prompts

@@ -856,7 +856,7 @@ class TrainerRank:
             self.router = generator
         dtype, params = getattr(torch, generator.dtype), list(self.model.named_parameters())
         trained = [(n, p) for n, p in params if p.requires_grad]
-        if generator.vllm.max_lora_rank:
+        if generator.serves_adapters:
             pairs = ((PEFT_PREFIX + name, full.to(dtype)) for name, full in self.full_params(trained))
             update = lambda: self.router.update_adapter(pairs, peft_config(self.train, self.model_path), self.version)
         else:
@@ -1092,11 +1092,10 @@ class TrainerGroup:
 
     def refit(self, generator) -> dict:
         """Load the current weights into every engine of a paused generator as version self.version;
-        returns rank 0's update_weights report (update_adapter's for engines that serve LoRA). The caller pauses and
-        resumes the engines around an update_weights (launch.refit)."""
+        returns rank 0's update_weights report (update_adapter's for engines that serve LoRA), its "metrics" the
+        generator/refit_* metrics. The caller pauses and resumes the engines around an update_weights (launch.refit)."""
         report = self.call("refit", generator, self.colocated)[0]
         generator.version = self.version
-        generator.record_metrics(report["metrics"])  # rank 0's router copy made them
         return report
 
     def export_hf(self, path: str) -> None:
