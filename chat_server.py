@@ -35,7 +35,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from generator import Completion, Segment, decode_image, sampled_record, segment_routing
+from generator import Completion, ConstraintError, Segment, decode_image, sampled_record, segment_routing
 
 log = logging.getLogger("chat_server")
 APPEND_ROLES = ("tool", "user", "system")
@@ -546,6 +546,8 @@ class SegmentStore:
                 c = await self.generator.generate(plan.prompt, max_new_tokens=plan.max_new, seed=req.seed,
                                                   request_id=plan.reply_id, affinity=ep.id,
                                                   constraint=req.constraint[0], images=plan.images)
+            except ConstraintError as e:
+                raise bad(req.constraint[1], str(e)) from None
             except ValueError:
                 raise   # the prompt we built broke the generator's contract: our bug
             except Exception as e:

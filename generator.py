@@ -508,8 +508,10 @@ class Engine:
         try:  # add_request returns once vLLM's output processor tracks the request (pause waits for that)
             q = await self.llm.add_request(request_id, prompt, build_sampling_params(rollout, banned=self.banned, **kw),
                                            lora_request=adapter)
-        except BaseException:
+        except BaseException as e:
             await self.release(adapter)
+            if kw.get("constraint") and type(e).__name__ in ("VLLMValidationError", "ValueError"):
+                raise ConstraintError(f"vLLM refused the constraint: {e}") from None   # a grammar it cannot build
             raise
         finally:
             self.adding -= 1
@@ -643,6 +645,10 @@ class Engine:
 
 
 # --- the router
+
+class ConstraintError(ValueError):
+    """vLLM refused a request's structured-output constraint (a schema it cannot compile): the asker's error."""
+
 
 class EngineDied(RuntimeError):
     """An engine actor or its vLLM engine is gone; agent.py re-raises it, so the loop stops instead of dropping

@@ -59,12 +59,17 @@ JUNK = st.recursive(st.none() | st.booleans() | NUMBER | TEXT,
 HEADER = st.text(st.characters(codec="latin-1", exclude_characters=" \t\x7f", min_codepoint=0x21), max_size=6)
 
 
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
 OPTIONAL = {   # fields a request may carry, per protocol; strategies are built once (building them is slow)
     "openai": dict(tools=st.just(TOOLS), stop=st.lists(TEXT, max_size=2), logprobs=st.booleans(), n=NUMBER,
-                   temperature=NUMBER, stream_options=st.fixed_dictionaries({"include_usage": st.booleans()})),
+                   temperature=NUMBER, stream_options=st.fixed_dictionaries({"include_usage": st.booleans()}),
+                   response_format=st.sampled_from([{"type": "json_object"}, {"type": "json_schema", "json_schema": {
+                       "name": "x", "schema": SCHEMA}}])),
     "anthropic": dict(system=TEXT, tools=st.just(ANTHROPIC_TOOLS), stop_sequences=st.lists(TEXT, max_size=2),
-                      tool_choice=st.sampled_from([{"type": "auto"}, {"type": "any"}])),
-    "responses": dict(instructions=TEXT, tools=st.just([{"type": "function", "name": "calc", "parameters": {}}]))}
+                      tool_choice=st.sampled_from([{"type": "auto"}, {"type": "any"}]),
+                      output_config=st.just({"format": {"type": "json_schema", "schema": SCHEMA}})),
+    "responses": dict(instructions=TEXT, tools=st.just([{"type": "function", "name": "calc", "parameters": {}}]),
+                      text=st.just({"format": {"type": "json_schema", "name": "x", "schema": SCHEMA}}))}
 OPTIONAL = {k: st.fixed_dictionaries({}, optional={"stream": st.booleans(), "seed": st.integers(-3, 2**65), **v})
             for k, v in OPTIONAL.items()}
 ARGUMENTS, SMALL, TURNS = st.sampled_from(['{"a": 1}', "{}", "no json"]), st.integers(1, 3), st.integers(0, 2)
@@ -204,6 +209,10 @@ def check(r: dict, path: str, headers: dict, response: httpx.Response) -> None:
         return
     if response.headers["content-type"].startswith("text/event-stream"):
         frames = [f for f in response.text.split("\n\n") if f and not f.startswith(":")]
+        if frames[-1].startswith(("event: error\n", 'data: {"error"')):   # the protocol's error after the headers:
+            error = json.loads(frames[-1].partition("data: ")[2])["error"]   # only vLLM refusing the request (a
+            assert error["type"] == "invalid_request_error", where          # schema it cannot compile), a 400
+            return
         if protocol == "openai":
             assert frames[-1] == "data: [DONE]" and all(f.startswith("data: ") for f in frames), where
         else:   # Anthropic and Responses events are named, the last one ends the turn
@@ -365,6 +374,15 @@ def test_inputs_the_fuzz_found_get_a_400_or_their_answer(fuzzed, loop):
              "response_format.json_schema", {})):
         r = post(server, path, body, ep.api_key, **headers)
         assert r.status_code == 400 and field in r.text and "expected an object" in r.text, r.text
+    # A schema vLLM cannot compile ({"type": null}, found by the fuzz) was a 503 "engine unavailable", which SDKs retry.
+    # A stream has sent its headers by then: the protocol's error event ends it.
+    unknown = {"type": "json_schema", "name": "x", "schema": {"type": "object", "properties": {"a": {"type": None}}}}
+    for stream in (False, True):
+        r = post(server, "/v1/responses", {"model": "m", "input": "hi", "text": {"format": unknown}, "stream": stream},
+                 ep.api_key)
+        error = json.loads(r.text.split("\n\n")[-2].partition("data: ")[2]) if stream else r.json()
+        assert r.status_code == (200 if stream else 400) and "vLLM refused the constraint" in r.text, r.text
+        assert error["error"]["param"] == "text.format" and error["error"]["type"] == "invalid_request_error"
     # Base64 image data with a non-ASCII character: b64decode's ValueError was not its binascii.Error, a 500.
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "\u00e9"}}
     r = post(server, "/v1/messages", {**hi, "messages": [{"role": "user", "content": [image]}]}, ep.api_key,
