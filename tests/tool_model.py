@@ -109,31 +109,30 @@ async def capture(tokenizer_dir: str, run_agent: Callable[[object], Awaitable], 
     return {"messages": req.template_messages() + [reply.to_template()], "tools": req.tools}
 
 
-def variants(example: dict, n: int, rng: random.Random) -> list[dict]:
-    """The example and n copies whose messages before the first assistant turn are random slices of themselves, the
-    tools kept in a third, and whose tool results have every digit re-drawn: the replies must follow from the recent
-    turns, not from positions (the prompts of a capture and of a real run differ early on: working directory, date,
-    ids; Codex's tool results start with a random chunk id and a wall time, which tokenize to varying lengths)."""
-    first = next(i for i, m in enumerate(example["messages"]) if m["role"] == "assistant")
-    out = [example]
-    for _ in range(n):
-        messages = [dict(m) for m in example["messages"]]
-        for m in messages[:first]:
-            a = rng.randrange(len(m["content"]) + 1)
-            m["content"] = m["content"][a:rng.randrange(a, len(m["content"]) + 1)]
-        for m in messages[first:]:
-            if m["role"] == "tool":
-                m["content"] = re.sub(r"\d", lambda _: str(rng.randrange(10)), m["content"])
-        out.append({"messages": messages, "tools": example.get("tools", []) if rng.random() < 1 / 3 else []})
-    return out
-
-
 def redrawn(example: dict, rng: random.Random) -> dict:
     """The example with every digit outside its assistant turns re-drawn, the prompt otherwise whole: a real run's
-    dates, paths, ids and wall times differ from the capture's, and nothing else does."""
+    dates, paths, ids and wall times differ from the capture's."""
     digits = lambda text: re.sub(r"\d", lambda _: str(rng.randrange(10)), text)   # noqa: E731
     return {"messages": [m if m["role"] == "assistant" else m | {"content": digits(m["content"])}
                          for m in example["messages"]], "tools": example.get("tools", [])}
+
+
+def variants(example: dict, n: int, rng: random.Random) -> list[dict]:
+    """The example and n redrawn copies, half of them also cut: their messages before the first assistant turn are
+    random slices of themselves, the tools kept in a third. The replies must follow from the recent turns, not from
+    positions or digits (the prompts of a capture and of a real run differ early on: working directory, date, ids;
+    Codex's tool results start with a random chunk id and a wall time, which tokenize to varying lengths)."""
+    first = next(i for i, m in enumerate(example["messages"]) if m["role"] == "assistant")
+    out = [example]
+    for k in range(n):
+        copy = redrawn(example, rng)
+        if k % 2:
+            for m in copy["messages"][:first]:
+                a = rng.randrange(len(m["content"]) + 1)
+                m["content"] = m["content"][a:rng.randrange(a, len(m["content"]) + 1)]
+            copy["tools"] = copy["tools"] if rng.random() < 1 / 3 else []
+        out.append(copy)
+    return out
 
 
 def replay_odds(model_dir: str, examples: list[dict], temperature: float) -> list[float]:
