@@ -19,6 +19,7 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -153,10 +154,11 @@ def build_tool_model(out_dir: str, examples: list[dict], *, temperature: float, 
                      min_odds: float = 0.99, steps: int = 80, rounds: int = 3, seed: int = 0, lr: float = 5e-3,
                      augment: int = 4, vocab_size: int = 4096, flags: tuple = ()) -> str:
     """A tiny BPE model SFT'd by launch.py (its own Ray, a subprocess; `flags` are more of its flags) on the examples
-    and `augment` variants of each; returns its HF directory. It trains in rounds of `steps` until every check (by
-    default each example and a redrawn copy it never saw) replays at `temperature` with odds >= min_odds
-    (replay_odds), else it raises. Not the augmented variants: one that lost the prompt's start and its tools can
-    leave which agent is asking, and so the right reply, undecidable.
+    and `augment` variants of each; returns its HF directory. It trains in rounds of `steps` (a new start, then one
+    more round resumed from it, then a new start...) until every check (by default each example and a redrawn copy
+    it never saw) replays at `temperature` with odds >= min_odds (replay_odds), else it raises. Not the augmented
+    variants: one that lost the prompt's start and its tools can leave which agent is asking, and so the right
+    reply, undecidable.
     A fixed step count was not enough: the SFT's floating-point sums differ between CPUs, and so does the model."""
     os.makedirs(out_dir, exist_ok=True)
     rng = random.Random(seed)
@@ -169,24 +171,27 @@ def build_tool_model(out_dir: str, examples: list[dict], *, temperature: float, 
                               [json.dumps(m.get("tool_calls", "")) + m["content"] for m in ex["messages"]]) + "\n")
     with open(data, "w") as f:
         f.writelines(json.dumps(ex) + "\n" for ex in data_rows)
-    model = build_tiny_model(os.path.join(out_dir, "init"), seed=seed, vocab_size=vocab_size, corpus_path=corpus,
-                             max_positions=1 << 16)
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    longest = max(len(tokenizer.apply_chat_template(ex["messages"], tools=ex.get("tools") or None, tokenize=True,
-                                                    return_dict=False)) for ex in examples)
-    out = os.path.join(out_dir, "sft")
-    argv = [sys.executable, os.path.join(ROOT, "launch.py"), "--launch.mode", "sft", "--launch.model", model,
-            "--launch.out_dir", out, "--ckpt.dir", os.path.join(out, "ckpt"), "--data.path", data,
-            "--launch.batch_prompts", str(len(data_rows)), "--launch.seed", str(seed), "--train.lr", str(lr),
-            "--train.max_tokens_per_microbatch", str(max(4096, longest)), *flags]
-    for round_ in range(rounds):   # a later round resumes the last one's checkpoint, AdamW state included
-        resume = ["--ckpt.resume"] if round_ else []
-        done = subprocess.run(argv + resume + ["--launch.steps", str(steps * (round_ + 1))], cwd=ROOT,
-                              capture_output=True, text=True)
+    out, odds = os.path.join(out_dir, "sft"), [0.0]
+    for round_ in range(rounds):   # odd rounds resume the last one's checkpoint (AdamW state included); even rounds
+        start = round_ - round_ % 2   # start over from another seed's weights: more steps never mended a bad start
+        fresh = round_ == start
+        if fresh:
+            shutil.rmtree(out, ignore_errors=True)
+            model = build_tiny_model(os.path.join(out_dir, f"init{start}"), seed=seed + start, vocab_size=vocab_size,
+                                     corpus_path=corpus, max_positions=1 << 16)
+            tokenizer = AutoTokenizer.from_pretrained(model)
+            longest = max(len(tokenizer.apply_chat_template(ex["messages"], tools=ex.get("tools") or None,
+                                                            tokenize=True, return_dict=False)) for ex in examples)
+        argv = [sys.executable, os.path.join(ROOT, "launch.py"), "--launch.mode", "sft", "--launch.model", model,
+                "--launch.out_dir", out, "--ckpt.dir", os.path.join(out, "ckpt"), "--data.path", data,
+                "--launch.batch_prompts", str(len(data_rows)), "--launch.seed", str(seed + start),
+                "--train.lr", str(lr), "--train.max_tokens_per_microbatch", str(max(4096, longest)),
+                "--launch.steps", str(steps * (1 + round_ % 2)), *([] if fresh else ["--ckpt.resume"]), *flags]
+        done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"SFT of the tool model failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
         odds = replay_odds(os.path.join(out, "hf"), checks, temperature)
-        print(f"tool model after {steps * (round_ + 1)} steps: replay odds at T={temperature}: min {min(odds):.4f}, "
+        print(f"tool model, round {round_}: replay odds at T={temperature}: min {min(odds):.4f}, "
               f"mean {sum(odds) / len(odds):.4f} over {len(odds)} examples")
         if min(odds) >= min_odds:
             return os.path.join(out, "hf")
