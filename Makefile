@@ -27,7 +27,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check --quiet .
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=20 $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	@failed=""; for f in tests/bench_*.py; do echo "== $$f"; $(PY) $$f || failed="$$failed $$f"; done; \

@@ -14,7 +14,7 @@ export CODEX_MINIMAL=${CODEX_MINIMAL-1}
 PY=.venv/bin/python
 $PY recipes/clis.py codex
 [ -d "$OUT/tool_model/sft/hf" ] || $PY tests/tool_model.py "$OUT/tool_model" --agent "$AGENT" --tool exec_command \
-  --argument cmd --create "echo created > done.txt && cat done.txt"
+  --argument cmd --create "echo created | tee done.txt"
 exec $PY launch.py --launch.model "$OUT/tool_model/sft/hf" --launch.out_dir "$OUT" --launch.steps "${STEPS:-4}" \
   --agent.path "$AGENT" --data.path "$AGENT" \
   --launch.batch_prompts 2 --launch.samples_per_prompt 4 --chat.max_tokens_cap 64 --chat.model_name verbatim-tiny \

@@ -23,7 +23,7 @@ from conftest import call
 from generator import Generator, RolloutArgs, VllmArgs
 from recipes.frameworks import install
 from test_chat_server import Recorder, assert_exact_replay
-from tool_model import RecordingServer, ScriptedGenerator, build_tool_model, capture, redrawn, variants
+from tool_model import RecordingServer, ScriptedGenerator, build_tool_model, capture, redrawn
 
 TASK = "If verbatim_task.txt is in the workspace, create done.txt there. Then say you are done."
 INSTRUCTIONS = "You manage files in a workspace with your tools."
@@ -168,20 +168,16 @@ def fresh_ids(example: dict, rng: random.Random) -> dict:
 
 @pytest.fixture(scope="module")
 def tool_model(frameworks, tiny_model, tmp_path_factory) -> str:
-    root, rows, checks, rng = tmp_path_factory.mktemp("frameworks"), [], [], random.Random(0)
+    """One model SFT'd on every framework's capture (smolagents: one example per turn), each varied by redrawn ids,
+    numbers and call ids. 8 variants each: 4 left smolagents' touch call right on 3 of 8 new id sets."""
+    root, examples = tmp_path_factory.mktemp("frameworks"), []
     for name, texts in SCRIPTS.items():
         tools = workspace(str(root / "capture" / name))
         agent, script = (lambda ep: run_framework(name, ep, tools)), lambda turn, prompt: texts[min(turn, 2)]
-        if name == "smolagents":   # 8 variants: 4 (15 id sets) left a new id set's touch call right 3 of 8 times
-            for ex in asyncio.run(capture_turns(tiny_model, agent, script)):
-                rows += [fresh_ids(v, rng) for v in variants(ex, 8, rng)]
-                checks += [ex, fresh_ids(ex, rng)]
-        else:
-            ex = asyncio.run(capture(tiny_model, agent, script))
-            rows += variants(ex, 4, rng)
-            checks += [ex, redrawn(ex, rng)]
-    return build_tool_model(str(root / "model"), rows, temperature=0.3, checks=checks, steps=90, lr=1e-2,
-                            augment=0)   # NLL ~0.004 per token
+        examples += asyncio.run(capture_turns(tiny_model, agent, script)) if name == "smolagents" else \
+            [asyncio.run(capture(tiny_model, agent, script))]
+    return build_tool_model(str(root / "model"), examples, temperature=0.3, steps=90, lr=1e-2,
+                            vary=lambda ex, rng: fresh_ids(redrawn(ex, rng), rng))   # NLL ~0.004 per token
 
 
 @pytest.fixture(scope="module")

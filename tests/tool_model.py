@@ -20,6 +20,7 @@ import os
 import random
 import re
 import shutil
+import string
 import subprocess
 import sys
 from collections import Counter
@@ -110,23 +111,37 @@ async def capture(tokenizer_dir: str, run_agent: Callable[[object], Awaitable], 
     return {"messages": req.template_messages() + [reply.to_template()], "tools": req.tools}
 
 
+HEX = "0123456789abcdef"
+WORD = re.compile(r"(?<![A-Za-z0-9])(?=[A-Za-z]*[0-9])[A-Za-z0-9]{4,}(?![A-Za-z0-9])")
+
+
 def redrawn(example: dict, rng: random.Random) -> dict:
-    """The example with every digit outside its assistant turns re-drawn, the prompt otherwise whole: a real run's
-    dates, paths, ids and wall times differ from the capture's."""
-    digits = lambda text: re.sub(r"\d", lambda _: str(rng.randrange(10)), text)   # noqa: E731
-    return {"messages": [m if m["role"] == "assistant" else m | {"content": digits(m["content"])}
+    """The example with each word of four or more letters and digits, one a digit, re-drawn (at even odds, so that
+    any mix of kept and new words occurs) outside its assistant turns: a real run's dates, paths, ids and wall times
+    differ from the capture's, its exit codes and counts do not.
+    A word of six or more without capitals is an id: its characters are drawn from hex digits (Codex's chunk ids,
+    whose capture may be all digits) or, when it holds other letters, from lowercase letters and digits. A shorter
+    word keeps its shape: a digit stays a digit, a letter a letter of its case."""
+    def word(w: str) -> str:
+        if len(w) >= 6 and w == w.lower():
+            return "".join(rng.choices(HEX if set(w) <= set(HEX) else HEX + "ghijklmnopqrstuvwxyz", k=len(w)))
+        return "".join(rng.choice("0123456789" if c.isdigit() else string.ascii_uppercase if c.isupper() else
+                                  string.ascii_lowercase) for c in w)
+    draw = lambda text: re.sub(WORD, lambda m: word(m[0]) if rng.random() < 0.5 else m[0], text)   # noqa: E731
+    return {"messages": [m if m["role"] == "assistant" else m | {"content": draw(m["content"])}
                          for m in example["messages"]], "tools": example.get("tools", [])}
 
 
-def variants(example: dict, n: int, rng: random.Random) -> list[dict]:
-    """The example and n redrawn copies, half of them also cut: their messages before the first assistant turn are
-    random slices of themselves, the tools kept in a third. The replies must follow from the recent turns, not from
-    positions or digits (the prompts of a capture and of a real run differ early on: working directory, date, ids;
-    Codex's tool results start with a random chunk id and a wall time, which tokenize to varying lengths)."""
+def variants(example: dict, n: int, rng: random.Random, vary: Callable = redrawn) -> list[dict]:
+    """The example and n copies vary(example, rng) (by default redrawn), half of them also cut: their messages
+    before the first assistant turn are random slices of themselves, the tools kept in a third. The replies must
+    follow from the recent turns, not from positions or digits (the prompts of a capture and of a real run differ
+    early on: working directory, date, ids; Codex's tool results start with a random chunk id and a wall time, which
+    tokenize to varying lengths)."""
     first = next(i for i, m in enumerate(example["messages"]) if m["role"] == "assistant")
     out = [example]
     for k in range(n):
-        copy = redrawn(example, rng)
+        copy = vary(example, rng)
         if k % 2:
             for m in copy["messages"][:first]:
                 a = rng.randrange(len(m["content"]) + 1)
@@ -152,29 +167,29 @@ def replay_odds(model_dir: str, examples: list[dict], temperature: float) -> lis
 
 def build_tool_model(out_dir: str, examples: list[dict], *, temperature: float, checks: list[dict] | None = None,
                      min_odds: float = 0.99, steps: int = 80, rounds: int = 3, seed: int = 0, lr: float = 5e-3,
-                     augment: int = 4, vocab_size: int = 4096, flags: tuple = ()) -> str:
+                     augment: int = 8, vary: Callable = redrawn, vocab_size: int = 4096, flags: tuple = ()) -> str:
     """A tiny BPE model SFT'd by launch.py (its own Ray, a subprocess; `flags` are more of its flags) on the examples
-    and `augment` variants of each; returns its HF directory. It trains in rounds of `steps` (a new start, then one
-    more round resumed from it, then a new start...) until every check (by default each example and a redrawn copy
-    it never saw) replays at `temperature` with odds >= min_odds (replay_odds), else it raises. Not the augmented
-    variants: one that lost the prompt's start and its tools can leave which agent is asking, and so the right
-    reply, undecidable.
+    and `augment` variants of each (variants, through `vary`), drawn anew each round; returns its HF directory. It
+    trains in rounds of `steps` (a new start, then one more round resumed from it, then a new start...) until every
+    check (by default each example and 8 copies through `vary` it never saw) replays at `temperature` with odds >=
+    min_odds (replay_odds), else it raises. Not the augmented variants: one that lost the prompt's start and its
+    tools can leave which agent is asking, and so the right reply, undecidable.
     A fixed step count was not enough: the SFT's floating-point sums differ between CPUs, and so does the model."""
     os.makedirs(out_dir, exist_ok=True)
-    rng = random.Random(seed)
-    data_rows = [v for ex in examples for v in variants(ex, augment, rng)]
-    checks = checks or [c for ex in examples for c in (ex, redrawn(ex, random.Random(seed + 1)))]
+    rng, unseen = random.Random(seed), random.Random(seed + 1)
+    checks = checks or [c for ex in examples for c in [ex] + [vary(ex, unseen) for _ in range(8)]]
     corpus, data = os.path.join(out_dir, "corpus.txt"), os.path.join(out_dir, "sft.jsonl")
     with open(corpus, "w") as f:   # the BPE merges: every message and tool schema, as the template will show them
         for ex in examples:
             f.write("\n".join([json.dumps(t) for t in ex.get("tools", [])] +
                               [json.dumps(m.get("tool_calls", "")) + m["content"] for m in ex["messages"]]) + "\n")
-    with open(data, "w") as f:
-        f.writelines(json.dumps(ex) + "\n" for ex in data_rows)
     out, odds = os.path.join(out_dir, "sft"), [0.0]
     for round_ in range(rounds):   # odd rounds resume the last one's checkpoint (AdamW state included); even rounds
         start = round_ - round_ % 2   # start over from another seed's weights: more steps never mended a bad start
         fresh = round_ == start
+        rows = [v for ex in examples for v in variants(ex, augment, rng, vary)]   # each round draws new variants
+        with open(data, "w") as f:
+            f.writelines(json.dumps(ex) + "\n" for ex in rows)
         if fresh:
             shutil.rmtree(out, ignore_errors=True)
             model = build_tiny_model(os.path.join(out_dir, f"init{start}"), seed=seed + start, vocab_size=vocab_size,
@@ -184,7 +199,7 @@ def build_tool_model(out_dir: str, examples: list[dict], *, temperature: float, 
                                                             tokenize=True, return_dict=False)) for ex in examples)
         argv = [sys.executable, os.path.join(ROOT, "launch.py"), "--launch.mode", "sft", "--launch.model", model,
                 "--launch.out_dir", out, "--ckpt.dir", os.path.join(out, "ckpt"), "--data.path", data,
-                "--launch.batch_prompts", str(len(data_rows)), "--launch.seed", str(seed + start),
+                "--launch.batch_prompts", str(len(rows)), "--launch.seed", str(seed + start),
                 "--train.lr", str(lr), "--train.max_tokens_per_microbatch", str(max(4096, longest)),
                 "--launch.steps", str(steps * (1 + round_ % 2)), *([] if fresh else ["--ckpt.resume"]), *flags]
         done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
