@@ -1,7 +1,7 @@
 """A tiny model that calls tools as a real agent expects, made through our own SFT path (a random model never does).
 
     example = await capture(tokenizer_dir, run_agent, script)   # {"messages": [...], "tools": [...]}
-    model_dir = build_tool_model(out_dir, [example, ...])       # HF directory of a tiny BPE model that replays it
+    model_dir = build_tool_model(out_dir, [example, ...], temperature=0.5)   # HF dir of a tiny model replaying it
     python tests/tool_model.py OUT_DIR --agent recipes/claude_code_agent.py   # both, for a recipe
 
 capture: the real agent (a CLI, a framework) talks to a real ChatServer whose generator is ScriptedGenerator, which
@@ -165,19 +165,19 @@ def replay_odds(model_dir: str, examples: list[dict], temperature: float) -> lis
     return odds
 
 
-def build_tool_model(out_dir: str, examples: list[dict], *, temperature: float, checks: list[dict] | None = None,
+def build_tool_model(out_dir: str, examples: list[dict], *, temperature: float,
                      min_odds: float = 0.99, steps: int = 80, rounds: int = 3, seed: int = 0, lr: float = 5e-3,
                      augment: int = 8, vary: Callable = redrawn, vocab_size: int = 4096, flags: tuple = ()) -> str:
     """A tiny BPE model SFT'd by launch.py (its own Ray, a subprocess; `flags` are more of its flags) on the examples
     and `augment` variants of each (variants, through `vary`), drawn anew each round; returns its HF directory. It
     trains in rounds of `steps` (a new start, then one more round resumed from it, then a new start...) until every
-    check (by default each example and 8 copies through `vary` it never saw) replays at `temperature` with odds >=
+    check (each example and 8 copies through `vary` it never saw) replays at `temperature` with odds >=
     min_odds (replay_odds), else it raises. Not the augmented variants: one that lost the prompt's start and its
     tools can leave which agent is asking, and so the right reply, undecidable.
     A fixed step count was not enough: the SFT's floating-point sums differ between CPUs, and so does the model."""
     os.makedirs(out_dir, exist_ok=True)
     rng, unseen = random.Random(seed), random.Random(seed + 1)
-    checks = checks or [c for ex in examples for c in [ex] + [vary(ex, unseen) for _ in range(8)]]
+    checks = [c for ex in examples for c in [ex] + [vary(ex, unseen) for _ in range(8)]]
     corpus, data = os.path.join(out_dir, "corpus.txt"), os.path.join(out_dir, "sft.jsonl")
     with open(corpus, "w") as f:   # the BPE merges: every message and tool schema, as the template will show them
         for ex in examples:
