@@ -179,10 +179,13 @@ def build_tool_model(out_dir: str, examples: list[dict], *, temperature: float,
     rng, unseen = random.Random(seed), random.Random(seed + 1)
     checks = [c for ex in examples for c in [ex] + [vary(ex, unseen) for _ in range(8)]]
     corpus, data = os.path.join(out_dir, "corpus.txt"), os.path.join(out_dir, "sft.jsonl")
-    with open(corpus, "w") as f:   # the BPE merges: every message and tool schema, as the template will show them
+    # The BPE merges: every message and tool schema, as the template shows them, less the random words: merges learnt
+    # on the capture's ids would make them single tokens, unlike a real run's, which split as `vary`'s copies do.
+    with open(corpus, "w") as f:
         for ex in examples:
-            f.write("\n".join([json.dumps(t) for t in ex.get("tools", [])] +
-                              [json.dumps(m.get("tool_calls", "")) + m["content"] for m in ex["messages"]]) + "\n")
+            f.write(WORD.sub(" ", "\n".join([json.dumps(t) for t in ex.get("tools", [])] +
+                                            [json.dumps(m.get("tool_calls", "")) + m["content"]
+                                             for m in ex["messages"]])) + "\n")
     out, odds = os.path.join(out_dir, "sft"), [0.0]
     for round_ in range(rounds):   # odd rounds resume the last one's checkpoint (AdamW state included); even rounds
         start = round_ - round_ % 2   # start over from another seed's weights: more steps never mended a bad start
