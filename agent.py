@@ -1,18 +1,17 @@
 """The agent contract, and the runners that turn one agent episode into token-exact Segments.
 
 Two kinds of agent, both plain Python in a file passed by `--agent.path FILE` that defines `make_agent()`:
-- `Env`: the framework owns the LLM loop. `reset(prompt, label) -> first observation`, then
-  `step(action_text, state) -> Result` per turn. The prompt is rendered once; sampled ids are appended
-  verbatim and each observation as delta tokens (mask 0) by the chat server's `ChatTemplate`; an episode
-  whose template cannot make that delta fails with the reason (any template works for a one-turn Env).
-  An observation is a str or a list of parts, str (text) or bytes (an encoded image, for a VLM): each image
-  becomes its placeholder run and lands in Segment.images (the engine never samples the image token id).
-- `ChatAgent`: the agent owns the loop. `run(ctx) -> Result` talks to the loopback chat server with a
-  stock OpenAI or Anthropic SDK (`ctx.base_url`, `ctx.anthropic_base_url`, `ctx.api_key`); its
-  episode's segments come from the server.
+- `Env`: the framework owns the LLM loop. `reset(prompt, label) -> first observation`, then `step(action_text, state)
+  -> Result` per turn. The prompt is rendered once; sampled ids are appended verbatim and each observation as delta
+  tokens (mask 0) by the chat server's `ChatTemplate`; an episode whose template cannot make that delta fails with
+  the reason (any template works for a one-turn Env). An observation is a str or a list of parts, str (text) or
+  bytes (an encoded image, for a VLM): each image becomes its placeholder run and lands in Segment.images (the
+  engine never samples the image token id).
+- `ChatAgent`: the agent owns the loop. `run(ctx) -> Result` talks to the loopback chat server with a stock OpenAI
+  or Anthropic SDK (`ctx.base_url`, `ctx.anthropic_base_url`, `ctx.api_key`); the server captures its segments.
 A `Result.reward` is any float the agent computes. An exception inside an agent drops that episode
-(`rollout/dropped_agent_error`) and the run goes on. `AgentWorker` (a Ray async actor) runs the
-episodes of one prompt group concurrently and returns their Segments.
+(`rollout/dropped_agent_error`) and the run goes on. `AgentWorker` (a Ray async actor) runs the episodes of one
+prompt group concurrently and returns their Segments.
 Not here: scheduling, batching or staleness (launch.py), token capture (generator.py, chat_server.py).
 """
 import asyncio
@@ -100,9 +99,7 @@ def load_module(path: str, needs: str, flag: str):
 async def run_sandboxed(argv: list[str], *, stdin: str = "", timeout_s: float = 10.0, memory_mb: int = 512,
                         max_output: int = 65536) -> tuple[int, str]:
     """Run argv in a child process with CPU-time, memory and output limits; returns (exit code, output).
-
-    A timeout kills the child and returns code -9; output beyond max_output bytes is cut off.
-    """
+    A timeout kills the child and returns code -9; output beyond max_output bytes is cut off."""
     def limit():  # runs in the child before exec
         resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
         resource.setrlimit(resource.RLIMIT_CPU, (int(timeout_s) + 1, int(timeout_s) + 1))
@@ -131,21 +128,16 @@ def user_turn(observation: str | list, template: ChatTemplate) -> tuple[dict, li
 
 async def run_env_episode(env: Env, generator: Generator, template: ChatTemplate, row: dict, *, args: AgentArgs,
                           episode_id: str, group_id: str) -> list[Segment]:
-    """The framework-owned loop: render the first observation once, then append sampled ids verbatim and
-    each observation as delta tokens; an image becomes its placeholder run (expand_images; a text model's template
-    refuses it before rendering).
-    One segment; it ends terminated, truncated (turn or context limit) or aborted."""
+    """The framework-owned loop: render the first observation once, then append sampled ids verbatim and each
+    observation as delta tokens; an image becomes its placeholder run (expand_images; a text model's template refuses
+    it before rendering). One segment; it ends terminated, truncated (turn or context limit) or aborted."""
     state = {"label": row.get("label"), "prompt": row["prompt"], "turn": 0, "finish_reason": ""}
     first, images = user_turn(await env.reset(row["prompt"], row.get("label")), template)
     system = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []
     ids, spans = template.expand_images(template.render_full(system + [first]), images)
     mask, logps, versions, sampled = [False] * len(ids), [0.0] * len(ids), [-1] * len(ids), []
-    result, truncated, routed = None, False, None
-    while True:
-        room = args.max_context - len(ids)
-        if room <= 0 or state["turn"] >= args.max_turns:
-            truncated = True
-            break
+    result, truncated, routed = Result(reward=0.0), True, None  # truncated unless the env ends the episode
+    while (room := args.max_context - len(ids)) > 0 and state["turn"] < args.max_turns:
         out = await generator.generate(ids, max_new_tokens=min(room, generator.rollout.max_new_tokens),
                                        affinity=episode_id, images=spans)
         ids += out.token_ids
@@ -169,9 +161,8 @@ async def run_env_episode(env: Env, generator: Generator, template: ChatTemplate
         mask += [False] * len(delta)
         logps += [0.0] * len(delta)
         versions += [-1] * len(delta)
-    reward = result.reward if result is not None else 0.0
-    info = dict(result.info if result is not None else {}, sampled=sampled_record(sampled), turns=state["turn"])
-    return [Segment(token_ids=ids, action_mask=mask, logprobs=logps, versions=versions, reward=reward,
+    info = dict(result.info, sampled=sampled_record(sampled), turns=state["turn"])
+    return [Segment(token_ids=ids, action_mask=mask, logprobs=logps, versions=versions, reward=result.reward,
                     episode_id=episode_id, group_id=group_id, finish_reason=state["finish_reason"],
                     truncated=truncated, info=info, images=spans,
                     routed_experts=None if routed is None else segment_routing(routed, len(ids)))]

@@ -54,9 +54,8 @@ class VllmArgs:
     return_routed_experts: bool = field(default=False, metadata={"help": "MoE: record token experts (routing replay)"})
     num_engines: int = field(default=1, metadata={"help": "independent vLLM engines, one Ray actor each"})
     refit_bucket_mb: int = field(default=256, metadata={"help": "MiB of weights per refit message"})
-    max_lora_rank: int = field(default=0, metadata={
-        "help": "LoRA: serve adapters up to this rank (vLLM's: 1, 8, 16, 32, ... 512), refit by adapter (0 = off: "
-                "full weights, a LoRA merged in)"})
+    max_lora_rank: int = field(default=0, metadata={"help": "LoRA: serve adapters up to this rank (vLLM's: 1, 8, "
+                               "16, 32, ... 512), refit by adapter (0 = off: full weights, a LoRA merged in)"})
     max_loras: int = field(default=2, metadata={
         "help": "LoRA: adapters one engine step may mix (the newest, and older ones that requests still use)"})
     seed: int = field(default=0, metadata={"help": "engine seed, for requests without their own seed"})
@@ -217,15 +216,12 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
         yield bucket
 
 
-ALIGN = 256  # bytes: each tensor of a packed bucket starts here, so that dtype views of it are legal
-
-
 def packed_layout(bucket: list[tuple[str, torch.Tensor]]) -> tuple[list, int]:
     """(layout, bytes) of a packed bucket: layout rows are (name, dtype, shape, byte offset)."""
     layout, size = [], 0
     for name, tensor in bucket:
         layout.append((name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), size))
-        size += -(-tensor.nbytes // ALIGN) * ALIGN
+        size += -(-tensor.nbytes // 256) * 256  # each tensor starts 256-byte aligned: dtype views of it are legal
     return layout, size
 
 
@@ -404,9 +400,8 @@ class WeightLoader:
     def refit_bucket(self, wire: tuple, first: bool, last: bool) -> tuple[list[tuple[str, str]], float]:
         """Load one packed bucket; returns the (name, dtype) of each tensor applied, and the seconds it took here.
 
-        wire is (transport, layout, payload): "bytes" carries the bucket itself (CPU trainer); "ipc" the
-        CUDA IPC handle of the trainer's refit buffer on this GPU and the bucket's size in it; "nccl" its
-        size, broadcast next."""
+        wire is (transport, layout, payload): "bytes" carries the bucket itself (CPU trainer); "ipc" the CUDA IPC
+        handle of the trainer's refit buffer on this GPU and the bucket's size; "nccl" its size, broadcast next."""
         start = time.perf_counter()
         transport, layout, payload = wire
         if transport == "bytes":
@@ -558,11 +553,10 @@ class Engine:
     async def sampled_counts(self) -> dict[str, int]:
         """Output tokens of each request in flight, all sampled before the pause that just completed.
 
-        Exact by vLLM's ordering (0.26 and 0.32): in keep mode the engine core answers the pause only when idle,
-        behind every step's outputs on the same socket; the client queues them, in order, for the output handler,
-        which takes an item only after processing the one before. Once it has taken an empty item put in behind
-        them, the per-request counts hold every token sampled before the pause and none after (nor is any until
-        resume)."""
+        Exact by vLLM's ordering (0.26 and 0.32): in keep mode the engine core answers the pause only when idle, behind
+        every step's outputs on the same socket; the client queues them, in order, for the output handler, which takes
+        an item only after processing the one before. Once it has taken an empty item put in behind them, the
+        per-request counts hold every token sampled before the pause and none after (nor is any until resume)."""
         if not self.refits:
             return {}
         from vllm.v1.engine import EngineCoreOutputs
@@ -617,11 +611,9 @@ class Engine:
     async def is_paused(self) -> bool:
         return self.paused
 
-    async def join_nccl(self, host: str, port: int, rank_offset: int, world_size: int) -> None:
-        await self.llm.collective_rpc("join_nccl", args=(host, port, rank_offset, world_size))
-
-    async def load_bucket(self, wire: tuple, first: bool, last: bool) -> tuple[list, float]:
-        return (await self.llm.collective_rpc("refit_bucket", args=(wire, first, last)))[0]
+    async def worker_rpc(self, method: str, *args):
+        """Run a WeightLoader method on every worker of this engine; returns worker 0's answer."""
+        return (await self.llm.collective_rpc(method, args=args))[0]
 
     async def set_version(self, version: int) -> None:
         for request_id, k in self.at_pause.items():  # tokens of a kept request sampled after the refit
@@ -676,10 +668,9 @@ def engine_error(i: int, e: Exception) -> Exception:
 class Generator:
     """Picklable router over the engine actors; pause, update_weights and resume reach every engine.
 
-    Needs `ray.init()` first; blocks until every engine has started. `actor_options` go to each engine
-    actor's `.options()` (launch.py's placement); by default an engine takes its GPUs if the cluster has any.
-    `version` is what this router last loaded; a copy held elsewhere reads versions off its completions.
-    """
+    Needs `ray.init()` first; blocks until every engine has started. `actor_options` go to each engine actor's
+    `.options()` (launch.py's placement); by default an engine takes its GPUs if the cluster has any. `version` is
+    what this router last loaded; a copy held elsewhere reads versions off its completions."""
 
     def __init__(self, model_path: str, vllm: VllmArgs, rollout: RolloutArgs, *, version: int = 0,
                  actor_options: dict | None = None):
@@ -847,7 +838,7 @@ class Generator:
                 await self._join_nccl(flat.device)
             payload = flat.numel()
         wire = ray.put((transport, layout, payload))
-        refs = [e.load_bucket.remote(wire, first, last) for e in self._engines]
+        refs = [e.worker_rpc.remote("refit_bucket", wire, first, last) for e in self._engines]
         if transport == "nccl":  # the engines' workers wait in broadcast for these bytes
             self._nccl.broadcast(flat, src=0, stream=torch.cuda.current_stream(flat.device))
         return [await self._await(i, ref) for i, ref in enumerate(refs)][0], transport
@@ -861,7 +852,7 @@ class Generator:
             host, port = ray.util.get_node_ip_address(), s.getsockname()[1]
         tp = self.vllm.tensor_parallel_size
         world = 1 + tp * len(self._engines)
-        joins = [e.join_nccl.remote(host, port, 1 + i * tp, world) for i, e in enumerate(self._engines)]
+        joins = [e.worker_rpc.remote("join_nccl", host, port, 1 + i * tp, world) for i, e in enumerate(self._engines)]
         group = await asyncio.to_thread(StatelessProcessGroup.create, host=host, port=port, rank=0, world_size=world)
         self._nccl = await asyncio.to_thread(PyNcclCommunicator, group, device=device)
         for i, ref in enumerate(joins):
@@ -882,7 +873,6 @@ class Generator:
         return {**total, **self._timings, "generator/version": self.version}
 
     async def shutdown(self) -> None:
-        """Stop every engine and its processes."""
         await self._all("shutdown")
         for e in self._engines:
             ray.kill(e)
