@@ -328,9 +328,6 @@ class ChatRequest:
         head = [] if self.system is None else [{"role": "system", "content": self.system}]
         return head + [m.to_template() for m in self.msgs]
 
-    def first(self) -> int:
-        return hash(self.msgs[0].key()) if self.msgs else 0
-
     def images(self, start: int = 0) -> list[bytes]:
         return [p for m in self.msgs[start:] if isinstance(m.content, tuple) for p in m.content if isinstance(p, bytes)]
 
@@ -407,7 +404,6 @@ class Turn:
 class Track:
     """One segment while its episode runs: token rows plus the canonical messages they stand for."""
     index: int
-    first: int                    # hash of the first message: the same task (a rewrite) or a side call
     parent: int | None = None     # the segment this one forked from
     tokens: list = field(default_factory=list)
     mask: list = field(default_factory=list)
@@ -437,12 +433,11 @@ class Plan:
     prompt: list                  # what the engine sees
     pending: Pending | None = None
     track: Track | None = None    # the segment this turn continues (None: a new one)
-    base: int = 0                 # tokens of `track` kept before `added`
+    base: int = 0                 # tokens of `track` kept: the rest of `prompt` is appended (mask 0)
     base_msgs: int = 0
     stamp: int = 0
-    added: list = field(default_factory=list)   # prompt tokens appended after base (mask 0)
     images: list = field(default_factory=list)  # the image spans of the whole prompt
-    rewrite_of: Track | None = None
+    rewrite_of: int | None = None   # the segment a REWRITE carries on
     max_new: int = 0
     clamped: bool = False
     cached: bool = False          # RETRY answered from the earlier turn, no engine call
@@ -453,15 +448,15 @@ class Plan:
 class Reply:
     id: str
     prompt_tokens: int
-    ids: list
-    finish: str                   # stop | length
-    stop_sequence: str | None
-    clamped: bool                 # max_tokens was cut to the context window
-    reasoning: str
-    content: str
-    calls: tuple
-    pieces: list | None           # per-token text, only when the client asked for logprobs
-    logprobs: list
+    ids: list = field(default_factory=list)   # the defaults: a stream's opening shell, nothing sampled yet
+    finish: str = "stop"          # stop | length
+    stop_sequence: str | None = None
+    clamped: bool = False         # max_tokens was cut to the context window
+    reasoning: str = ""
+    content: str = ""
+    calls: tuple = ()
+    pieces: list | None = None    # per-token text, only when the client asked for logprobs
+    logprobs: list = field(default_factory=list)
     handle: str = ""              # stands for the reasoning in a thinking signature / reasoning item (opaque)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -509,17 +504,17 @@ class SegmentStore:
                     [m.to_template() for m in req.msgs[L:]], bool(track.msgs[-1].calls)), req.images(L),
                     len(track.tokens) + len(bridge))
                 plan = Plan("EXTEND", reply_id, track.tokens + bridge + delta, track=track, base=len(track.tokens),
-                            base_msgs=L, added=bridge + delta, images=track.images + images)
+                            base_msgs=L, images=track.images + images)
             elif track and L == n == len(track.msgs) - 1:   # the last turn's prompt again: resample it (roll back)
                 start = track.turns[-1].start
                 plan = Plan("RETRY", reply_id, track.tokens[:start], track=track, base=start, base_msgs=n,
                             images=[i for i in track.images if i[1] <= start])
             else:   # a rewrite carries on a conversation we hold (same first message); a side call at most quotes it
-                same_task = [s for s in scored if s[0].first == req.first()] if n > 1 else []
-                added, images = self.template.expand_images(
+                same_task = [s for s in scored if s[0].msgs[0].key() == req.msgs[0].key()] if n > 1 else []
+                prompt, images = self.template.expand_images(
                     self.template.render_full(req.template_messages(), req.tools), req.images())
-                plan = Plan("REWRITE" if same_task else "UNRELATED", reply_id, added, added=added, images=images,
-                            rewrite_of=max(same_task, key=lambda s: s[1])[0] if same_task else None)
+                plan = Plan("REWRITE" if same_task else "UNRELATED", reply_id, prompt, images=images,
+                            rewrite_of=max(same_task, key=lambda s: s[1])[0].index if same_task else None)
         except ValueError as e:
             raise bad("messages", str(e)) from None
         plan.stamp = plan.track.stamp if plan.track else 0
@@ -594,18 +589,18 @@ class SegmentStore:
         src = t = plan.track
         if src is None or src.stamp != plan.stamp:   # a new segment, or a fork: another commit moved the planned one
             self.counts["chat/forks"] += src is not None
-            t = Track(len(ep.tracks), req.first(), parent=src and src.index, hashes=req.hashes[:1],
-                      rewrite_of=plan.rewrite_of and plan.rewrite_of.index)
+            t = Track(len(ep.tracks), parent=src and src.index, hashes=req.hashes[:1], rewrite_of=plan.rewrite_of)
             ep.tracks.append(t)
         if src is not None:   # the planned prefix (in place: a RETRY rolls the last turn back)
             rows = (src.tokens, src.mask, src.logprobs, src.versions)
             t.tokens, t.mask, t.logprobs, t.versions = (r[:plan.base] for r in rows)
             t.msgs, t.hashes = src.msgs[:plan.base_msgs], src.hashes[:plan.base_msgs + 1]
             t.turns = [u for u in src.turns if u.end <= plan.base]
-        t.tokens += plan.added + ids
-        t.mask += [False] * len(plan.added) + [True] * len(ids)
-        t.logprobs += [0.0] * len(plan.added) + logprobs
-        t.versions += [-1] * len(plan.added) + versions
+        added = plan.prompt[plan.base:]
+        t.tokens += added + ids
+        t.mask += [False] * len(added) + [True] * len(ids)
+        t.logprobs += [0.0] * len(added) + logprobs
+        t.versions += [-1] * len(added) + versions
         assistant = Msg("assistant", content, reasoning, calls)
         t.msgs += req.msgs[plan.base_msgs:] + [assistant]
         t.hashes += req.hashes[plan.base_msgs + 1:] + [hash((req.hashes[-1], assistant.key()))]
@@ -646,6 +641,14 @@ def get(obj: dict, key: str, types, path: str = "", required: bool = False):
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
         raise bad(path + key, "expected " + " or ".join(TYPE_NAMES[t] for t in types))
     return value
+
+
+def objects(items: list, path: str, start: int = 0):
+    """(index, item, its path prefix) of each of items[start:]; a 400 naming the first that is not an object."""
+    for i in range(start, len(items)):
+        if not isinstance(items[i], dict):
+            raise bad(f"{path}.{i}", "expected an object")
+        yield i, items[i], f"{path}.{i}."
 
 
 def text_of(value, path: str, kinds: tuple = ("text",), image: str = "") -> str | tuple:
@@ -717,23 +720,20 @@ def parse_tools(tools: list, kind: str = "function", schema: str = "parameters",
     """Client tools of `kind` (spec under "function" when nested) as OpenAI function tools, and the count of server-side
     tools (another type: web search...), never offered; a Responses namespace stands for its tools, named ns.name."""
     out, server = [], 0
-    for j, t in enumerate(tools):
-        if not isinstance(t, dict):
-            raise bad(f"tools.{j}", "expected an object")
+    for _, t, p in objects(tools, "tools"):
         if t.get("type", kind) == "namespace" and kind == "function":
-            ns = get(t, "name", str, f"tools.{j}.", required=True)
-            inner, more = parse_tools(get(t, "tools", list, f"tools.{j}.", required=True))
+            ns = get(t, "name", str, p, required=True)
+            inner, more = parse_tools(get(t, "tools", list, p, required=True))
             out += [{"type": "function", "function": {**f["function"], "name": f"{ns}.{f['function']['name']}"}}
                     for f in inner]
             server += more
-            continue
-        if t.get("type", kind) != kind:
+        elif t.get("type", kind) != kind:
             server += 1
-            continue
-        fn = get(t, "function", dict, f"tools.{j}.", required=True) if nested else t
-        get(fn, "name", str, f"tools.{j}.", required=True)
-        spec, params = {k: fn[k] for k in ("name", "description") if k in fn}, fn.get(schema)
-        out.append({"type": "function", "function": spec if params is None else {**spec, "parameters": params}})
+        else:
+            fn = get(t, "function", dict, p, required=True) if nested else t
+            get(fn, "name", str, p, required=True)
+            spec, params = {k: fn[k] for k in ("name", "description") if k in fn}, fn.get(schema)
+            out.append({"type": "function", "function": spec if params is None else {**spec, "parameters": params}})
     return out, server
 
 
@@ -752,10 +752,9 @@ def constrain(tools: list, forced: str | None, fmt: dict | None, paths: tuple[st
         tag = {"type": "structural_tag", "format": {"type": "tags_with_separator", "tags": tags, "separator": "\n",
                                                     "at_least_one": True, "stop_after_first": single or bool(forced)}}
         return {"structural_tag": json.dumps(tag)}, paths[0]
-    fmt = {} if fmt is None else fmt
-    if not isinstance(fmt, dict):
+    if not isinstance(fmt, dict | None):
         raise bad(paths[1], "expected an object")
-    kind = fmt.get("type", "text")
+    kind = (fmt or {}).get("type", "text")
     if kind == "json_object":
         return {"json_object": True}, paths[1]
     if kind == "json_schema":   # OpenAI nests the schema under json_schema; Responses and Anthropic do not
@@ -803,10 +802,7 @@ def parse_openai(body: dict, prior: tuple = (0, None, ())) -> ChatRequest:
     """`prior` (raw messages done, system, canonical msgs) is an earlier parse of a prefix of these messages."""
     messages, (done, system, msgs) = get(body, "messages", list, required=True), prior
     msgs = list(msgs)
-    for i in range(done, len(messages)):
-        m, p = messages[i], f"messages.{i}."
-        if not isinstance(m, dict):
-            raise bad(p[:-1], "expected an object")
+    for i, m, p in objects(messages, "messages", done):
         role = get(m, "role", str, p, required=True)
         if role in ("system", "developer") and i == 0:
             system = text_of(m.get("content"), p + "content")
@@ -815,10 +811,7 @@ def parse_openai(body: dict, prior: tuple = (0, None, ())) -> ChatRequest:
                             text_of(m.get("content"), p + "content", image="image_url" if role == "user" else "")))
         elif role == "assistant":
             calls = []
-            for j, tc in enumerate(get(m, "tool_calls", list, p) or []):
-                q = f"{p}tool_calls.{j}."
-                if not isinstance(tc, dict):
-                    raise bad(q[:-1], "expected an object")
+            for _, tc, q in objects(get(m, "tool_calls", list, p) or [], p + "tool_calls"):
                 fn = get(tc, "function", dict, q, required=True)
                 calls.append(Call(get(tc, "id", str, q, required=True),
                                   get(fn, "name", str, q + "function.", required=True),
@@ -977,8 +970,7 @@ class ResponsesWriter(OpenAIWriter):
     body = staticmethod(responses_body)
 
     def __init__(self, req: ChatRequest, plan: Plan):
-        self.req, self.seq = req, -1
-        empty = Reply(plan.reply_id, plan.pending.prompt_tokens, [], "stop", None, False, "", "", (), None, [])
+        self.req, self.seq, empty = req, -1, Reply(plan.reply_id, plan.pending.prompt_tokens)
         shell = {**responses_body(req, empty), "status": "in_progress", "output": [], "usage": None}
         self.head = [self.event("response.created", response=shell), self.event("response.in_progress", response=shell)]
 
@@ -1021,10 +1013,7 @@ def parse_anthropic(body: dict, counting: bool = False, prior: tuple = (0, None,
     """A thinking block whose signature is one of our `handles` gets the exact reasoning text it stands for."""
     system, messages, (done, _, msgs) = body.get("system"), get(body, "messages", list, required=True), prior
     system, msgs = None if system is None else text_of(system, "system"), list(msgs)
-    for i in range(done, len(messages)):
-        m, p = messages[i], f"messages.{i}."
-        if not isinstance(m, dict):
-            raise bad(p[:-1], "expected an object")
+    for _, m, p in objects(messages, "messages", done):
         role, content = get(m, "role", str, p, required=True), m.get("content")
         if role == "system":   # Claude Code sends its environment block as a system message inside messages
             msgs.append(Msg("system", text_of(content, p + "content")))
@@ -1091,8 +1080,7 @@ class AnthropicWriter:
     ping, overloaded, body = event("ping"), 529, staticmethod(anthropic_body)
 
     def __init__(self, req: ChatRequest, plan: Plan):
-        self.req = req
-        empty = Reply(plan.reply_id, plan.pending.prompt_tokens, [], "stop", None, False, "", "", (), None, [])
+        self.req, empty = req, Reply(plan.reply_id, plan.pending.prompt_tokens)
         self.head = [event("message_start", message={**anthropic_body(req, empty), "content": [], "stop_reason": None})]
 
     def tail(self, r: Reply) -> list[str]:
@@ -1214,10 +1202,10 @@ class ChatServer(SegmentStore):
         """The one dispatch for requests: the canonical form plus every policy check, before any state changes. When
         the messages start with a recent request's raw messages (a C-level list comparison), only the new ones are
         parsed and hashed: harnesses resend the whole history, and a turn costs O(new messages)."""
-        raw, prior, memo = body.get("messages"), (0, None, ()), None
+        raw, prior, hashes = body.get("messages"), (0, None, ()), ()
         for kind, seen, old in ep.parsed if ep is not None and isinstance(raw, list) else ():
             if kind == protocol and len(seen) <= len(raw) and raw[:len(seen)] == seen:
-                prior, memo = (len(seen), old.system, old.msgs), old
+                prior, hashes = (len(seen), old.system, old.msgs), old.hashes
                 break
         unknown = "The model '{}' does not exist"
         handles = ep.handles if ep is not None else {}
@@ -1257,7 +1245,7 @@ class ChatServer(SegmentStore):
             seen.update(c.id for c in m.calls)
             if m.role == "tool" and m.call_id not in seen:
                 raise bad("messages", f"tool result for unknown tool call id {m.call_id!r}")
-        req.hashes = chain_hashes(req.system, req.tools, req.msgs, memo.hashes if memo else ())
+        req.hashes = chain_hashes(req.system, req.tools, req.msgs, hashes)
         if ep is not None and isinstance(raw, list):
             ep.parsed.appendleft((protocol, raw, req))
         return req
@@ -1305,10 +1293,9 @@ class ChatServer(SegmentStore):
             proto = protocol or ("anthropic" if "anthropic-version" in request.headers else "openai")
             try:
                 return await handler(request, proto)
-            except ApiError as e:
+            except Exception as e:   # any other than an ApiError is a bug of ours: a 500, the episode never trained
+                e = e if isinstance(e, ApiError) else self.taint(getattr(request.state, "episode", None), e)
                 return self.error_response(proto, e)
-            except Exception as e:   # a bug of ours: answer 500 and never train on this episode
-                return self.error_response(proto, self.taint(getattr(request.state, "episode", None), e))
         return run
 
     async def http_error(self, request: Request, exc: HTTPException) -> Response:
@@ -1362,10 +1349,8 @@ class ChatServer(SegmentStore):
         try:
             for frame in w.head:
                 yield frame
-            while not task.done():
-                await asyncio.wait({task}, timeout=self.args.ping_s)
-                if not task.done():
-                    yield w.ping
+            while not (await asyncio.wait({task}, timeout=self.args.ping_s))[0]:   # nothing done within ping_s
+                yield w.ping
             frames, sent = w.tail(task.result()), True
             for frame in frames:
                 yield frame
