@@ -105,33 +105,29 @@ def none_or(kind):
     return lambda text: None if text.lower() == "none" else kind(text)
 
 
-def add_flag(group, prefix: str, f: dataclasses.Field) -> None:
-    kind, meta, extra = f.type, f.metadata, {}
-    args = typing.get_args(kind)
-    optional = isinstance(kind, types.UnionType) and type(None) in args
-    if optional:
-        kind = next(a for a in args if a is not type(None))
-    if kind is bool:  # --x / --no-x
-        extra["action"] = argparse.BooleanOptionalAction
-    elif typing.get_origin(kind) is tuple:  # tuple[float, float]: exactly 2 values; tuple[str, ...]: 1 or more
-        inner = typing.get_args(kind)
-        extra.update(nargs="+" if inner[-1] is ... else len(inner), type=none_or(inner[0]) if optional else inner[0])
-    else:
-        extra["type"] = none_or(kind) if optional else kind
-    if "choices" in meta:
-        extra["choices"] = meta["choices"]
-    elif kind is not bool:
-        extra["metavar"] = f.name.upper()
-    group.add_argument(f"--{prefix}.{f.name}", dest=f"{prefix}.{f.name}", default=f.default,
-                       help=f"{meta['help']} (default: {f.default})", **extra)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Verbatim: agentic RL that trains only on tokens it generated.")
     for prefix, cls in SECTIONS.items():
         group = parser.add_argument_group(f"--{prefix}.*  ({cls.__name__})")
         for f in dataclasses.fields(cls):
-            add_flag(group, prefix, f)
+            kind, meta, extra = f.type, f.metadata, {}
+            args = typing.get_args(kind)
+            optional = isinstance(kind, types.UnionType) and type(None) in args
+            if optional:
+                kind = next(a for a in args if a is not type(None))
+            if kind is bool:  # --x / --no-x
+                extra["action"] = argparse.BooleanOptionalAction
+            elif typing.get_origin(kind) is tuple:  # tuple[float, float]: exactly 2 values; tuple[str, ...]: 1 or more
+                inner = typing.get_args(kind)
+                kind, extra["nargs"] = inner[0], "+" if inner[-1] is ... else len(inner)
+            if kind is not bool:
+                extra["type"] = none_or(kind) if optional else kind
+            if "choices" in meta:
+                extra["choices"] = meta["choices"]
+            elif kind is not bool:
+                extra["metavar"] = f.name.upper()
+            group.add_argument(f"--{prefix}.{f.name}", dest=f"{prefix}.{f.name}", default=f.default,
+                               help=f"{meta['help']} (default: {f.default})", **extra)
     return parser
 
 
@@ -194,8 +190,7 @@ class MetricsLog:
     def __init__(self, cfg: dict):
         launch = cfg["launch"]
         os.makedirs(launch.out_dir, exist_ok=True)
-        self.path = os.path.join(launch.out_dir, "metrics.jsonl")
-        self.file = open(self.path, "a")
+        self.file = open(os.path.join(launch.out_dir, "metrics.jsonl"), "a")
         self.rows, self.start, self.total = [], time.time(), launch.steps
         self.tb = self.wandb = None
         if launch.tensorboard:
@@ -442,9 +437,8 @@ async def probe_mismatch(generator: Generator, trainer: TrainerGroup, segments: 
                       logprobs=[0.0] * len(p) + o.logprobs, versions=[-1] * len(p) + o.versions, images=i)
               for p, o, i in zip(prompts, outs, images)]
     recomputed = await asyncio.to_thread(trainer.logprobs, probes)
-    rollout = torch.nn.utils.rnn.pad_sequence([torch.tensor(p.logprobs) for p in probes], batch_first=True)  # (B, T)
-    mask = torch.nn.utils.rnn.pad_sequence([torch.tensor(p.action_mask) for p in probes], batch_first=True)  # (B, T)
-    return mismatch_metrics(rollout, torch.nn.utils.rnn.pad_sequence(recomputed, batch_first=True), mask)
+    pad = lambda rows: torch.nn.utils.rnn.pad_sequence([torch.as_tensor(r) for r in rows], batch_first=True)  # (B, T)
+    return mismatch_metrics(pad([p.logprobs for p in probes]), pad(recomputed), pad([p.action_mask for p in probes]))
 
 
 async def evaluate(workers: list, rows: list[dict], count: int) -> dict:

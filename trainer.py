@@ -634,7 +634,6 @@ class TrainerRank:
     # --- forwards: microbatches of rows, and the no-grad pass that every rank assembles into (B, T)
 
     def plan(self, batch: dict, minibatches: int) -> list:
-        """plan_step for this batch on this trainer's dp ranks and microbatch bound."""
         return plan_step(batch["lengths"].tolist(), minibatches=minibatches, dp_size=self.dp_size,
                          max_tokens=self.train.max_tokens_per_microbatch)
 
@@ -683,13 +682,16 @@ class TrainerRank:
         return torch.nn.functional.pad(out[:, :-1].float(), (1, 0))  # (B, T)
 
     @torch.no_grad()
-    def forward_rows(self, fn, batch: dict, plan: list) -> torch.Tensor:
-        """fn(microbatch) -> (b, t) over this rank's planned rows, assembled into the batch's (B, T) on every rank."""
+    def forward_rows(self, model, batch: dict, plan: list, temperature: float = 1.0) -> torch.Tensor:
+        """model's (b, t) log-probs at temperature (the critic's: its values) over this rank's planned rows, assembled
+        into the batch's (B, T) on every rank."""
         out = torch.zeros(batch["ids"].shape, device=self.device)  # (B, T)
         self.model.train(not self.train.lora_dropout)  # --train.lora_dropout: not here, nor in the engine
         for minibatch in plan:
             for rows in minibatch[self.dp_rank]:
-                y = fn(self.microbatch(batch, rows))  # (b, t)
+                x = self.microbatch(batch, rows)
+                y = (self.critic_values(x["ids"]) if model is self.critic
+                     else self.policy_logprobs(model, x, temperature)[0])  # (b, t)
                 if rows:
                     out[rows, :y.shape[1]] = y.float()
         self.model.train()
@@ -716,14 +718,12 @@ class TrainerRank:
                      and bool((batch["versions"][mask] == self.version).all()))
         kl = None
         if not on_policy or self.ref is not None:
-            policy = lambda x: self.policy_logprobs(self.model, x, self.temperature)[0]
-            batch["old_logp"] = self.forward_rows(policy, batch, plan)
+            batch["old_logp"] = self.forward_rows(self.model, batch, plan, self.temperature)
         if self.ref is not None:
-            ref = lambda x: self.policy_logprobs(self.ref, x, self.temperature)[0]
-            batch["ref_logp"] = self.forward_rows(ref, batch, plan)
+            batch["ref_logp"] = self.forward_rows(self.ref, batch, plan, self.temperature)
             kl = torch.where(mask, batch["old_logp"] - batch["ref_logp"], 0.0)  # (B, T) k1: the estimator's KL reward
         if self.critic is not None:
-            batch["values"] = self.forward_rows(lambda x: self.critic_values(x["ids"]), batch, plan)
+            batch["values"] = self.forward_rows(self.critic, batch, plan)
 
         # --- advantages over the whole batch (estimators.py); gae turns the critic's values into returns
         batch["adv"], returns, metrics = compute_advantages(self.estimator, batch["rewards"],
@@ -814,8 +814,7 @@ class TrainerRank:
         """Every segment's (T,) recomputed log-probs (0 at t = 0) on rank 0; None on the others."""
         batch = collate(segments, self.moe, vlm=self.processor is not None)
         temperature = self.temperature if temperature is None else temperature
-        policy = lambda x: self.policy_logprobs(self.model, x, temperature)[0]
-        logp = self.forward_rows(policy, batch, self.plan(batch, 1))
+        logp = self.forward_rows(self.model, batch, self.plan(batch, 1), temperature)
         return [logp[i, :n] for i, n in enumerate(batch["lengths"].tolist())] if self.rank == 0 else None
 
     # --- refit export: full tensors under HF names, in buckets
@@ -857,13 +856,11 @@ class TrainerRank:
         dtype, params = getattr(torch, generator.dtype), list(self.model.named_parameters())
         trained = [(n, p) for n, p in params if p.requires_grad]
         if generator.serves_adapters:
-            pairs = ((PEFT_PREFIX + name, full.to(dtype)) for name, full in self.full_params(trained))
+            pairs = ((name, full.to(dtype)) for name, full in self.hf_params(adapter=True))
             update = lambda: self.router.update_adapter(pairs, peft_config(self.train, self.model_path), self.version)
-        else:
-            if self.adapted:
-                full, keep = self.merged_params(), ()
-            else:  # keep: --train.freeze_vision's tower (never fused)
-                full, keep = self.full_params(trained), [export_name(n) for n, p in params if not p.requires_grad]
+        else:  # keep: --train.freeze_vision's tower (never fused); a LoRA's frozen base goes out merged
+            keep = () if self.adapted else [export_name(n) for n, p in params if not p.requires_grad]
+            full = self.hf_params(adapter=False) if self.adapted else self.full_params(trained)
             pairs = ((name, tensor.to(dtype)) for name, tensor in full)
             update = lambda: self.router.update_weights(pairs, self.version, colocated=colocated, keep=keep)
         try:
@@ -874,8 +871,12 @@ class TrainerRank:
                 pass
         return None
 
-    def merged_params(self):
-        """(checkpoint name, full tensor) of every policy weight, a LoRA adapter merged into its base weights."""
+    def hf_params(self, adapter: bool):
+        """(checkpoint name, full tensor) pairs of peft's adapter alone (adapter), else of every policy weight, a LoRA
+        adapter merged into its base weights."""
+        if adapter:
+            trained = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+            return ((PEFT_PREFIX + name, full) for name, full in self.full_params(trained))
         full = self.full_params(list(self.model.named_parameters()))
         return merge_lora(full, self.adapted, self.train.lora_alpha / self.train.lora_rank) if self.adapted else full
 
@@ -884,12 +885,7 @@ class TrainerRank:
         peft's adapter directory instead (adapter_model.safetensors, adapter_config.json), unless merged (default
         --ckpt.hf_merged): then the full weights with the adapter merged in."""
         adapter = bool(self.adapted) and not (self.ckpt.hf_merged if merged is None else merged)
-        if adapter:
-            trained = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-            pairs = ((PEFT_PREFIX + name, full) for name, full in self.full_params(trained))
-        else:
-            pairs = self.merged_params()
-        tensors = {name: full.to("cpu", copy=True) for name, full in pairs
+        tensors = {name: full.to("cpu", copy=True) for name, full in self.hf_params(adapter)
                    if self.rank == 0}  # every rank joins each gather; only rank 0 copies to host
         if self.rank == 0:
             os.makedirs(path, exist_ok=True)
