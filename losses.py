@@ -199,9 +199,10 @@ def cispo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_hig
 def importance_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, *, level: str, mode: str,
                        band: tuple[float, float]) -> tuple[Tensor, Tensor]:
     """Detached weight (B, T) that multiplies the per-token loss, and the bool (B, T) of tokens the band changed.
-    level token: w_t = exp(old_t - rollout_t); seq: every token gets exp(sum_t log w_t); geo, verl's geometric
-    level (https://verl.readthedocs.io/en/latest/algo/rollout_corr.html): every token gets exp(mean_t log w_t),
-    so the band bounds each token's weight, and one outlier token moves its row's weight by 1/length in log.
+    level token: w_t = exp(old_t - rollout_t); seq: every token gets exp(sum_t log w_t); geo: every token gets
+    exp(mean_t log w_t), GSPO's length-normalised sequence ratio (https://arxiv.org/abs/2507.18071) applied to
+    old/rollout as verl's rollout_is_level geometric does, so the band bounds every token's weight:
+    https://github.com/volcengine/verl/blob/10350b613de7625d759a48e582573749484ef861/docs/advance/rollout_is.md
     mode trunc, TIS (https://fengyao.notion.site/off-policy-rl): min(w, HIGH); mask, IcePop
     (https://arxiv.org/abs/2510.18855): w * 1[LOW <= w <= HIGH]; clip: clamp(w, LOW, HIGH)."""
     log_low, log_high = math.log(band[0]), math.log(band[1])
@@ -345,9 +346,8 @@ def compute_policy_loss(args: LossArgs, logp: Tensor, old_logp: Tensor, rollout_
                         *, versions: Tensor, current_version: int, denoms: Denoms, group_tokens: Tensor | None = None,
                         ref_logp: Tensor | None = None,
                         entropy: Tensor | None = None) -> tuple[Tensor, list[tuple[float, dict[str, float]]]]:
-    """The policy loss () of one microbatch and its metric records (count, means over those count tokens).
-    group_tokens (B,) only for agg prompt_mean_token_mean; ref_logp only for kl_ref model; entropy (B, T)
-    when entropy_coef > 0 or to log it."""
+    """The policy loss () of one microbatch and its metric records, (count, means over count tokens). group_tokens
+    (B,) only for agg prompt_mean_token_mean; ref_logp only for kl_ref model; entropy (B, T) to use or log it."""
     # --- inputs, then which tokens train: drop those past the lag bound, refuse uncorrected stale data
     check_shapes(mask, logp=logp, old_logp=old_logp, rollout_logp=rollout_logp, adv=adv, versions=versions,
                  ref_logp=ref_logp, entropy=entropy)
@@ -402,9 +402,8 @@ def compute_policy_loss(args: LossArgs, logp: Tensor, old_logp: Tensor, rollout_
             loss = loss - args.entropy_coef * aggregate(torch.where(kept, entropy, 0.0), mask, agg=args.agg,
                                                         denoms=denoms, group_tokens=group_tokens)
 
-    # --- records: each mean with the count it is over, so merging microbatches weights it by that count.
-    # Forward consistency only on tokens the trainer's current weights sampled (lag is not mismatch); a batch
-    # with none (asynchronous steps) reports no mismatch keys rather than a false zero.
+    # --- records: each mean with its count. Mismatch only on tokens the current weights sampled (lag is not
+    # mismatch); a batch with none (asynchronous steps) reports no mismatch keys rather than a false zero.
     records = [(float(kept.sum()), metrics), (float(mask.sum()), {"loss/stale_frac": masked_mean(mask & ~kept, mask)})]
     same = mask & (versions == current_version)  # (B, T)
     if same.any():
