@@ -355,6 +355,18 @@ async def raw_vllm_rate(model: str, prompts: list[list[int]], samples: int, vllm
     return statistics.median(rates[1:])
 
 
+def smollm2_argv(out_dir: str, steps: int, lr: str, k: int, eval_every: int) -> list[str]:
+    """The SmolLM2 comparison-task loop's flags (one GPU shared, 200 held-out prompts per evaluation)."""
+    from recipes.smollm2 import smollm2_dir
+    agent = os.path.join(ROOT, "recipes", "compare_agent.py")
+    async_ = ("--launch.max_staleness", str(k), "--loss.is_level", "token") if k else ()
+    return ["--launch.model", smollm2_dir(), "--launch.out_dir", out_dir, "--launch.steps", str(steps),
+            "--agent.path", agent, "--data.path", agent, *SMOLLM2_LOOP, "--train.lr", lr,
+            "--eval.every", str(eval_every), "--eval.prompts", "200", "--vllm.gpu_memory_utilization", "0.3",
+            "--no-vllm.enforce_eager", "--fsdp.param_dtype", "bfloat16", "--train.max_tokens_per_microbatch", "16384",
+            "--launch.colocate", *async_]
+
+
 def bench_smollm2(steps: int = 20, lr: str = "2e-5", k: int = 0) -> dict:
     """K=0: the loop strictly on-policy, so its gap to the bound is our overhead. K=1: the next batch samples
     while the trainer steps (both on the one GPU), the loop as it is meant to run."""
@@ -362,14 +374,8 @@ def bench_smollm2(steps: int = 20, lr: str = "2e-5", k: int = 0) -> dict:
     from recipes.compare_agent import rows
     from recipes.smollm2 import smollm2_dir
     from transformers import AutoTokenizer
-    model, agent = smollm2_dir(), os.path.join(ROOT, "recipes", "compare_agent.py")
-    out_dir = os.path.join(ROOT, "runs", f"bench_smollm2_k{k}")
-    async_ = ("--launch.max_staleness", str(k), "--loss.is_level", "token") if k else ()
-    argv = ["--launch.model", model, "--launch.out_dir", out_dir, "--launch.steps", str(steps), "--agent.path", agent,
-            "--data.path", agent, *SMOLLM2_LOOP, "--train.lr", lr, "--eval.every", "10", "--eval.prompts", "200",
-            "--vllm.gpu_memory_utilization", "0.3", "--no-vllm.enforce_eager", "--fsdp.param_dtype", "bfloat16",
-            "--train.max_tokens_per_microbatch", "16384", "--launch.colocate", *async_]
-    cfg = launch.parse_args(argv)
+    model, out_dir = smollm2_dir(), os.path.join(ROOT, "runs", f"bench_smollm2_k{k}")
+    cfg = launch.parse_args(smollm2_argv(out_dir, steps, lr, k, eval_every=10))
     asyncio.run(launch.run_rl(cfg))
     rows_ = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
     curve = [(r["step"] + 1, round(r["rollout/reward_mean"], 3), round(r.get("eval/reward_mean", -1), 3))
@@ -399,6 +405,176 @@ def bench_smollm2(steps: int = 20, lr: str = "2e-5", k: int = 0) -> dict:
                   step_s=total("launch/step_s") / len(timed), refit_s=total("launch/refit_s") / len(timed),
                   action_tokens_per_step=tokens / len(timed), mismatch_abs=total("loss/mismatch_abs") / len(timed),
                   lr=lr, steps=steps, curve=curve)
+
+
+# --- peer: the same GRPO job in TRL's GRPOTrainer (its vLLM colocated) and in ours
+
+PEER = dict(group=8, new_tokens=64, temperature=0.7, lr=2e-5, max_model_len=512, gpu_memory_utilization=0.3,
+            held_out=200)  # and 128 prompts per step: SMOLLM2_LOOP's job
+
+
+class PeakGpu:
+    """Peak memory used on GPU 0 by all processes (NVML, every 0.1 s) while the block runs; with `watch`, also the
+    seconds from `t0` until that file first holds a line (our loop's first step)."""
+
+    def __init__(self, t0: float, watch: str | None = None):
+        self.t0, self.watch, self.peak, self.first_s = t0, watch, 0, None
+
+    def __enter__(self):
+        import threading
+
+        import pynvml
+        pynvml.nvmlInit()
+        handle, self.stop = pynvml.nvmlDeviceGetHandleByIndex(0), threading.Event()
+        self.idle_gib = pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2**30
+
+        def poll():
+            while not self.stop.wait(0.1):
+                self.peak = max(self.peak, pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+                if self.first_s is None and self.watch and os.path.exists(self.watch) and os.path.getsize(self.watch):
+                    self.first_s = time.perf_counter() - self.t0
+        self.thread = threading.Thread(target=poll, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+        self.gib = self.peak / 2**30
+
+
+def trl_job(steps: int, model: str, out_dir: str, use_vllm: bool = True, **overrides) -> dict:
+    """TRL's GRPOTrainer on PEER's job, vLLM colocated in this process (so: a process of its own). Same prompts,
+    reward (recipes/compare_agent.py's env), group, batch (1,024 samples, one optimizer step), lengths, temperature,
+    lr, AdamW, fp32 masters under bf16 autocast and no checkpointing, as ours; PPO clip 0.2, no KL, token-mean loss,
+    group-std advantages. TRL's defaults kept: its vLLM importance-sampling correction (which also measures the
+    mismatch: one extra no-grad forward per step). Timed: each step, and inside it TRL's generate and sync_weights."""
+    import datasets
+    import trl
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from recipes.compare_agent import CompareEnv, rows
+    t0, env, chat = time.perf_counter(), CompareEnv(), lambda r: [{"role": "user", "content": r["prompt"]}]
+
+    async def reward(completions, label, **_):
+        done = await asyncio.gather(*(env.step(c[-1]["content"], {"label": y}) for c, y in zip(completions, label)))
+        return [r.reward for r in done]
+
+    tok = AutoTokenizer.from_pretrained(model)
+    args = dict(output_dir=out_dir, max_steps=steps, learning_rate=PEER["lr"], lr_scheduler_type="constant",
+                optim="adamw_torch_fused", weight_decay=0.0, max_grad_norm=1.0, bf16=True, gradient_checkpointing=False,
+                model_init_kwargs={"dtype": "float32"}, per_device_train_batch_size=256, gradient_accumulation_steps=4,
+                num_generations=PEER["group"], max_completion_length=PEER["new_tokens"],
+                temperature=PEER["temperature"], beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group",
+                use_vllm=use_vllm, vllm_mode="colocate",
+                vllm_gpu_memory_utilization=PEER["gpu_memory_utilization"], vllm_max_model_length=PEER["max_model_len"],
+                logging_steps=1, save_strategy="no", report_to="none", seed=0)
+    ends, clock = [], {"generate_s": [], "sync_s": [], "tokens": []}
+
+    class Ends(TrainerCallback):
+        def on_step_end(self, *a, **k):
+            ends.append(time.perf_counter())
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(**{**args, **overrides}),
+                          train_dataset=datasets.Dataset.from_list([{"prompt": chat(r), "label": r["label"]}
+                                                                    for r in rows("train")]),
+                          processing_class=tok, callbacks=[Ends()])
+    held_out = (lambda: None) if not use_vllm else lambda: trl_held_out(trainer.vllm_generation.llm, tok, reward)
+    if use_vllm:
+        gen = trainer.vllm_generation
+        gen.generate = timed(gen.generate, clock, "generate_s")
+        gen.sync_weights = timed(gen.sync_weights, clock, "sync_s")
+    before = held_out()
+    start = time.perf_counter()
+    trainer.train()
+    if use_vllm:
+        trainer.vllm_generation.sync_weights()  # the last step's update: its engine gets it at the next step
+    step_s = [b - a for a, b in zip([start] + ends, ends)][2:]  # steps 0-1 warm up
+    tokens, gen_s, sync_s = (sum(clock[k][2:]) for k in ("tokens", "generate_s", "sync_s"))
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    mismatch = [h.get("sampling/sampling_logp_difference/mean") for h in logs[2:]]
+    return report("peer_trl", steps_per_s=len(step_s) / sum(step_s), sampled_tokens_per_s=tokens / sum(step_s),
+                  trained_tokens_per_s=tokens / (sum(step_s) - gen_s - sync_s), first_step_s=ends[0] - t0,
+                  generate_s=gen_s / len(step_s), sync_s=sync_s / len(step_s), step_s=sum(step_s) / len(step_s),
+                  tokens_per_step=tokens / len(step_s), held_out_before=before, held_out_after=held_out(),
+                  mismatch_abs=statistics.mean(mismatch) if None not in mismatch else None,
+                  peak_torch_gib=torch.cuda.max_memory_allocated() / 2**30 if use_vllm else None, steps=steps,
+                  curve=[(i + 1, round(h["reward"], 3)) for i, h in enumerate(logs)], trl=trl.__version__)
+
+
+def timed(fn, clock: dict, key: str):
+    """fn, adding each call's seconds to clock[key] (and, for TRL's generate, its sampled tokens to clock["tokens"])."""
+    def call(*a, **k):
+        start = time.perf_counter()
+        out = fn(*a, **k)
+        clock[key].append(time.perf_counter() - start)
+        if key == "generate_s":
+            clock["tokens"].append(sum(len(c) for c in out[1]))
+        return out
+    return call
+
+
+def trl_held_out(llm, tok, reward) -> float:
+    """Mean reward of one sample (PEER's temperature and length) for each of the first held-out prompts, on TRL's
+    engine, as our --eval does on ours."""
+    from vllm import SamplingParams
+
+    from recipes.compare_agent import rows
+    test = rows("test")[:PEER["held_out"]]
+    ids = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
+                                   return_dict=False) for r in test]
+    outs = llm.generate([{"prompt_token_ids": i} for i in ids], use_tqdm=False, sampling_params=SamplingParams(
+        temperature=PEER["temperature"], max_tokens=PEER["new_tokens"]))
+    got = asyncio.run(reward([[{"content": o.outputs[0].text}] for o in outs], [r["label"] for r in test]))
+    return statistics.mean(got)
+
+
+def peer_ours(steps: int, k: int) -> dict:
+    """Ours on PEER's job (bench_smollm2's loop, evaluated before and after only)."""
+    import shutil
+
+    import launch
+    out_dir = os.path.join(ROOT, "runs", f"bench_peer_ours_k{k}")
+    shutil.rmtree(out_dir, ignore_errors=True)  # the metrics file is appended to
+    t0 = time.perf_counter()
+    with PeakGpu(t0, os.path.join(out_dir, "metrics.jsonl")) as peak:
+        asyncio.run(launch.run_rl(launch.parse_args(smollm2_argv(out_dir, steps, str(PEER["lr"]), k, steps))))
+    rows_ = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+    timed_ = [r for prev, r in zip(rows_[1:], rows_[2:])
+              if "eval/reward_mean" not in r and "eval/reward_mean" not in prev]
+    total = lambda key: sum(r[key] for r in timed_)
+    tokens, span = total("rollout/action_tokens"), total("launch/step_s")
+    return {"steps_per_s": len(timed_) / span, "sampled_tokens_per_s": tokens / span,
+            "trained_tokens_per_s": tokens / total("launch/train_s"), "first_step_s": peak.first_s,
+            "step_s": span / len(timed_), "tokens_per_step": tokens / len(timed_), "peak_gpu_gib": peak.gib,
+            "trainer_peak_gib": max(r["train/peak_gib"] for r in rows_),
+            "held_out_before": rows_[0].get("eval/before_reward_mean"), "held_out_after": rows_[-1]["eval/reward_mean"],
+            "mismatch_abs": total("loss/mismatch_abs") / len(timed_), "max_staleness": k,
+            "curve": [(r["step"] + 1, round(r["rollout/reward_mean"], 3)) for r in rows_]}
+
+
+def bench_peer(steps: int = 20) -> dict:
+    """TRL (in a process of its own, while this one watches the GPU's memory), then ours at K=0, same job."""
+    import subprocess
+    t0 = time.perf_counter()
+    with PeakGpu(t0) as peak:
+        subprocess.run([sys.executable, os.path.abspath(__file__), "peer_trl", str(steps)], check=True)
+    trl_ = [json.loads(line) for line in open(OUT) if '"peer_trl"' in line][-1]
+    trl_["peak_gpu_gib"], trl_["idle_gpu_gib"] = peak.gib, peak.idle_gib
+    ours = peer_ours(steps, 0)
+    return peer_report("peer", ours, trl_, 1.5)
+
+
+def bench_peer_k1(steps: int = 20) -> dict:
+    """Ours at K=1 on the same job, against the TRL run of this machine's last `peer` section."""
+    trl_ = [json.loads(line) for line in open(OUT) if '"section": "peer"' in line][-1]["trl"]
+    return peer_report("peer_k1", peer_ours(steps, 1), trl_, 2.0)
+
+
+def peer_report(section: str, ours: dict, trl_: dict, target: float) -> dict:
+    ratio = lambda key: ours[key] / trl_[key]
+    return report(section, ours=ours, trl=trl_, sampled_tokens_ratio=ratio("sampled_tokens_per_s"),
+                  steps_ratio=ratio("steps_per_s"), trained_tokens_ratio=ratio("trained_tokens_per_s"), target=target)
 
 
 # --- partial rollouts vs draining, on a long tail of completion lengths
@@ -501,10 +677,15 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("bench_gpu: not run: needs CUDA (on the GPU machine: make bench-gpu)")
         return
+    if sys.argv[1:2] == ["peer_trl"]:  # bench_peer's child process
+        from recipes.smollm2 import smollm2_dir
+        trl_job(int(sys.argv[2]), smollm2_dir(), os.path.join(ROOT, "runs", "bench_peer_trl"))
+        return
     import ray
     sections = sys.argv[1:] or ["logprobs", "trainer", "generator", "refit", "loop1", "loop2", "smollm2", "smollm2_k1",
                                 "longtail", "moe", "vlm", "lora", "lora_smollm2"]
-    model = model_dir() if set(sections) - {"logprobs", "smollm2", "smollm2_k1", "moe", "vlm", "lora_smollm2"} else None
+    model = model_dir() if set(sections) - {"logprobs", "smollm2", "smollm2_k1", "moe", "vlm", "lora_smollm2", "peer",
+                                       "peer_k1"} else None
     ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     for s in sections:
         print(f"== {s}", flush=True)
@@ -536,6 +717,10 @@ def main() -> None:
             bench_smollm2()
         elif s == "smollm2_k1":
             bench_smollm2(k=1)
+        elif s == "peer":
+            bench_peer()
+        elif s == "peer_k1":
+            bench_peer_k1()
         elif s == "longtail":
             bench_longtail(model)
         elif s == "moe":
