@@ -556,12 +556,19 @@ def peer_ours(steps: int, k: int) -> dict:
 def bench_peer(steps: int = 20) -> dict:
     """TRL (in a process of its own, while this one watches the GPU's memory), then ours at K=0, same job."""
     import subprocess
-    t0 = time.perf_counter()
-    with PeakGpu(t0) as peak:
-        subprocess.run([sys.executable, os.path.abspath(__file__), "peer_trl", str(steps)], check=True)
-    trl_ = [json.loads(line) for line in open(OUT) if '"peer_trl"' in line][-1]
+    runs = lambda: [json.loads(line) for line in open(OUT) if '"peer_trl"' in line] if os.path.exists(OUT) else []
+    done = len(runs())
+    with PeakGpu(time.perf_counter()) as peak:
+        try:
+            child = [sys.executable, os.path.abspath(__file__), "peer_trl", str(steps)]
+            rc = subprocess.run(child, timeout=360).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timed out after 360 s"
+    trl_ = runs()[-1] if len(runs()) > done else {"failed_rc": rc}  # ours runs either way
     trl_["peak_gpu_gib"], trl_["idle_gpu_gib"] = peak.gib, peak.idle_gib
     ours = peer_ours(steps, 0)
+    if "failed_rc" in trl_:
+        return report("peer", ours=ours, trl=trl_)
     return peer_report("peer", ours, trl_, 1.5)
 
 
@@ -680,7 +687,8 @@ def main() -> None:
     if sys.argv[1:2] == ["peer_trl"]:  # bench_peer's child process
         from recipes.smollm2 import smollm2_dir
         trl_job(int(sys.argv[2]), smollm2_dir(), os.path.join(ROOT, "runs", "bench_peer_trl"))
-        return
+        sys.stdout.flush()
+        os._exit(0)  # reported: no wait on the in-process engine's teardown
     import ray
     sections = sys.argv[1:] or ["logprobs", "trainer", "generator", "refit", "loop1", "loop2", "smollm2", "smollm2_k1",
                                 "longtail", "moe", "vlm", "lora", "lora_smollm2"]
