@@ -487,10 +487,10 @@ def trl_job(steps: int, model: str, out_dir: str, use_vllm: bool = True, **overr
     before = held_out()
     start = time.perf_counter()
     trainer.train()
-    if use_vllm:
-        trainer.vllm_generation.sync_weights()  # the last step's update: its engine gets it at the next step
     step_s = [b - a for a, b in zip([start] + ends, ends)][2:]  # steps 0-1 warm up
     tokens, gen_s, sync_s = (sum(clock[k][2:]) for k in ("tokens", "generate_s", "sync_s"))
+    if use_vllm:
+        trainer.vllm_generation.sync_weights()  # the last step's update: its engine gets it at the next step
     logs = [h for h in trainer.state.log_history if "reward" in h]
     mismatch = [h.get("sampling/sampling_logp_difference/mean") for h in logs[2:]]
     return report("peer_trl", steps_per_s=len(step_s) / sum(step_s), sampled_tokens_per_s=tokens / sum(step_s),
