@@ -1073,7 +1073,7 @@ class TrainerGroup:
                                           temperature) for r in range(train.world_size)]
         try:
             addr, port = ray.get(self.actors[0].address.remote())
-            if batch_invariant:
+            if batch_invariant:  # before setup: vLLM's cuBLAS settings (env) hold only before a rank's first matmul
                 self.call("enable_batch_invariance")
             self.call("setup", addr, port)
         except Exception:  # a rank that failed to start leaves the others waiting in the rendezvous
