@@ -590,8 +590,12 @@ def bench_precision_runs(steps: int = 20) -> dict:
     return report("precision_runs", **res, model=name, steps=steps)
 
 
-LAYER_KINDS = ("embed_tokens", "input_layernorm", "q_norm", "k_norm", "o_proj", "self_attn",
-               "post_attention_layernorm", "down_proj", "mlp", "norm")  # module names vLLM and transformers share
+# module names vLLM and transformers share -> the op they stand for; a projection's input too (".input": the attention
+# kernel's output, the MLP's activation product); the lm_head's output is "logits"
+LAYER_KINDS = {"embed_tokens": "embedding", "input_layernorm": "norm", "q_norm": "norm", "k_norm": "norm",
+               "o_proj.input": "attention", "o_proj": "attention output projection", "self_attn": "attention",
+               "post_attention_layernorm": "norm", "down_proj.input": "MLP gate/up/activation",
+               "down_proj": "MLP down projection", "mlp": "MLP", "norm": "norm", "logits": "lm_head"}
 
 
 def hook_outputs(model: torch.nn.Module, names: set[str], store: dict, order: list | None = None) -> list:
@@ -600,10 +604,12 @@ def hook_outputs(model: torch.nn.Module, names: set[str], store: dict, order: li
     def hook(name):
         def fn(module, args, out):
             out = out[0] if isinstance(out, tuple) else out   # vLLM's norms and row-parallel linears return pairs
-            if name not in store or out.numel() > store[name].numel():
-                store[name] = out.detach().reshape(-1, out.shape[-1]).clone()
-            if order is not None and name not in order:
-                order.append(name)
+            pairs = [(name + ".input", args[0])] if name.endswith(("o_proj", "down_proj")) else []
+            for key, t in pairs + [(name, out)]:
+                if key not in store or t.numel() > store[key].numel():
+                    store[key] = t.detach().reshape(-1, t.shape[-1]).clone()
+                if order is not None and key not in order:
+                    order.append(key)
         return fn
     heads = ("logits_processor", "lm_head")
     return [m.register_forward_hook(hook("logits" if n.endswith(heads) else n)) for n, m in model.named_modules()
@@ -648,9 +654,13 @@ def precision_layers(model: str, agent: str, new: int = 48) -> dict:
     dec = torch.tensor([d[t].logprob for d, t in zip(comp.logprobs, comp.token_ids)])  # (new,)
     layers = [compare_outputs(name, engine[name], trainer[name]) for name in order if name in engine]
     gap = lambda a, b: {"max_abs": float((a - b).abs().max()), "mean_abs": float((a - b).abs().mean())}
+    first = next((e for e in layers if not e["equal"]), None)
+    kind = lambda name: next(v for k, v in LAYER_KINDS.items() if name == k or name.endswith("." + k))
+    first_op = (f"{kind(first['op'])} ({first['op']})" if first
+                else "log-softmax" if not torch.equal(pre, ours[1:]) else None)
     return report("precision_layers", model=model, tokens=len(ids), prompt_tokens=len(prompt),
-                  first_differing_op=next((e["op"] for e in layers if not e["equal"]), None),
-                  prefill_vs_trainer=gap(pre, ours[1:]), sampled_vs_trainer=gap(dec, ours[len(prompt):]),
+                  first_differing_op=first_op, prefill_vs_trainer=gap(pre, ours[1:]),
+                  sampled_vs_trainer=gap(dec, ours[len(prompt):]),
                   sampled_vs_prefill=gap(dec, pre[len(prompt) - 1:]), layers=layers)
 
 
