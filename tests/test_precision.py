@@ -110,6 +110,8 @@ def test_fp16_trainer_computes_in_float16_over_float32_masters(fp16_rank):
     rank = fp16_rank
     assert all(p.dtype == torch.float32 for p in rank.model.parameters())  # master weights
     assert rank.autocast(rank.model) and (rank.scaler.dynamic, rank.scaler.scale) == (True, 2.0 ** 16)
+    policy = rank.dist_setup.mesh_context.strategy_config.mp_policy  # what FSDP2 casts to with several ranks
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.float16, torch.float32)
     seen = []
     linear = next(m for m in rank.model.modules() if isinstance(m, torch.nn.Linear))
     hook = linear.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
