@@ -89,6 +89,7 @@ def test_clip_divides_out_the_loss_scale_in_the_same_pass():
 
 @pytest.fixture(scope="module")
 def fp16_rank(tiny_chars_model):
+    threads = torch.get_num_threads()  # a CPU rank takes one thread: give the session's back after
     rank = TrainerRank(0, 1, tiny_chars_model, TrainArgs(lr=1e-2), FsdpArgs(param_dtype="float16"), CkptArgs(),
                        LossArgs(), EstimatorArgs(), temperature=1.0)
     with socket.socket() as s:
@@ -97,6 +98,7 @@ def fp16_rank(tiny_chars_model):
     rank.setup("127.0.0.1", port)
     yield rank
     rank.shutdown()
+    torch.set_num_threads(threads)
 
 
 def sft_rows() -> list[Segment]:
