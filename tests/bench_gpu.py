@@ -665,8 +665,8 @@ def precision_layers(model: str, agent: str, new: int = 48) -> dict:
     first_op = (f"{kind(first['op'])} ({first['op']})" if first
                 else "log-softmax" if not torch.equal(pre, ours[1:]) else None)
     return report("precision_layers", model=model, tokens=len(ids), prompt_tokens=len(prompt),
-                  first_differing_op=first_op, prefill_vs_trainer=gap(pre, ours[1:]),
-                  sampled_vs_trainer=gap(dec, ours[len(prompt):]),
+                  hooked=[len(engine), len(trainer)], first_differing_op=first_op,
+                  prefill_vs_trainer=gap(pre, ours[1:]), sampled_vs_trainer=gap(dec, ours[len(prompt):]),
                   sampled_vs_prefill=gap(dec, pre[len(prompt) - 1:]), layers=layers)
 
 
