@@ -40,16 +40,27 @@ built locally. Each section measures ours and its baseline side by side in one r
   lora, lora_smollm2  the loop (K=0, one GPU shared) on the 0.6B shape / SmolLM2-135M, each three ways: full
              fine-tuning, a rank-16 LoRA refit by adapter, the same LoRA refit merged into the weights: refit
              seconds and bytes, trainer tokens/s and peak GiB, loop tokens/s.
+  precision  the rollout-trainer gap on SmolLM2-135M-Instruct and the 0.6B shape in three modes: bf16, fp16
+             (--fsdp.param_dtype float16 --vllm.dtype float16) and bf16 with vLLM's batch-invariant kernels on both
+             sides (--vllm.batch_invariant): the loop at K=0, one GPU shared, lr 0 (every step samples and
+             recomputes the loaded weights), 8 prompts x 8 samples x 64 tokens, temperature 1, eager engine, 3 steps:
+             step 0's loss/vllm_kl, mean and max |delta log p|, k3; engine and trainer tokens/s over steps 1-2.
+             Where batch-invariant mode is not bitwise: one sequence through vLLM (in-process, hooked) and the
+             trainer's model class on the same kernels, every layer's output compared, the first op that differs.
+             precision_smollm2 / precision_qwen3_0_6b: one model only.
+  precision_runs  (optional, not in the default list) 20 SmolLM2 steps per mode, lr 2e-5: held-out reward.
 Peak memory: trainer (torch max allocated) and engine (GPU memory taken by its start) are reported.
 
-    python tests/bench_gpu.py [logprobs] [trainer] [generator] [refit] [loop1] [loop2]
-                              [smollm2] [smollm2_k1] [longtail] [moe] [vlm] [lora] [lora_smollm2]   # all;
+    python tests/bench_gpu.py [logprobs] [trainer] [generator] [refit] [loop1] [loop2] [smollm2] [smollm2_k1]
+                              [longtail] [moe] [vlm] [lora] [lora_smollm2] [precision] [precision_runs]   # all;
                                                                         # results also appended to $BENCH_OUT
 """
 import asyncio
 import json
 import os
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 
@@ -680,6 +691,177 @@ def bench_vlm(steps: int = 30) -> dict:
                   curve=[(r["step"] + 1, round(r["rollout/reward_mean"], 3)) for r in rows_])
 
 
+# --- precision: the rollout-trainer gap in bf16, fp16 and bf16 on vLLM's batch-invariant kernels
+
+PRECISIONS = {"bf16": ("--fsdp.param_dtype", "bfloat16", "--vllm.dtype", "bfloat16"),
+              "fp16": ("--fsdp.param_dtype", "float16", "--vllm.dtype", "float16"),
+              "bf16_batch_invariant": ("--fsdp.param_dtype", "bfloat16", "--vllm.dtype", "bfloat16",
+                                       "--vllm.batch_invariant", "--no-fsdp.compile_logprobs")}
+
+
+def precision_argv(model: str, agent: str, out_dir: str, mode: str, *extra: str) -> list[str]:
+    return ["--launch.model", model, "--launch.out_dir", out_dir, "--agent.path", agent, "--data.path", agent,
+            "--launch.batch_prompts", "8", "--launch.samples_per_prompt", "8", "--rollout.max_new_tokens", "64",
+            "--vllm.max_model_len", "512", "--agent.max_context", "512", "--vllm.gpu_memory_utilization", "0.3",
+            "--train.max_tokens_per_microbatch", "16384", "--launch.colocate", *PRECISIONS[mode], *extra]
+
+
+def precision_gap(model: str, agent: str, name: str, mode: str, steps: int = 3) -> dict:
+    """The loop at K=0 with lr 0 in one precision mode: step 0's mismatch (before any optimizer step), the max over
+    every step, the fp16 loss scale, and engine / trainer tokens/s over the steps after the first (it warms up)."""
+    import launch
+    out_dir = os.path.join(ROOT, "runs", f"bench_precision_{name}_{mode}")
+    shutil.rmtree(out_dir, ignore_errors=True)  # metrics.jsonl appends
+    argv = precision_argv(model, agent, out_dir, mode, "--launch.steps", str(steps), "--train.lr", "0")
+    asyncio.run(launch.run_rl(launch.parse_args(argv)))
+    rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+    first, warm = rows[0], rows[1:]
+    tokens = sum(r["rollout/action_tokens"] for r in warm)
+    return {"vllm_kl_step0": first["loss/vllm_kl"], "mismatch_abs_step0": first["loss/mismatch_abs"],
+            "mismatch_max_abs_step0": first["loss/mismatch_max_abs"], "mismatch_k3_step0": first["loss/mismatch_k3"],
+            "mismatch_frac_step0": first["loss/mismatch_frac"],
+            "mismatch_abs_mean": statistics.mean(r["loss/mismatch_abs"] for r in rows),
+            "mismatch_max_abs": max(r["loss/mismatch_max_abs"] for r in rows),
+            "engine_tokens_per_s": tokens / sum(r["launch/rollout_wait_s"] for r in warm),
+            "trainer_tokens_per_s": tokens / sum(r["launch/train_s"] for r in warm),
+            "loss_scale": rows[-1].get("train/loss_scale"), "skipped_steps": rows[-1].get("train/skipped_steps")}
+
+
+def precision_models(only: str | None = None) -> list[tuple[str, str, str]]:
+    """(name, model directory, agent) of both models, or of the one named; each directory built when asked for."""
+    from recipes.smollm2 import smollm2_dir
+    models = {"smollm2": (smollm2_dir, os.path.join(ROOT, "recipes", "compare_agent.py")),
+              "qwen3_0_6b": (model_dir, COPY)}
+    return [(name, build(), agent) for name, (build, agent) in models.items() if only in (None, name)]
+
+
+def bench_precision(only: str | None = None) -> dict:
+    out = {}
+    for name, model, agent in precision_models(only):
+        res = {}
+        for mode in PRECISIONS:  # each mode reported as it ends: a failing one keeps the others' numbers
+            try:
+                res[mode] = precision_gap(model, agent, name, mode)
+            except Exception as e:  # a bench records the failure and goes on
+                res[mode] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            report(f"precision_{name}_{mode}", **res[mode])
+        bi = res["bf16_batch_invariant"]
+        if bi.get("mismatch_max_abs", 0) > 0:  # not bitwise: find the first op that differs, in a process of its own
+            env = {**os.environ, "VLLM_BATCH_INVARIANT": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+            done = subprocess.run([sys.executable, os.path.abspath(__file__), "precision_layers", model, agent],
+                                  env=env, timeout=600)
+            bi["layers_rc"] = done.returncode
+        ratio = lambda a, key: res[a][key] / res["bf16"][key] if key in res[a] and res["bf16"].get(key) else None
+        out[name] = report(f"precision_{name}", **res, model=model,
+                           fp16_over_bf16_mismatch=ratio("fp16", "mismatch_abs_step0"),
+                           bi_over_bf16_engine_tokens_per_s=ratio("bf16_batch_invariant", "engine_tokens_per_s"),
+                           bi_over_bf16_trainer_tokens_per_s=ratio("bf16_batch_invariant", "trainer_tokens_per_s"))
+    return out
+
+
+def bench_precision_runs(steps: int = 20) -> dict:
+    """20 SmolLM2 steps per precision mode (K=0, lr 2e-5, 8 x 8 episodes a step): held-out reward on 200 test pairs
+    before and after, and the mismatch of the last step."""
+    import launch
+    ((name, model, agent),), res = precision_models("smollm2"), {}
+    for mode in PRECISIONS:
+        out_dir = os.path.join(ROOT, "runs", f"bench_precision_runs_{mode}")
+        shutil.rmtree(out_dir, ignore_errors=True)
+        argv = precision_argv(model, agent, out_dir, mode, "--launch.steps", str(steps), "--train.lr", "2e-5",
+                              "--eval.every", "10", "--eval.prompts", "200", "--rollout.temperature", "0.7")
+        asyncio.run(launch.run_rl(launch.parse_args(argv)))
+        rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+        res[mode] = {"held_out_before": rows[0].get("eval/before_reward_mean"),
+                     "held_out_after": [r["eval/reward_mean"] for r in rows if "eval/reward_mean" in r][-1],
+                     "mismatch_abs_last": rows[-1]["loss/mismatch_abs"],
+                     "skipped_steps": rows[-1].get("train/skipped_steps"),
+                     "curve": [(r["step"] + 1, round(r["rollout/reward_mean"], 3)) for r in rows]}
+    return report("precision_runs", **res, model=name, steps=steps)
+
+
+# module names vLLM and transformers share -> the op they stand for; a projection's input too (".input": the attention
+# kernel's output, the MLP's activation product); the lm_head's output is "logits"
+LAYER_KINDS = {"embed_tokens": "embedding", "input_layernorm": "norm", "q_norm": "norm", "k_norm": "norm",
+               "o_proj.input": "attention", "o_proj": "attention output projection", "self_attn": "attention",
+               "post_attention_layernorm": "norm", "down_proj.input": "MLP gate/up/activation",
+               "down_proj": "MLP down projection", "mlp": "MLP", "norm": "norm", "logits": "lm_head"}
+
+
+def hook_outputs(model: torch.nn.Module, names: set[str], store: dict, order: list | None = None) -> list:
+    """Forward hooks that keep each named module's output as (rows, last dim), the call with the most rows (a
+    prefill's logits, not the sampled position's); the logits under one name, "logits"; order: first-call order."""
+    def hook(name):
+        def fn(module, args, out):
+            out = out[0] if isinstance(out, tuple) else out   # vLLM's norms and row-parallel linears return pairs
+            pairs = [(name + ".input", args[0])] if name.endswith(("o_proj", "down_proj")) else []
+            for key, t in pairs + [(name, out)]:
+                if key not in store or t.numel() > store[key].numel():
+                    store[key] = t.detach().reshape(-1, t.shape[-1]).clone()
+                if order is not None and key not in order:
+                    order.append(key)
+        return fn
+    heads = ("logits_processor", "lm_head")
+    return [m.register_forward_hook(hook("logits" if n.endswith(heads) else n)) for n, m in model.named_modules()
+            if n in names or n.endswith(heads)]
+
+
+def precision_layers(model: str, agent: str, new: int = 48) -> dict:
+    """Run by bench_precision in a process of its own (VLLM_BATCH_INVARIANT=1, engine in-process): vLLM (eager, bf16,
+    hooked) samples one completion of a prompt, then prefills prompt + completion; the trainer's model class
+    (transformers, sdpa attention: NeMo's choice without flash-attn) runs the same ids under the trainer's bf16
+    autocast over float32 weights, on the kernels vLLM's batch-invariant mode put into this process. Every module both
+    name alike is compared in the engine's dtype, in the order the trainer calls them, then the logits, and the
+    log-probs of the prefill and of the sampling against the trainer's (eager token_logprobs, as a rank)."""
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model's function: in-process, but checked
+    from transformers import AutoModelForCausalLM
+    from vllm import LLM, SamplingParams
+
+    from agent import load_module
+    from trainer import TrainerRank, token_logprobs
+    llm = LLM(model=model, dtype="bfloat16", enforce_eager=True, gpu_memory_utilization=0.25, max_model_len=512,
+              seed=0, enable_prefix_caching=False, logprobs_mode="processed_logprobs")
+    TrainerRank.enable_batch_invariance(None)  # the ranks' own call (a no-op once the engine's start made it)
+    row = load_module(agent, "rows", "--agent.path").rows("train")[0]
+    prompt = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": row["prompt"]}],
+                                                     add_generation_prompt=True, return_dict=False)
+    comp = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=new, temperature=1.0, seed=0,
+                                                                       logprobs=0, ignore_eos=True))[0].outputs[0]
+    ids = list(prompt) + list(comp.token_ids)
+    ref = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="sdpa").cuda().eval()
+    names = {n for n, _ in ref.named_modules() if n.rsplit(".", 1)[-1] in LAYER_KINDS}
+    engine, trainer, order = {}, {}, []
+    handles = llm.apply_model(lambda m: hook_outputs(m, names, engine))[0]
+    prefill = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    for h in handles:
+        h.remove()
+    hook_outputs(ref, names, trainer, order)
+    x = torch.tensor([ids], device="cuda")
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = ref(input_ids=x, use_cache=False).logits
+    ours = token_logprobs(logits, x, 1.0, entropy=False, entropy_grad=False)[0][0].cpu()  # (T,)
+    pre = torch.tensor([d[t].logprob for d, t in zip(prefill.prompt_logprobs[1:], ids[1:])])  # (T - 1,)
+    dec = torch.tensor([d[t].logprob for d, t in zip(comp.logprobs, comp.token_ids)])  # (new,)
+    layers = [compare_outputs(name, engine[name], trainer[name]) for name in order if name in engine]
+    gap = lambda a, b: {"max_abs": float((a - b).abs().max()), "mean_abs": float((a - b).abs().mean())}
+    first = next((e for e in layers if not e["equal"]), None)
+    kind = lambda name: next(v for k, v in LAYER_KINDS.items() if name == k or name.endswith("." + k))
+    first_op = (f"{kind(first['op'])} ({first['op']})" if first
+                else "log-softmax" if not torch.equal(pre, ours[1:]) else None)
+    return report("precision_layers", model=model, tokens=len(ids), prompt_tokens=len(prompt),
+                  hooked=[len(engine), len(trainer)], first_differing_op=first_op,
+                  prefill_vs_trainer=gap(pre, ours[1:]), sampled_vs_trainer=gap(dec, ours[len(prompt):]),
+                  sampled_vs_prefill=gap(dec, pre[len(prompt) - 1:]), layers=layers)
+
+
+def compare_outputs(name: str, engine: torch.Tensor, trainer: torch.Tensor) -> dict:
+    """One module's output, the trainer's rounded to the engine's dtype (an fp32 norm output under autocast)."""
+    n = min(len(engine), len(trainer))
+    a, b = engine[:n].float(), trainer[:n].to(engine.dtype).float()
+    return {"op": name, "equal": bool(torch.equal(a, b)), "max_abs": float((a - b).abs().max()),
+            "frac_differ": float((a != b).float().mean()), "engine_dtype": str(engine.dtype),
+            "trainer_dtype": str(trainer.dtype), "rows": [len(engine), len(trainer)]}
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         print("bench_gpu: not run: needs CUDA (on the GPU machine: make bench-gpu)")
@@ -689,11 +871,15 @@ def main() -> None:
         trl_job(int(sys.argv[2]), smollm2_dir(), os.path.join(ROOT, "runs", "bench_peer_trl"))
         sys.stdout.flush()
         os._exit(0)  # reported: no wait on the in-process engine's teardown
+    if sys.argv[1:2] == ["precision_layers"]:  # bench_precision's child process: no Ray
+        precision_layers(*sys.argv[2:])
+        return
     import ray
     sections = sys.argv[1:] or ["logprobs", "trainer", "generator", "refit", "loop1", "loop2", "smollm2", "smollm2_k1",
-                                "longtail", "moe", "vlm", "lora", "lora_smollm2"]
-    model = model_dir() if set(sections) - {"logprobs", "smollm2", "smollm2_k1", "moe", "vlm", "lora_smollm2", "peer",
-                                       "peer_k1"} else None
+                                "longtail", "moe", "vlm", "lora", "lora_smollm2", "precision"]
+    model = model_dir() if set(sections) - {"logprobs", "smollm2", "smollm2_k1", "moe", "vlm", "lora_smollm2",
+                                            "precision", "precision_smollm2", "precision_qwen3_0_6b",
+                                            "precision_runs", "peer", "peer_k1"} else None
     ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     for s in sections:
         print(f"== {s}", flush=True)
@@ -740,6 +926,10 @@ def main() -> None:
         elif s == "lora_smollm2":
             from recipes.smollm2 import smollm2_dir
             bench_lora(smollm2_dir(), "smollm2", "--vllm.dtype", "bfloat16")  # its directory is fp32
+        elif s in ("precision", "precision_smollm2", "precision_qwen3_0_6b"):  # both models, or one
+            bench_precision(s.removeprefix("precision").removeprefix("_") or None)
+        elif s == "precision_runs":
+            bench_precision_runs()
     ray.shutdown()
 
 
