@@ -309,7 +309,7 @@ def test_loop_colocated_on_one_gpu_with_lr_0_keeps_mismatch_flat(gpu_model, ray_
 
 
 @pytest.mark.parametrize("mode, flags, bound", [
-    ("bf16", ("--vllm.dtype", "bfloat16"), 0.02),
+    ("bf16", ("--vllm.dtype", "bfloat16"), 0.006),  # H200 2026-12-03: 0.0027-0.0030 over the 4 steps
     ("fp16", ("--fsdp.param_dtype", "float16", "--vllm.dtype", "float16"), 0.02),
     ("bf16_batch_invariant", ("--vllm.dtype", "bfloat16", "--vllm.batch_invariant", "--no-fsdp.compile_logprobs"),
      0.02),
