@@ -49,6 +49,10 @@ built locally. Each section measures ours and its baseline side by side in one r
              trainer's model class on the same kernels, every layer's output compared, the first op that differs.
              precision_smollm2 / precision_qwen3_0_6b: one model only.
   precision_runs  (optional, not in the default list) 20 SmolLM2 steps per mode, lr 2e-5: held-out reward.
+  peer       (optional) smollm2's job (128 prompts x 8, <= 64 tokens, temperature 0.7, lr 2e-5, K=0, 20 steps) in TRL's
+             GRPOTrainer with its vLLM colocated (use_vllm, vllm_mode="colocate"; TRL 1.16 supports vLLM 0.22-0.31)
+             and in ours: steps/s, sampled and trained tokens/s, peak GPU memory, time to first step, held-out
+             reward, mismatch. peer_k1: ours at K=1 against that TRL run.
 Peak memory: trainer (torch max allocated) and engine (GPU memory taken by its start) are reported.
 
     python tests/bench_gpu.py [logprobs] [trainer] [generator] [refit] [loop1] [loop2] [smollm2] [smollm2_k1]
