@@ -39,8 +39,11 @@ LORA_RANKS = (0, 1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank v
 
 @dataclass
 class VllmArgs:
-    dtype: str = field(default="auto", metadata={"help": "dtype; auto = the checkpoint's (vLLM's auto downcasts fp32)",
+    dtype: str = field(default="auto", metadata={"help": "dtype; auto = the checkpoint's (vLLM's auto downcasts fp32); "
+                                                 "float16 needs --fsdp.param_dtype float16",
                                                  "choices": ("auto", "float32", "bfloat16", "float16")})
+    batch_invariant: bool = field(default=False, metadata={
+        "help": "GPU: vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT) in the engines and the trainer's forward"})
     max_model_len: int = field(default=2048, metadata={"help": "longest prompt + completion, in tokens"})
     gpu_memory_utilization: float = field(default=0.5, metadata={"help": "GPU only: GPU memory share for weights + KV"})
     kv_cache_gb: float = field(default=1.0, metadata={"help": "CPU only: KV cache GiB (else vLLM takes most RAM)"})
@@ -83,6 +86,16 @@ class VllmArgs:
         if self.enable_expert_parallel and self.tensor_parallel_size == 1:
             raise ValueError("--vllm.enable_expert_parallel with --vllm.tensor_parallel_size 1: one GPU holds "
                              "every expert anyway; set --vllm.tensor_parallel_size > 1 or drop the flag")
+
+    def check_trainer(self, param_dtype: str, compile_logprobs: bool) -> None:
+        """Refuse a trainer that would compute another function than these engines (launch.py calls this)."""
+        if (param_dtype == "float16") != (self.dtype == "float16"):
+            raise ValueError(f"--fsdp.param_dtype {param_dtype} with --vllm.dtype {self.dtype}: float16 runs on both "
+                             "sides or on neither (float16 keeps 3 more mantissa bits and 3 fewer exponent bits than "
+                             "bfloat16: one side in it computes another function); set both to float16, or neither")
+        if self.batch_invariant and compile_logprobs:
+            raise ValueError("--vllm.batch_invariant with --fsdp.compile_logprobs: inductor fuses its own log-softmax, "
+                             "not vLLM's batch-invariant kernel; add --no-fsdp.compile_logprobs")
 
     def check_lora_rank(self, lora_rank: int) -> None:
         """Refuse engines that serve LoRA with a trainer that trains no adapter they fit (launch.py calls this)."""
@@ -335,6 +348,9 @@ def build_engine_args(model_path: str, vllm: VllmArgs, *, cuda: bool):
     if not cuda and vllm.return_routed_experts:
         raise ValueError("--vllm.return_routed_experts on a CPU engine: vLLM records experts only in its model "
                          "runner V2, which needs Triton (GPU builds)")
+    if not cuda and vllm.batch_invariant:
+        raise ValueError("--vllm.batch_invariant on a CPU engine: vLLM's batch-invariant kernels are Triton kernels "
+                         "for CUDA GPUs (vLLM-CPU has none); drop the flag")
     if not cuda and vllm.gpu_memory_utilization != defaults.gpu_memory_utilization:
         raise ValueError("--vllm.gpu_memory_utilization on a CPU engine: size its KV cache with --vllm.kv_cache_gb")
     if cuda and (vllm.kv_cache_gb != defaults.kv_cache_gb or vllm.cpu_threads != defaults.cpu_threads):
@@ -345,6 +361,8 @@ def build_engine_args(model_path: str, vllm: VllmArgs, *, cuda: bool):
     if not cuda:  # the worker runs in the engine-core process (one spawn fewer: start-up ~2x faster) with
         # --vllm.cpu_threads threads; that process reads both variables when it starts.
         os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(vllm.cpu_threads)})
+    if vllm.batch_invariant:  # read by vLLM's config and by the worker process it starts (one flag, one env var)
+        os.environ["VLLM_BATCH_INVARIANT"] = "1"
     from vllm.config import StructuredOutputsConfig
     from vllm.engine.arg_utils import AsyncEngineArgs  # vLLM only where an engine runs: trainer.py imports this file
     spec = {"method": "mtp", "num_speculative_tokens": vllm.num_speculative_tokens}

@@ -162,6 +162,7 @@ def check_cross_flags(cfg: dict) -> None:
                          "routing to replay; set --vllm.return_routed_experts")
     rollout.check_logprobs_usable(importance_correction=loss.importance_correction, kl_to_rollout=loss.kl_to_rollout)
     cfg["vllm"].check_lora_rank(train.lora_rank)
+    cfg["vllm"].check_trainer(cfg["fsdp"].param_dtype, cfg["fsdp"].compile_logprobs)
     if not launch.model:
         raise ValueError("--launch.model is required: a Hugging Face model directory "
                          "(recipes/tiny_model.py builds one)")
@@ -459,7 +460,8 @@ async def run_rl(cfg: dict) -> dict:
     engine_gpus, rank_gpus = gpu_shares(launch, train, cfg["vllm"])
     generator = Generator(launch.model, cfg["vllm"], rollout, actor_options=engine_gpus)  # first: it sizes its KV cache
     trainer = TrainerGroup(launch.model, train, cfg["fsdp"], cfg["ckpt"], cfg["loss"], cfg["estimator"],
-                           temperature=rollout.temperature, gpus_per_rank=rank_gpus, colocated=launch.colocate)
+                           temperature=rollout.temperature, gpus_per_rank=rank_gpus, colocated=launch.colocate,
+                           batch_invariant=cfg["vllm"].batch_invariant)
     if trainer.version != generator.version:  # resumed: the engines start from the checkpoint's weights
         await refit(generator, trainer)
     worker_class = ray.remote(num_cpus=0)(AgentWorker)

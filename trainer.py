@@ -52,7 +52,7 @@ from losses import Denoms, LossArgs, compute_policy_loss, compute_value_loss, sf
 
 SCHEDULES = ("constant", "cosine")
 OFFLOADS = ("none", "optimizer")
-PARAM_DTYPES = ("float32", "bfloat16")
+PARAM_DTYPES = ("float32", "bfloat16", "float16")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # attention + MLP
 PEFT_PREFIX = "base_model.model."  # peft's names for a LoRA model's tensors: this + the module's own name
 WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt)$|.*\.safetensors\.index\.json$")  # not copied into an HF export
@@ -127,7 +127,8 @@ class FsdpArgs:
     offload: str = field(default="none", metadata={
         "help": "optimizer: FSDP2 CPUOffloadPolicy: params, grads, AdamW in host memory (GPU)", "choices": OFFLOADS})
     param_dtype: str = field(default="float32", metadata={
-        "help": "forward/backward dtype; master weights and AdamW state stay float32", "choices": PARAM_DTYPES})
+        "help": "forward/backward dtype; master weights and AdamW state stay float32; float16 scales the loss "
+                "(dynamic) and needs --vllm.dtype float16", "choices": PARAM_DTYPES})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute layer activations in backward"})
     compile_logprobs: bool = field(default=True, metadata={"help": "GPU: compile log-probs: ~3x faster, half memory"})
 
@@ -167,7 +168,7 @@ class CkptArgs:
 def check_args(train: TrainArgs, fsdp: FsdpArgs, loss: LossArgs, estimator: EstimatorArgs, *, cuda: bool) -> None:
     """Rules that span files or depend on the machine; checked before any actor starts."""
     if not cuda and fsdp.param_dtype != "float32":
-        raise ValueError("--fsdp.param_dtype bfloat16 on CPU: the CPU path trains in float32 "
+        raise ValueError(f"--fsdp.param_dtype {fsdp.param_dtype} on CPU: the CPU path trains in float32 "
                          "(and vLLM-CPU samples in float32); set --fsdp.param_dtype float32")
     if not cuda and fsdp.offload != "none":
         raise ValueError("--fsdp.offload optimizer on CPU: the weights already live in host memory; "
@@ -331,9 +332,10 @@ def lr_at(step: int, *, lr: float, warmup_steps: int, schedule: str, total_steps
         raise ValueError(f"--train.schedule {schedule!r}: unknown; choose one of {', '.join(SCHEDULES)}")
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None) -> float:
-    """Global L2 norm of the gradients over all ranks; scale them down to max_norm when above it. Gradients
-    are grouped by device mesh (a DTensor norm reduces over its own mesh only) and each group reduced once."""
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None, scale: float = 1.0) -> float:
+    """Global L2 norm over all ranks of the gradients of a loss multiplied by scale (LossScale), divided out here in
+    the clip's own pass; scale them down to max_norm when above it. Gradients are grouped by device mesh (a DTensor
+    norm reduces over its own mesh only) and each group reduced once."""
     groups = {}
     for p in params:
         if p.grad is not None:
@@ -342,14 +344,40 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None) -> float:
     for grads in groups.values():
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)  # () partial over ranks for DTensors
         norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float().cpu())
-    total = float(torch.stack(norms).norm()) if norms else 0.0
-    if max_norm is not None and total > max_norm:
+    total = float(torch.stack(norms).norm()) / scale if norms else 0.0
+    factor = (max_norm / (total + 1e-6) if max_norm is not None and total > max_norm else 1.0) / scale
+    if factor != 1.0 and math.isfinite(total):
         for grads in groups.values():
-            torch._foreach_mul_(grads, max_norm / (total + 1e-6))
+            torch._foreach_mul_(grads, factor)
     return total
 
 
-EXTREMES = {"estimator/adv_max": max, "estimator/adv_min": min, "loss/mismatch_max_abs": max, "train/peak_gib": max}
+@dataclass
+class LossScale:
+    """Dynamic loss scaling for float16 compute (Micikevicius et al. 2018, https://arxiv.org/abs/1710.03740): backward
+    runs on loss x scale, so that small gradients do not underflow float16; a step whose gradient is not finite is
+    skipped and halves the scale, `growth_steps` finite steps in a row double it. Not dynamic: scale 1, no skips."""
+    dynamic: bool
+    scale: float = 1.0
+    growth_steps: int = 2000  # torch.amp.GradScaler's default, as is the start scale 2**16 (trainer's setup)
+    good_steps: int = 0
+    skipped: int = 0
+
+    def update(self, finite: bool) -> bool:
+        """Record one optimizer step's gradient (finite or not); -> whether to take the step."""
+        if not self.dynamic:
+            return True
+        if not finite:
+            self.scale, self.good_steps, self.skipped = self.scale / 2, 0, self.skipped + 1
+            return False
+        self.good_steps += 1
+        if self.good_steps == self.growth_steps:
+            self.scale, self.good_steps = self.scale * 2, 0
+        return True
+
+
+EXTREMES = {"estimator/adv_max": max, "estimator/adv_min": min, "loss/mismatch_max_abs": max, "train/peak_gib": max,
+            "train/loss_scale": min, "train/skipped_steps": max}
 
 
 def merge_metrics(records: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
@@ -509,6 +537,16 @@ class TrainerRank:
             s.bind(("", 0))
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
+    def enable_batch_invariance(self) -> None:
+        """--vllm.batch_invariant: this rank's matmuls, log-softmax and mean run vLLM's batch-invariant kernels, the
+        ones its engines run (the same vLLM installation's torch overrides)."""
+        os.environ["VLLM_BATCH_INVARIANT"] = "1"
+        try:  # vLLM 0.26 (the GPU's); later versions moved the module to model_executor.determinism
+            from vllm.model_executor.layers.batch_invariant import enable_batch_invariant_mode
+        except ImportError:
+            from vllm.model_executor.determinism.batch_invariant import enable_batch_invariant_mode
+        enable_batch_invariant_mode()
+
     def setup(self, master_addr: str, master_port: int) -> None:
         """Join the process group, load and shard the models, build the optimizers."""
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
@@ -521,7 +559,7 @@ class TrainerRank:
         np.random.seed(self.train.seed)
         from nemo_automodel.components.distributed.config import DistributedSetup, FSDP2Config  # rank-only: ~10 s
         from nemo_automodel.components.distributed.mesh import ParallelismSizes
-        compute_dtype = torch.bfloat16 if self.fsdp.param_dtype == "bfloat16" else torch.float32
+        compute_dtype = self.compute_dtype = getattr(torch, self.fsdp.param_dtype)
         self.dist_setup = DistributedSetup.build(
             FSDP2Config(mp_policy=MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32),
                         offload_policy=CPUOffloadPolicy() if self.fsdp.offload == "optimizer" else None),
@@ -556,6 +594,9 @@ class TrainerRank:
         adamw = lambda params: torch.optim.AdamW(params, lr=0.0, betas=self.train.betas,
                                                  weight_decay=self.train.weight_decay, fused=True)
         self.optimizer = adamw([p for p in self.model.parameters() if p.requires_grad])   # --train.freeze_vision, LoRA
+        # float16: each optimizer's gradients come from a scaled loss (one scale for the policy, one for the critic)
+        fp16 = compute_dtype == torch.float16
+        self.scaler, self.critic_scaler = (LossScale(fp16, 2.0 ** 16 if fp16 else 1.0) for _ in range(2))
         self.ref = self.critic = self.critic_optimizer = None
         if self.loss.needs_ref_model:
             self.ref = self.build(AutoModelForCausalLM).requires_grad_(False)  # the loaded weights, frozen
@@ -668,7 +709,7 @@ class TrainerRank:
             pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]))
             ids = torch.cat([pad(ids), pad(run)])  # (B + 1, width): right padding leaves the rows' logits as they are
         self.replay = x.get("routed")  # read by replayed_ids in this forward and in its checkpoint recompute
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast(model)):
+        with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.autocast(model)):
             logits = model(input_ids=ids, use_cache=False, **images).logits[:B, :T]  # (B, T, V)
         if self.image_id is not None:   # a VLM: the engine never samples its image id (banned), nor does the policy
             logits[..., self.image_id] = -1e4   # out of the softmax; -inf would make the entropy's 0 * log 0 NaN
@@ -677,7 +718,7 @@ class TrainerRank:
 
     def critic_values(self, ids: torch.Tensor) -> torch.Tensor:
         """(B, T) value of the state before each token: the head's output at the previous position."""
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast(self.critic)):
+        with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.autocast(self.critic)):
             out = self.critic(input_ids=ids, use_cache=False).logits[..., 0]  # (B, T)
         return torch.nn.functional.pad(out[:, :-1].float(), (1, 0))  # (B, T)
 
@@ -752,31 +793,34 @@ class TrainerRank:
                         versions=x["versions"], current_version=start_version, denoms=denoms, entropy=entropy,
                         group_tokens=group_tokens.to(self.device)[x["group_ids"]], ref_logp=x.get("ref_logp"))
                     # FSDP averages gradients over dp ranks; the shares already sum to the batch loss, so undo it
-                    (loss * self.dp_size).backward()
+                    (loss * self.dp_size * self.scaler.scale).backward()
                     step_loss += loss.detach()
                     if self.critic is not None:  # the critic regresses the returns on the same tokens (losses.py)
                         v = self.critic_values(x["ids"])  # (b, t)
                         value_loss, value_metrics = compute_value_loss(self.loss, v, x["values"], x["returns"],
                                                                        x["mask"], denoms=denoms)
-                        (value_loss * self.dp_size).backward()
+                        (value_loss * self.dp_size * self.critic_scaler.scale).backward()
                         value_mean = (v.detach() * x["mask"]).sum() / x["mask"].sum().clamp(min=1)
                         value_metrics["train/value_mean"] = float(value_mean)
                         records.append((float(x["mask"].sum()), value_metrics))
                     records += loss_records
                 if self.critic is not None:
-                    grad_norm, _ = self.optimizer_step(self.critic, self.critic_optimizer, self.train.critic_lr)
+                    grad_norm, _ = self.optimizer_step(self.critic, self.critic_optimizer, self.train.critic_lr,
+                                                       self.critic_scaler)
                     records.append((1.0, {"train/critic_grad_norm": grad_norm}))
                 records.append((1.0, self.policy_step(step_loss)))
         return records, self.version
 
-    def optimizer_step(self, model, optimizer, base_lr: float) -> tuple[float, float]:
-        """Clip model's gradients, take one AdamW step at the scheduled lr; -> (gradient norm before clipping, lr)."""
-        grad_norm = clip_grad_norm(list(model.parameters()), self.train.grad_clip)
+    def optimizer_step(self, model, optimizer, base_lr: float, scaler: LossScale) -> tuple[float, float]:
+        """Clip model's gradients, take one AdamW step at the scheduled lr; -> (gradient norm before clipping, lr).
+        The gradients are of the loss x scaler.scale; a float16 step whose gradient is not finite is skipped."""
+        grad_norm = clip_grad_norm(list(model.parameters()), self.train.grad_clip, scaler.scale)
         lr = lr_at(self.version, lr=base_lr, warmup_steps=self.train.warmup_steps, schedule=self.train.schedule,
                    total_steps=self.train.total_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        optimizer.step()
+        if scaler.update(math.isfinite(grad_norm)):
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return grad_norm, lr
 
@@ -787,10 +831,13 @@ class TrainerRank:
             for name, p in self.model.named_parameters():  # ranks, not dp: ep_size x the scale of the others
                 if ".experts." in name and p.grad is not None:
                     p.grad.div_(self.fsdp.ep_size)
-        grad_norm, lr = self.optimizer_step(self.model, self.optimizer, self.train.lr)
+        grad_norm, lr = self.optimizer_step(self.model, self.optimizer, self.train.lr, self.scaler)
         self.version += 1
         peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.cuda else 0.0  # since the rank started
-        return {"train/loss": float(step_loss), "train/grad_norm": grad_norm, "train/lr": lr, "train/peak_gib": peak}
+        metrics = {"train/loss": float(step_loss), "train/grad_norm": grad_norm, "train/lr": lr, "train/peak_gib": peak}
+        if self.scaler.dynamic:  # float16: the scale after this step, and the steps skipped so far
+            metrics.update({"train/loss_scale": self.scaler.scale, "train/skipped_steps": float(self.scaler.skipped)})
+        return metrics
 
     def sft_step(self, segments: list[Segment]) -> tuple[list[tuple[float, dict]], int]:
         """One optimizer step of token NLL on the action tokens, at temperature 1 (the model's own distribution);
@@ -804,7 +851,7 @@ class TrainerRank:
         for micro in plan[0][self.dp_rank]:
             x = self.microbatch(batch, micro)
             loss, metrics = sft_loss(self.policy_logprobs(self.model, x, 1.0)[0], x["mask"], denoms=denoms)
-            (loss * self.dp_size).backward()
+            (loss * self.dp_size * self.scaler.scale).backward()
             step_loss += loss.detach()
             records.append((float(x["mask"].sum()), metrics))
         records.append((1.0, self.policy_step(step_loss)))
@@ -995,13 +1042,17 @@ class TrainerRank:
 
 class TrainerGroup:
     """--train.world_size TrainerRank actors forming one process group, driven from this process. colocated: the
-    refit's engines share this trainer's GPU (--launch.colocate; generator.py picks CUDA IPC over NCCL by it)."""
+    refit's engines share this trainer's GPU (--launch.colocate; generator.py picks CUDA IPC over NCCL by it).
+    batch_invariant: the engines' --vllm.batch_invariant, whose kernels the ranks then run too."""
 
     def __init__(self, model_path: str, train: TrainArgs, fsdp: FsdpArgs, ckpt: CkptArgs, loss: LossArgs,
                  estimator: EstimatorArgs, *, temperature: float, gpus_per_rank: float | None = None,
-                 colocated: bool = False):
+                 colocated: bool = False, batch_invariant: bool = False):
         gpus = (1.0 if torch.cuda.is_available() else 0.0) if gpus_per_rank is None else gpus_per_rank
         check_args(train, fsdp, loss, estimator, cuda=gpus > 0)
+        if batch_invariant and gpus == 0:
+            raise ValueError("--vllm.batch_invariant on a CPU trainer: vLLM's batch-invariant kernels are Triton "
+                             "kernels for CUDA GPUs (vLLM-CPU has none); drop the flag")
         config, ep = AutoConfig.from_pretrained(model_path), fsdp.ep_size
         self.ckpt, self.colocated, self.vlm = ckpt, colocated, hasattr(config, "vision_config")
         if ep > 1 and (config.model_type != "qwen3_moe" or config.num_experts % ep or train.critic_lr is not None):
@@ -1022,6 +1073,8 @@ class TrainerGroup:
                                           temperature) for r in range(train.world_size)]
         try:
             addr, port = ray.get(self.actors[0].address.remote())
+            if batch_invariant:  # before setup: vLLM's cuBLAS settings (env) hold only before a rank's first matmul
+                self.call("enable_batch_invariance")
             self.call("setup", addr, port)
         except Exception:  # a rank that failed to start leaves the others waiting in the rendezvous
             for a in self.actors:

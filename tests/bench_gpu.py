@@ -40,16 +40,31 @@ built locally. Each section measures ours and its baseline side by side in one r
   lora, lora_smollm2  the loop (K=0, one GPU shared) on the 0.6B shape / SmolLM2-135M, each three ways: full
              fine-tuning, a rank-16 LoRA refit by adapter, the same LoRA refit merged into the weights: refit
              seconds and bytes, trainer tokens/s and peak GiB, loop tokens/s.
+  precision  the rollout-trainer gap on SmolLM2-135M-Instruct and the 0.6B shape in three modes: bf16, fp16
+             (--fsdp.param_dtype float16 --vllm.dtype float16) and bf16 with vLLM's batch-invariant kernels on both
+             sides (--vllm.batch_invariant): the loop at K=0, one GPU shared, lr 0 (every step samples and
+             recomputes the loaded weights), 8 prompts x 8 samples x 64 tokens, temperature 1, eager engine, 3 steps:
+             step 0's loss/vllm_kl, mean and max |delta log p|, k3; engine and trainer tokens/s over steps 1-2.
+             Where batch-invariant mode is not bitwise: one sequence through vLLM (in-process, hooked) and the
+             trainer's model class on the same kernels, every layer's output compared, the first op that differs.
+             precision_smollm2 / precision_qwen3_0_6b: one model only.
+  precision_runs  (optional, not in the default list) 20 SmolLM2 steps per mode, lr 2e-5: held-out reward.
+  peer       (optional) smollm2's job (128 prompts x 8, <= 64 tokens, temperature 0.7, lr 2e-5, K=0, 20 steps) in TRL's
+             GRPOTrainer with its vLLM colocated (use_vllm, vllm_mode="colocate"; TRL 1.16 supports vLLM 0.22-0.31)
+             and in ours: steps/s, sampled and trained tokens/s, peak GPU memory, time to first step, held-out
+             reward, mismatch. peer_k1: ours at K=1 against that TRL run.
 Peak memory: trainer (torch max allocated) and engine (GPU memory taken by its start) are reported.
 
-    python tests/bench_gpu.py [logprobs] [trainer] [generator] [refit] [loop1] [loop2]
-                              [smollm2] [smollm2_k1] [longtail] [moe] [vlm] [lora] [lora_smollm2]   # all;
+    python tests/bench_gpu.py [logprobs] [trainer] [generator] [refit] [loop1] [loop2] [smollm2] [smollm2_k1]
+                              [longtail] [moe] [vlm] [lora] [lora_smollm2] [precision] [precision_runs]   # all;
                                                                         # results also appended to $BENCH_OUT
 """
 import asyncio
 import json
 import os
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 
@@ -355,6 +370,18 @@ async def raw_vllm_rate(model: str, prompts: list[list[int]], samples: int, vllm
     return statistics.median(rates[1:])
 
 
+def smollm2_argv(out_dir: str, steps: int, lr: str, k: int, eval_every: int) -> list[str]:
+    """The SmolLM2 comparison-task loop's flags (one GPU shared, 200 held-out prompts per evaluation)."""
+    from recipes.smollm2 import smollm2_dir
+    agent = os.path.join(ROOT, "recipes", "compare_agent.py")
+    async_ = ("--launch.max_staleness", str(k), "--loss.is_level", "token") if k else ()
+    return ["--launch.model", smollm2_dir(), "--launch.out_dir", out_dir, "--launch.steps", str(steps),
+            "--agent.path", agent, "--data.path", agent, *SMOLLM2_LOOP, "--train.lr", lr,
+            "--eval.every", str(eval_every), "--eval.prompts", "200", "--vllm.gpu_memory_utilization", "0.3",
+            "--no-vllm.enforce_eager", "--fsdp.param_dtype", "bfloat16", "--train.max_tokens_per_microbatch", "16384",
+            "--launch.colocate", *async_]
+
+
 def bench_smollm2(steps: int = 20, lr: str = "2e-5", k: int = 0) -> dict:
     """K=0: the loop strictly on-policy, so its gap to the bound is our overhead. K=1: the next batch samples
     while the trainer steps (both on the one GPU), the loop as it is meant to run."""
@@ -362,14 +389,8 @@ def bench_smollm2(steps: int = 20, lr: str = "2e-5", k: int = 0) -> dict:
     from recipes.compare_agent import rows
     from recipes.smollm2 import smollm2_dir
     from transformers import AutoTokenizer
-    model, agent = smollm2_dir(), os.path.join(ROOT, "recipes", "compare_agent.py")
-    out_dir = os.path.join(ROOT, "runs", f"bench_smollm2_k{k}")
-    async_ = ("--launch.max_staleness", str(k), "--loss.is_level", "token") if k else ()
-    argv = ["--launch.model", model, "--launch.out_dir", out_dir, "--launch.steps", str(steps), "--agent.path", agent,
-            "--data.path", agent, *SMOLLM2_LOOP, "--train.lr", lr, "--eval.every", "10", "--eval.prompts", "200",
-            "--vllm.gpu_memory_utilization", "0.3", "--no-vllm.enforce_eager", "--fsdp.param_dtype", "bfloat16",
-            "--train.max_tokens_per_microbatch", "16384", "--launch.colocate", *async_]
-    cfg = launch.parse_args(argv)
+    model, out_dir = smollm2_dir(), os.path.join(ROOT, "runs", f"bench_smollm2_k{k}")
+    cfg = launch.parse_args(smollm2_argv(out_dir, steps, lr, k, eval_every=10))
     asyncio.run(launch.run_rl(cfg))
     rows_ = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
     curve = [(r["step"] + 1, round(r["rollout/reward_mean"], 3), round(r.get("eval/reward_mean", -1), 3))
@@ -399,6 +420,204 @@ def bench_smollm2(steps: int = 20, lr: str = "2e-5", k: int = 0) -> dict:
                   step_s=total("launch/step_s") / len(timed), refit_s=total("launch/refit_s") / len(timed),
                   action_tokens_per_step=tokens / len(timed), mismatch_abs=total("loss/mismatch_abs") / len(timed),
                   lr=lr, steps=steps, curve=curve)
+
+
+# --- peer: the same GRPO job in TRL's GRPOTrainer (its vLLM colocated) and in ours
+
+PEER = dict(group=8, new_tokens=64, temperature=0.7, lr=2e-5, max_model_len=512, gpu_memory_utilization=0.3,
+            held_out=200)  # and 128 prompts per step: SMOLLM2_LOOP's job
+
+
+class PeakGpu:
+    """Peak memory used on GPU 0 by all processes (NVML, every 0.1 s) while the block runs; with `watch`, also the
+    seconds from `t0` until that file first holds a line (our loop's first step)."""
+
+    def __init__(self, t0: float, watch: str | None = None):
+        self.t0, self.watch, self.peak, self.first_s = t0, watch, 0, None
+
+    def __enter__(self):
+        import threading
+
+        import pynvml
+        pynvml.nvmlInit()
+        handle, self.stop = pynvml.nvmlDeviceGetHandleByIndex(0), threading.Event()
+        self.idle_gib = pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2**30
+
+        def poll():
+            while not self.stop.wait(0.1):
+                self.peak = max(self.peak, pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+                if self.first_s is None and self.watch and os.path.exists(self.watch) and os.path.getsize(self.watch):
+                    self.first_s = time.perf_counter() - self.t0
+        self.thread = threading.Thread(target=poll, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+        self.gib = self.peak / 2**30
+
+
+def trl_job(steps: int, model: str, out_dir: str, use_vllm: bool = True, **overrides) -> dict:
+    """TRL's GRPOTrainer on PEER's job, vLLM colocated in this process (so: a process of its own). Same prompts,
+    reward (recipes/compare_agent.py's env), group, batch (1,024 samples, one optimizer step), lengths, temperature,
+    lr, AdamW, fp32 masters under bf16 autocast and no checkpointing, as ours; PPO clip 0.2, no KL, token-mean loss,
+    group-std advantages. TRL's defaults kept: its vLLM importance-sampling correction (which also measures the
+    mismatch: one extra no-grad forward per step). Timed: each step, and inside it TRL's generate and sync_weights."""
+    import datasets
+    import trl
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from recipes.compare_agent import CompareEnv, rows
+    t0, env, chat = time.perf_counter(), CompareEnv(), lambda r: [{"role": "user", "content": r["prompt"]}]
+
+    async def reward(completions, label, **_):
+        done = await asyncio.gather(*(env.step(c[-1]["content"], {"label": y}) for c, y in zip(completions, label)))
+        return [r.reward for r in done]
+
+    tok = AutoTokenizer.from_pretrained(model)
+    args = dict(output_dir=out_dir, max_steps=steps, learning_rate=PEER["lr"], lr_scheduler_type="constant",
+                optim="adamw_torch_fused", weight_decay=0.0, max_grad_norm=1.0, bf16=True, gradient_checkpointing=False,
+                model_init_kwargs={"dtype": "float32"}, per_device_train_batch_size=256, gradient_accumulation_steps=4,
+                num_generations=PEER["group"], max_completion_length=PEER["new_tokens"],
+                temperature=PEER["temperature"], beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group",
+                use_vllm=use_vllm, vllm_mode="colocate",
+                vllm_gpu_memory_utilization=PEER["gpu_memory_utilization"], vllm_max_model_length=PEER["max_model_len"],
+                logging_steps=1, save_strategy="no", report_to="none", seed=0)
+    ends, clock = [], {"generate_s": [], "sync_s": [], "tokens": []}
+
+    class Ends(TrainerCallback):
+        def on_step_end(self, *a, **k):
+            ends.append(time.perf_counter())
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(**{**args, **overrides}),
+                          train_dataset=datasets.Dataset.from_list([{"prompt": chat(r), "label": r["label"]}
+                                                                    for r in rows("train")]),
+                          processing_class=tok, callbacks=[Ends()])
+    held_out = (lambda: None) if not use_vllm else lambda: trl_held_out(trainer.vllm_generation.llm, tok, reward)
+    if use_vllm:
+        gen = trainer.vllm_generation
+        gen.generate = timed(gen.generate, clock, "generate_s")
+        gen.sync_weights = timed(gen.sync_weights, clock, "sync_s")
+    before = held_out()
+    start = time.perf_counter()
+    trainer.train()
+    step_s = [b - a for a, b in zip([start] + ends, ends)][2:]  # steps 0-1 warm up
+    tokens, gen_s, sync_s = (sum(clock[k][2:]) for k in ("tokens", "generate_s", "sync_s"))
+    if use_vllm:
+        trainer.vllm_generation.sync_weights()  # the last step's update: its engine gets it at the next step
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    mismatch = [h.get("sampling/sampling_logp_difference/mean") for h in logs[2:]]
+    return report("peer_trl", steps_per_s=len(step_s) / sum(step_s), sampled_tokens_per_s=tokens / sum(step_s),
+                  trained_tokens_per_s=tokens / (sum(step_s) - gen_s - sync_s), first_step_s=ends[0] - t0,
+                  generate_s=gen_s / len(step_s), sync_s=sync_s / len(step_s), step_s=sum(step_s) / len(step_s),
+                  tokens_per_step=tokens / len(step_s), held_out_before=before, held_out_after=held_out(),
+                  mismatch_abs=statistics.mean(mismatch) if None not in mismatch else None,
+                  peak_torch_gib=torch.cuda.max_memory_allocated() / 2**30 if use_vllm else None, steps=steps,
+                  curve=[(i + 1, round(h["reward"], 3)) for i, h in enumerate(logs)], trl=trl.__version__)
+
+
+def timed(fn, clock: dict, key: str):
+    """fn, adding each call's seconds to clock[key] (and, for TRL's generate, its sampled tokens to clock["tokens"])."""
+    def call(*a, **k):
+        start = time.perf_counter()
+        out = fn(*a, **k)
+        clock[key].append(time.perf_counter() - start)
+        if key == "generate_s":
+            clock["tokens"].append(sum(len(c) for c in out[1]))
+        return out
+    return call
+
+
+def trl_held_out(llm, tok, reward) -> float:
+    """Mean reward of one sample (PEER's temperature and length) for each of the first held-out prompts, on TRL's
+    engine, as our --eval does on ours."""
+    from vllm import SamplingParams
+
+    from recipes.compare_agent import rows
+    test = rows("test")[:PEER["held_out"]]
+    ids = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
+                                   return_dict=False) for r in test]
+    outs = llm.generate([{"prompt_token_ids": i} for i in ids], use_tqdm=False, sampling_params=SamplingParams(
+        temperature=PEER["temperature"], max_tokens=PEER["new_tokens"]))
+    got = asyncio.run(reward([[{"content": o.outputs[0].text}] for o in outs], [r["label"] for r in test]))
+    return statistics.mean(got)
+
+
+def peer_ours(steps: int, k: int) -> dict:
+    """Ours on PEER's job (bench_smollm2's loop, evaluated before and after only)."""
+    import shutil
+
+    import launch
+    out_dir = os.path.join(ROOT, "runs", f"bench_peer_ours_k{k}")
+    shutil.rmtree(out_dir, ignore_errors=True)  # the metrics file is appended to
+    t0 = time.perf_counter()
+    with PeakGpu(t0, os.path.join(out_dir, "metrics.jsonl")) as peak:
+        asyncio.run(launch.run_rl(launch.parse_args(smollm2_argv(out_dir, steps, str(PEER["lr"]), k, steps))))
+    rows_ = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+    timed_ = [r for prev, r in zip(rows_[1:], rows_[2:])
+              if "eval/reward_mean" not in r and "eval/reward_mean" not in prev]
+    total = lambda key: sum(r[key] for r in timed_)
+    tokens, span = total("rollout/action_tokens"), total("launch/step_s")
+    return {"steps_per_s": len(timed_) / span, "sampled_tokens_per_s": tokens / span,
+            "trained_tokens_per_s": tokens / total("launch/train_s"), "first_step_s": peak.first_s,
+            "step_s": span / len(timed_), "tokens_per_step": tokens / len(timed_), "peak_gpu_gib": peak.gib,
+            "trainer_peak_gib": max(r["train/peak_gib"] for r in rows_),
+            "held_out_before": rows_[0].get("eval/before_reward_mean"), "held_out_after": rows_[-1]["eval/reward_mean"],
+            "mismatch_abs": total("loss/mismatch_abs") / len(timed_), "max_staleness": k,
+            "curve": [(r["step"] + 1, round(r["rollout/reward_mean"], 3)) for r in rows_]}
+
+
+def bench_peer(steps: int = 20) -> dict:
+    """TRL (in a process of its own, while this one watches the GPU's memory), then ours at K=0, same job.
+
+    H200, 2026-12-03 (TRL 1.16.0, vLLM 0.26.0, transformers 5.18.0; 20 steps of 128 prompts x 8, steps 3-20 timed;
+    ours' last step also evaluates, so its timed steps are 3-19):
+    | per framework                     | TRL GRPOTrainer, colocated | ours, K=0      |
+    | steps/s (s per step)              | 0.194 (5.17)               | 0.189 (5.29)   |
+    | sampled tokens/s (tokens/step)    | 10,405 (53,785)            | 11,741 (62,094)|
+    | trained tokens/s                  | 43,643                     | 56,577         |
+    | peak GPU memory, all processes    | 72.3 GiB (torch 69.4)      | 72.5 GiB (trainer 22.7) |
+    | time to first step                | 80.8 s                     | 181.8 s        |
+    | held-out reward, before -> 20     | 0.44 -> 0.985              | 0.45 -> 1.0    |
+    | mismatch, mean abs delta log p    | 0.0295                     | 0.0319         |
+    Ratios ours/TRL: steps/s 0.977, sampled tokens/s 1.128, trained tokens/s 1.296 (target 1.5: not met). TRL per
+    step: generate 3.88 s, sync_weights 0.052 s, the rest (rewards, its extra IS forward, 4 micro-batches) 1.23 s.
+    Ours samples longer completions here (60.6 vs 52.5 tokens per sample), so its sampled tokens/s gain is mostly
+    length: per step the two are even. Ours ran second (inductor's caches warm from TRL's engine) and still took
+    101 s longer to its first step (Ray, engine actor, NeMo trainer, eval before). 510 s of device time."""
+    import subprocess
+    runs = lambda: [json.loads(line) for line in open(OUT) if '"peer_trl"' in line] if os.path.exists(OUT) else []
+    done = len(runs())
+    with PeakGpu(time.perf_counter()) as peak:
+        try:
+            child = [sys.executable, os.path.abspath(__file__), "peer_trl", str(steps)]
+            rc = subprocess.run(child, timeout=360).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timed out after 360 s"
+    trl_ = runs()[-1] if len(runs()) > done else {"failed_rc": rc}  # ours runs either way
+    trl_["peak_gpu_gib"], trl_["idle_gpu_gib"] = peak.gib, peak.idle_gib
+    ours = peer_ours(steps, 0)
+    if "failed_rc" in trl_:
+        return report("peer", ours=ours, trl=trl_)
+    return peer_report("peer", ours, trl_, 1.5)
+
+
+def bench_peer_k1(steps: int = 20) -> dict:
+    """Ours at K=1 on the same job, against the TRL run of this machine's last `peer` section.
+
+    H200, 2026-12-03 (against bench_peer's TRL run of the same lease): ours at K=1 (token-level IS) 0.215 steps/s
+    (4.65 s per step), 12,044 sampled tokens/s (55,997 per step), trained 27,916 tokens/s (the engine samples beside
+    the trainer on the one GPU), peak 72.5 GiB (trainer 22.7), first step 158.1 s, held-out 0.46 -> 0.975, mismatch
+    0.0325. Ratios to TRL: steps/s 1.112, sampled tokens/s 1.158 (target 2.0: not met). 281 s of device time."""
+    trl_ = [json.loads(line) for line in open(OUT) if '"section": "peer"' in line][-1]["trl"]
+    return peer_report("peer_k1", peer_ours(steps, 1), trl_, 2.0)
+
+
+def peer_report(section: str, ours: dict, trl_: dict, target: float) -> dict:
+    ratio = lambda key: ours[key] / trl_[key]
+    return report(section, ours=ours, trl=trl_, sampled_tokens_ratio=ratio("sampled_tokens_per_s"),
+                  steps_ratio=ratio("steps_per_s"), trained_tokens_ratio=ratio("trained_tokens_per_s"), target=target)
 
 
 # --- partial rollouts vs draining, on a long tail of completion lengths
@@ -497,14 +716,199 @@ def bench_vlm(steps: int = 30) -> dict:
                   curve=[(r["step"] + 1, round(r["rollout/reward_mean"], 3)) for r in rows_])
 
 
+# --- precision: the rollout-trainer gap in bf16, fp16 and bf16 on vLLM's batch-invariant kernels
+
+PRECISIONS = {"bf16": ("--fsdp.param_dtype", "bfloat16", "--vllm.dtype", "bfloat16"),
+              "fp16": ("--fsdp.param_dtype", "float16", "--vllm.dtype", "float16"),
+              "bf16_batch_invariant": ("--fsdp.param_dtype", "bfloat16", "--vllm.dtype", "bfloat16",
+                                       "--vllm.batch_invariant", "--no-fsdp.compile_logprobs")}
+
+
+def precision_argv(model: str, agent: str, out_dir: str, mode: str, *extra: str) -> list[str]:
+    return ["--launch.model", model, "--launch.out_dir", out_dir, "--agent.path", agent, "--data.path", agent,
+            "--launch.batch_prompts", "8", "--launch.samples_per_prompt", "8", "--rollout.max_new_tokens", "64",
+            "--vllm.max_model_len", "512", "--agent.max_context", "512", "--vllm.gpu_memory_utilization", "0.3",
+            "--train.max_tokens_per_microbatch", "16384", "--launch.colocate", *PRECISIONS[mode], *extra]
+
+
+def precision_gap(model: str, agent: str, name: str, mode: str, steps: int = 3) -> dict:
+    """The loop at K=0 with lr 0 in one precision mode: step 0's mismatch (before any optimizer step), the max over
+    every step, the fp16 loss scale, and engine / trainer tokens/s over the steps after the first (it warms up)."""
+    import launch
+    out_dir = os.path.join(ROOT, "runs", f"bench_precision_{name}_{mode}")
+    shutil.rmtree(out_dir, ignore_errors=True)  # metrics.jsonl appends
+    argv = precision_argv(model, agent, out_dir, mode, "--launch.steps", str(steps), "--train.lr", "0")
+    asyncio.run(launch.run_rl(launch.parse_args(argv)))
+    rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+    first, warm = rows[0], rows[1:]
+    tokens = sum(r["rollout/action_tokens"] for r in warm)
+    return {"vllm_kl_step0": first["loss/vllm_kl"], "mismatch_abs_step0": first["loss/mismatch_abs"],
+            "mismatch_max_abs_step0": first["loss/mismatch_max_abs"], "mismatch_k3_step0": first["loss/mismatch_k3"],
+            "mismatch_frac_step0": first["loss/mismatch_frac"],
+            "mismatch_abs_mean": statistics.mean(r["loss/mismatch_abs"] for r in rows),
+            "mismatch_max_abs": max(r["loss/mismatch_max_abs"] for r in rows),
+            "engine_tokens_per_s": tokens / sum(r["launch/rollout_wait_s"] for r in warm),
+            "trainer_tokens_per_s": tokens / sum(r["launch/train_s"] for r in warm),
+            "loss_scale": rows[-1].get("train/loss_scale"), "skipped_steps": rows[-1].get("train/skipped_steps")}
+
+
+def precision_models(only: str | None = None) -> list[tuple[str, str, str]]:
+    """(name, model directory, agent) of both models, or of the one named; each directory built when asked for."""
+    from recipes.smollm2 import smollm2_dir
+    models = {"smollm2": (smollm2_dir, os.path.join(ROOT, "recipes", "compare_agent.py")),
+              "qwen3_0_6b": (model_dir, COPY)}
+    return [(name, build(), agent) for name, (build, agent) in models.items() if only in (None, name)]
+
+
+def bench_precision(only: str | None = None) -> dict:
+    """H200, 2026-12-03, precision_smollm2 (a 250 s call): bf16 only: step-0 vllm_kl 0.0017, mismatch_abs 0.0362
+    (max 0.408, k3 0.0016, 99.7% of tokens differ), mean over 3 steps 0.0366 (max 0.619), engine 1,949 and trainer
+    23,726 tokens/s. The fp16 mode started next and had not reported when the call's 250 s ran out (~110 s in);
+    batch-invariant did not run."""
+    out = {}
+    for name, model, agent in precision_models(only):
+        res = {}
+        for mode in PRECISIONS:  # each mode reported as it ends: a failing one keeps the others' numbers
+            try:
+                res[mode] = precision_gap(model, agent, name, mode)
+            except Exception as e:  # a bench records the failure and goes on
+                res[mode] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            report(f"precision_{name}_{mode}", **res[mode])
+        bi = res["bf16_batch_invariant"]
+        if bi.get("mismatch_max_abs", 0) > 0:  # not bitwise: find the first op that differs, in a process of its own
+            env = {**os.environ, "VLLM_BATCH_INVARIANT": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+            done = subprocess.run([sys.executable, os.path.abspath(__file__), "precision_layers", model, agent],
+                                  env=env, timeout=600)
+            bi["layers_rc"] = done.returncode
+        ratio = lambda a, key: res[a][key] / res["bf16"][key] if key in res[a] and res["bf16"].get(key) else None
+        out[name] = report(f"precision_{name}", **res, model=model,
+                           fp16_over_bf16_mismatch=ratio("fp16", "mismatch_abs_step0"),
+                           bi_over_bf16_engine_tokens_per_s=ratio("bf16_batch_invariant", "engine_tokens_per_s"),
+                           bi_over_bf16_trainer_tokens_per_s=ratio("bf16_batch_invariant", "trainer_tokens_per_s"))
+    return out
+
+
+def bench_precision_runs(steps: int = 20) -> dict:
+    """20 SmolLM2 steps per precision mode (K=0, lr 2e-5, 8 x 8 episodes a step): held-out reward on 200 test pairs
+    before and after, and the mismatch of the last step."""
+    import launch
+    ((name, model, agent),), res = precision_models("smollm2"), {}
+    for mode in PRECISIONS:
+        out_dir = os.path.join(ROOT, "runs", f"bench_precision_runs_{mode}")
+        shutil.rmtree(out_dir, ignore_errors=True)
+        argv = precision_argv(model, agent, out_dir, mode, "--launch.steps", str(steps), "--train.lr", "2e-5",
+                              "--eval.every", "10", "--eval.prompts", "200", "--rollout.temperature", "0.7")
+        asyncio.run(launch.run_rl(launch.parse_args(argv)))
+        rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+        res[mode] = {"held_out_before": rows[0].get("eval/before_reward_mean"),
+                     "held_out_after": [r["eval/reward_mean"] for r in rows if "eval/reward_mean" in r][-1],
+                     "mismatch_abs_last": rows[-1]["loss/mismatch_abs"],
+                     "skipped_steps": rows[-1].get("train/skipped_steps"),
+                     "curve": [(r["step"] + 1, round(r["rollout/reward_mean"], 3)) for r in rows]}
+    return report("precision_runs", **res, model=name, steps=steps)
+
+
+# module names vLLM and transformers share -> the op they stand for; a projection's input too (".input": the attention
+# kernel's output, the MLP's activation product); the lm_head's output is "logits"
+LAYER_KINDS = {"embed_tokens": "embedding", "input_layernorm": "norm", "q_norm": "norm", "k_norm": "norm",
+               "o_proj.input": "attention", "o_proj": "attention output projection", "self_attn": "attention",
+               "post_attention_layernorm": "norm", "down_proj.input": "MLP gate/up/activation",
+               "down_proj": "MLP down projection", "mlp": "MLP", "norm": "norm", "logits": "lm_head"}
+
+
+def hook_outputs(model: torch.nn.Module, names: set[str], store: dict, order: list | None = None) -> list:
+    """Forward hooks that keep each named module's output as (rows, last dim), the call with the most rows (a
+    prefill's logits, not the sampled position's); the logits under one name, "logits"; order: first-call order."""
+    def hook(name):
+        def fn(module, args, out):
+            out = out[0] if isinstance(out, tuple) else out   # vLLM's norms and row-parallel linears return pairs
+            pairs = [(name + ".input", args[0])] if name.endswith(("o_proj", "down_proj")) else []
+            for key, t in pairs + [(name, out)]:
+                if key not in store or t.numel() > store[key].numel():
+                    store[key] = t.detach().reshape(-1, t.shape[-1]).clone()
+                if order is not None and key not in order:
+                    order.append(key)
+        return fn
+    heads = ("logits_processor", "lm_head")
+    return [m.register_forward_hook(hook("logits" if n.endswith(heads) else n)) for n, m in model.named_modules()
+            if n in names or n.endswith(heads)]
+
+
+def precision_layers(model: str, agent: str, new: int = 48) -> dict:
+    """Run by bench_precision in a process of its own (VLLM_BATCH_INVARIANT=1, engine in-process): vLLM (eager, bf16,
+    hooked) samples one completion of a prompt, then prefills prompt + completion; the trainer's model class
+    (transformers, sdpa attention: NeMo's choice without flash-attn) runs the same ids under the trainer's bf16
+    autocast over float32 weights, on the kernels vLLM's batch-invariant mode put into this process. Every module both
+    name alike is compared in the engine's dtype, in the order the trainer calls them, then the logits, and the
+    log-probs of the prefill and of the sampling against the trainer's (eager token_logprobs, as a rank)."""
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model's function: in-process, but checked
+    from transformers import AutoModelForCausalLM
+    from vllm import LLM, SamplingParams
+
+    from agent import load_module
+    from trainer import TrainerRank, token_logprobs
+    llm = LLM(model=model, dtype="bfloat16", enforce_eager=True, gpu_memory_utilization=0.25, max_model_len=512,
+              seed=0, enable_prefix_caching=False, logprobs_mode="processed_logprobs")
+    TrainerRank.enable_batch_invariance(None)  # the ranks' own call (a no-op once the engine's start made it)
+    row = load_module(agent, "rows", "--agent.path").rows("train")[0]
+    prompt = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": row["prompt"]}],
+                                                     add_generation_prompt=True, return_dict=False)
+    comp = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=new, temperature=1.0, seed=0,
+                                                                       logprobs=0, ignore_eos=True))[0].outputs[0]
+    ids = list(prompt) + list(comp.token_ids)
+    ref = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="sdpa").cuda().eval()
+    names = {n for n, _ in ref.named_modules() if n.rsplit(".", 1)[-1] in LAYER_KINDS}
+    engine, trainer, order = {}, {}, []
+    handles = llm.apply_model(lambda m: hook_outputs(m, names, engine))[0]
+    prefill = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    for h in handles:
+        h.remove()
+    hook_outputs(ref, names, trainer, order)
+    x = torch.tensor([ids], device="cuda")
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = ref(input_ids=x, use_cache=False).logits
+    ours = token_logprobs(logits, x, 1.0, entropy=False, entropy_grad=False)[0][0].cpu()  # (T,)
+    pre = torch.tensor([d[t].logprob for d, t in zip(prefill.prompt_logprobs[1:], ids[1:])])  # (T - 1,)
+    dec = torch.tensor([d[t].logprob for d, t in zip(comp.logprobs, comp.token_ids)])  # (new,)
+    layers = [compare_outputs(name, engine[name], trainer[name]) for name in order if name in engine]
+    gap = lambda a, b: {"max_abs": float((a - b).abs().max()), "mean_abs": float((a - b).abs().mean())}
+    first = next((e for e in layers if not e["equal"]), None)
+    kind = lambda name: next(v for k, v in LAYER_KINDS.items() if name == k or name.endswith("." + k))
+    first_op = (f"{kind(first['op'])} ({first['op']})" if first
+                else "log-softmax" if not torch.equal(pre, ours[1:]) else None)
+    return report("precision_layers", model=model, tokens=len(ids), prompt_tokens=len(prompt),
+                  hooked=[len(engine), len(trainer)], first_differing_op=first_op,
+                  prefill_vs_trainer=gap(pre, ours[1:]), sampled_vs_trainer=gap(dec, ours[len(prompt):]),
+                  sampled_vs_prefill=gap(dec, pre[len(prompt) - 1:]), layers=layers)
+
+
+def compare_outputs(name: str, engine: torch.Tensor, trainer: torch.Tensor) -> dict:
+    """One module's output, the trainer's rounded to the engine's dtype (an fp32 norm output under autocast)."""
+    n = min(len(engine), len(trainer))
+    a, b = engine[:n].float(), trainer[:n].to(engine.dtype).float()
+    return {"op": name, "equal": bool(torch.equal(a, b)), "max_abs": float((a - b).abs().max()),
+            "frac_differ": float((a != b).float().mean()), "engine_dtype": str(engine.dtype),
+            "trainer_dtype": str(trainer.dtype), "rows": [len(engine), len(trainer)]}
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         print("bench_gpu: not run: needs CUDA (on the GPU machine: make bench-gpu)")
         return
+    if sys.argv[1:2] == ["peer_trl"]:  # bench_peer's child process
+        from recipes.smollm2 import smollm2_dir
+        trl_job(int(sys.argv[2]), smollm2_dir(), os.path.join(ROOT, "runs", "bench_peer_trl"))
+        sys.stdout.flush()
+        os._exit(0)  # reported: no wait on the in-process engine's teardown
+    if sys.argv[1:2] == ["precision_layers"]:  # bench_precision's child process: no Ray
+        precision_layers(*sys.argv[2:])
+        return
     import ray
     sections = sys.argv[1:] or ["logprobs", "trainer", "generator", "refit", "loop1", "loop2", "smollm2", "smollm2_k1",
-                                "longtail", "moe", "vlm", "lora", "lora_smollm2"]
-    model = model_dir() if set(sections) - {"logprobs", "smollm2", "smollm2_k1", "moe", "vlm", "lora_smollm2"} else None
+                                "longtail", "moe", "vlm", "lora", "lora_smollm2", "precision"]
+    model = model_dir() if set(sections) - {"logprobs", "smollm2", "smollm2_k1", "moe", "vlm", "lora_smollm2",
+                                            "precision", "precision_smollm2", "precision_qwen3_0_6b",
+                                            "precision_runs", "peer", "peer_k1"} else None
     ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     for s in sections:
         print(f"== {s}", flush=True)
@@ -536,6 +940,10 @@ def main() -> None:
             bench_smollm2()
         elif s == "smollm2_k1":
             bench_smollm2(k=1)
+        elif s == "peer":
+            bench_peer()
+        elif s == "peer_k1":
+            bench_peer_k1()
         elif s == "longtail":
             bench_longtail(model)
         elif s == "moe":
@@ -547,6 +955,10 @@ def main() -> None:
         elif s == "lora_smollm2":
             from recipes.smollm2 import smollm2_dir
             bench_lora(smollm2_dir(), "smollm2", "--vllm.dtype", "bfloat16")  # its directory is fp32
+        elif s in ("precision", "precision_smollm2", "precision_qwen3_0_6b"):  # both models, or one
+            bench_precision(s.removeprefix("precision").removeprefix("_") or None)
+        elif s == "precision_runs":
+            bench_precision_runs()
     ray.shutdown()
 
 

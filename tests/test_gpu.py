@@ -308,6 +308,28 @@ def test_loop_colocated_on_one_gpu_with_lr_0_keeps_mismatch_flat(gpu_model, ray_
     check_loop(loop(gpu_model, str(tmp_path), "--launch.colocate", "--train.lr", "0"))
 
 
+@pytest.mark.parametrize("mode, flags, bound", [
+    ("bf16", ("--vllm.dtype", "bfloat16"), 0.006),  # H200 2026-12-03: 0.0027-0.0030 over the 4 steps
+    ("fp16", ("--fsdp.param_dtype", "float16", "--vllm.dtype", "float16"), 0.02),
+    ("bf16_batch_invariant", ("--vllm.dtype", "bfloat16", "--vllm.batch_invariant", "--no-fsdp.compile_logprobs"),
+     0.02),
+])
+def test_precision_mode_keeps_the_rollout_trainer_gap_within_its_bound(gpu_model, ray_local, tmp_path, mode, flags,
+                                                                       bound):
+    """Each mode's mean |delta log p| at lr 0 (the loaded weights every step, refit in the engine's dtype) stays
+    under the bound its bench measured (tests/bench_gpu.py precision); bounds start at the bf16 noise of the module
+    docstring. fp16 scales its loss: 2^16 at the start, no step skipped on these small gradients."""
+    import json
+    out = loop(gpu_model, str(tmp_path), "--launch.colocate", "--train.lr", "0", *flags)
+    rows = [json.loads(line) for line in open(os.path.join(out["out_dir"], "metrics.jsonl"))]
+    gaps = [r["loss/mismatch_abs"] for r in rows]
+    print(mode, "mismatch_abs", gaps, "max_abs", [r["loss/mismatch_max_abs"] for r in rows],
+          "vllm_kl", [r["loss/vllm_kl"] for r in rows])
+    assert len(rows) == 4 and max(gaps) < bound
+    if mode == "fp16":
+        assert (rows[-1]["train/loss_scale"], rows[-1]["train/skipped_steps"]) == (2.0 ** 16, 0.0)
+
+
 @TWO_GPUS
 def test_loop_on_two_gpus_refits_over_nccl(gpu_model, ray_local, tmp_path):
     check_loop(loop(gpu_model, str(tmp_path), "--train.lr", "0", "--launch.max_staleness", "1",
