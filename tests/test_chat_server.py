@@ -1073,7 +1073,7 @@ def test_a_trailing_assistant_message_gets_a_new_turn_in_chat_completions_and_re
     assert p5 == t.encode("<|im_start|>user\nAnswer, then as JSON.<|im_end|>\n<|im_start|>assistant\nI wrote "
                           "this.<|im_end|>\n<|im_start|>assistant\n")
     segs = call(loop, server.close_episode, ep.id)
-    assert sum(sum(s.action_mask) for s in segs) == sampled and len(segs) == 3   # a REWRITE of the first: its own
+    assert sum(sum(s.action_mask) for s in segs) == sampled and len(segs) == 3   # Responses branches, foreign rewrites
     launch.audit(segs)
 
 
