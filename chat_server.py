@@ -5,14 +5,15 @@
     ...an unmodified harness calls a stock SDK with ep.api_key, or with the episode's base URLs...
     segments = server.close_episode(ep.id)   # list[Segment]: token_ids, action_mask, logprobs, versions (T,)
 Reading order: the chat template as token ids (ChatTemplate, shared with agent.py) -> the canonical request -> the
-matcher, this file's one idea: a request is EXTEND / RETRY / REWRITE / UNRELATED against the episode's segments, and an
-EXTEND appends the stored sampled ids, a bridge and the delta tokens of the new messages (mask 0), never a re-render
--> one section per wire format (OpenAI chat, Responses, Anthropic) -> HTTP (ChatServer.parse and WRITERS: the only
-protocol switches). Streams are "fake": one engine call, then a protocol-exact SSE sequence. Constrained decoding is
-sampled under vLLM's grammar mask, its turns marked in Segment.info["constrained"]. Reasoning goes out as an opaque
-handle mapping back to its exact text. A resend of a request whose client left joins that turn. Not here: sampling
-settings (the generator's --rollout.*), stateful Responses (previous_response_id), remote images (an inline one lands
-in a VLM's segment as its placeholder run plus its bytes), other non-text content (400), admin HTTP routes."""
+matcher, this file's one idea: a request is EXTEND / CONTINUE (a prefill) / RETRY / REWRITE / UNRELATED against the
+episode's segments, and an EXTEND appends the stored sampled ids, a bridge and the delta tokens of the new messages
+(mask 0), never a re-render; going on from inside a segment branches it, the shared ids as prompt -> one section per
+wire format (OpenAI chat, Responses, Anthropic) -> HTTP (ChatServer.parse and WRITERS: the only protocol switches).
+Streams are "fake": one engine call, then a protocol-exact SSE sequence. Constrained decoding is sampled under vLLM's
+grammar mask, its turns marked in Segment.info["constrained"]. Reasoning goes out as an opaque handle mapping back to
+its exact text. A resend of a request whose client left joins that turn. Not here: sampling settings (the generator's
+--rollout.*), stateful Responses (previous_response_id) and Anthropic threads, remote images (an inline one lands in a
+VLM's segment as its placeholder run plus its bytes), other non-text content (400), admin HTTP routes."""
 import asyncio
 import base64
 import bisect
@@ -236,7 +237,7 @@ class ChatTemplate:
             ids = self.encode(before)
             if ids[-1 - len(self.after_eos):] != [self.eos_id] + self.after_eos:
                 return "a full render's turn end differs from eos + bridge"
-            for appended in ([CHECK_APPENDS[role]], [CHECK_APPENDS[role]] * 2):
+            for appended in ([CHECK_APPENDS[role]], [CHECK_APPENDS[role]] * 2, []):   # []: a new turn after one
                 try:
                     after = self.render_text(conv + appended, tools)
                     if not after.startswith(before):
@@ -321,12 +322,13 @@ class ChatRequest:
     constraint: tuple = (None, "")   # (vLLM structured-output fields, the request field that asked for them)
     server_tools: int = 0            # server-side tools (web search...) the client listed: never offered
     namespaces: tuple = ()           # Responses namespace tools: a call of ns.name goes out as {namespace, name}
+    prefill: bool = False            # Anthropic: the last message is the assistant's, continued (its text is prompt)
     changes: list = field(default_factory=list)   # options that would change the distribution sampled from (OpenAI)
     hashes: list = field(default_factory=list)   # hashes[k]: chain over (system, tools) and msgs[:k]
 
     def template_messages(self) -> list[dict]:
         head = [] if self.system is None else [{"role": "system", "content": self.system}]
-        return head + [m.to_template() for m in self.msgs]
+        return head + [m.to_template() for m in self.msgs[:len(self.msgs) - self.prefill]]
 
     def images(self, start: int = 0) -> list[bytes]:
         return [p for m in self.msgs[start:] if isinstance(m.content, tuple) for p in m.content if isinstance(p, bytes)]
@@ -396,8 +398,11 @@ class Turn:
     end: int             # one past the last sampled token
     bridge: list         # tokens that close this turn before the next delta (mask 0)
     finish: str
-    sampled: list        # the ids as the generator returned them (kept apart for the token audit)
+    sampled: tuple       # (ids, log-probs, versions) as the generator returned them, frozen for the audit
+    msgs: int            # the segment's messages up to and including this turn's
+    resume: int | None   # where a prefill repeating this turn continues it (its text's end); None: cut at a stop string
     constrained: bool = False   # sampled under constrained decoding: the behaviour policy is the masked sampler
+    opens: bool = True   # begins its message (False: continues a prefill), so a RETRY may resample from its start
 
 
 @dataclass
@@ -412,7 +417,6 @@ class Track:
     msgs: list = field(default_factory=list)
     hashes: list = field(default_factory=list)   # len(msgs) + 1, as ChatRequest.hashes
     turns: list = field(default_factory=list)
-    stamp: int = 0                # bumped by every commit: a plan made on an older stamp forks
     rewrite_of: int | None = None   # the segment whose conversation this one carries on, rewritten
     experts: object = None          # (T, layers, top_k) int16 routing of the last engine call
     images: list = field(default_factory=list)   # [(start, end, encoded image)]: Segment.images
@@ -428,14 +432,12 @@ class Pending:
 
 @dataclass
 class Plan:
-    kind: str                     # EXTEND | RETRY | REWRITE | UNRELATED
+    kind: str                     # EXTEND | CONTINUE | RETRY | REWRITE | UNRELATED
     reply_id: str
     prompt: list                  # what the engine sees
     pending: Pending | None = None
     track: Track | None = None    # the segment this turn continues (None: a new one)
-    base: int = 0                 # tokens of `track` kept: the rest of `prompt` is appended (mask 0)
-    base_msgs: int = 0
-    stamp: int = 0
+    base: int = 0                 # tokens of `track` in `prompt`: appended in place if it still holds just these
     images: list = field(default_factory=list)  # the image spans of the whole prompt
     rewrite_of: int | None = None   # the segment a REWRITE carries on
     max_new: int = 0
@@ -494,30 +496,29 @@ class SegmentStore:
         if key in ep.pending and (retries > 0 or ep.pending[key].gone):   # an SDK's retry, or a runner's resend
             pending, ep.pending[key].gone = ep.pending[key], False   # (best-of-n requests are all still connected)
             return Plan("RETRY", pending.reply_id, [], pending=pending, cached=True)
-        scored = [(t, common_prefix(t.hashes, req.hashes)) for t in reversed(ep.tracks)]
-        (track, L), n = max(scored, key=lambda s: s[1], default=(None, -1)), len(req.msgs)
+        n, scored = len(req.msgs) - req.prefill, [(t, common_prefix(t.hashes, req.hashes)) for t in reversed(ep.tracks)]
+        found = max(((t, L, *a) for t, L in scored if (a := self.anchor(t, L, req, n))), key=lambda s: s[1],
+                    default=None)
+        prefill = self.template.encode(req.msgs[-1].content) if req.prefill else []   # prompt, never action
         try:   # a new image becomes its placeholder run, as the processor expands it (expand_images)
-            if track and L == len(track.msgs) < n and all(m.role in self.template.append_roles
-                                                          for m in req.msgs[L:]):
-                bridge = track.turns[-1].bridge
-                delta, images = self.template.expand_images(self.template.render_delta(
-                    [m.to_template() for m in req.msgs[L:]], bool(track.msgs[-1].calls)), req.images(L),
-                    len(track.tokens) + len(bridge))
-                plan = Plan("EXTEND", reply_id, track.tokens + bridge + delta, track=track, base=len(track.tokens),
-                            base_msgs=L, images=track.images + images)
-            elif track and L == n == len(track.msgs) - 1:   # the last turn's prompt again: resample it (roll back)
-                start = track.turns[-1].start
-                plan = Plan("RETRY", reply_id, track.tokens[:start], track=track, base=start, base_msgs=n,
-                            images=[i for i in track.images if i[1] <= start])
+            if found:
+                track, L, kind, u = found
+                base = {"CONTINUE": u.resume, "EXTEND": u.end, "RETRY": u.start}[kind]
+                prompt, images = track.tokens[:base], [i for i in track.images if i[1] <= base]
+                if kind == "EXTEND":
+                    delta, new = self.template.expand_images(self.template.render_delta(
+                        [m.to_template() for m in req.msgs[L:n]], bool(req.msgs[L - 1].calls)), req.images(L),
+                        base + len(u.bridge))
+                    prompt, images = prompt + u.bridge + delta, images + new
+                plan = Plan(kind, reply_id, prompt + prefill * (kind != "CONTINUE"), track=track, base=base,
+                            images=images)
             else:   # a rewrite carries on a conversation we hold (same first message); a side call at most quotes it
                 same_task = [s for s in scored if s[0].msgs[0].key() == req.msgs[0].key()] if n > 1 else []
-                prompt, images = self.template.expand_images(
-                    self.template.render_full(req.template_messages(), req.tools), req.images())
+                prompt, images = self.render_request(req)
                 plan = Plan("REWRITE" if same_task else "UNRELATED", reply_id, prompt, images=images,
                             rewrite_of=max(same_task, key=lambda s: s[1])[0].index if same_task else None)
         except ValueError as e:
             raise bad("messages", str(e)) from None
-        plan.stamp = plan.track.stamp if plan.track else 0
         room = self.window - len(plan.prompt)
         if room < 1:
             raise ApiError(400, req.too_long.format(n=len(plan.prompt), window=self.window, limit=self.window - 1),
@@ -527,6 +528,26 @@ class SegmentStore:
         plan.max_new, plan.clamped = min(want, room), want > room
         plan.pending = ep.pending[key] = Pending(reply_id, len(plan.prompt), asyncio.get_running_loop().create_future())
         return plan
+
+    def anchor(self, t: Track, L: int, req: ChatRequest, n: int) -> tuple[str, Turn] | None:
+        """Where a request sharing L messages with segment t goes on from its sampled ids, if it does: CONTINUE the turn
+        a prefill repeats, EXTEND after the turn that ends those L messages (appending only delta tokens), or RETRY
+        (resample) the turn that answered exactly its n messages. A request answered by a new segment is planned the
+        same whether an earlier one committed or not, so concurrency changes nothing that is trained."""
+        ends = {u.msgs: u for u in t.turns}   # the turn ending each message (a continued message: its last part)
+        if req.prefill and L == n + 1 and L in ends and ends[L].resume is not None:
+            return "CONTINUE", ends[L]
+        roles = self.template.append_roles
+        if L in ends and L <= n and roles and all(m.role in roles for m in req.msgs[L:n]):
+            return "EXTEND", ends[L]
+        first = next((u for u in t.turns if u.msgs == n + 1 and u.opens), None)
+        return ("RETRY", first) if L >= n and first else None
+
+    def render_request(self, req: ChatRequest) -> tuple[list[int], list[tuple]]:
+        """A fresh render of the request's history up to the generation prompt, then a prefill's text; image spans."""
+        ids, images = self.template.expand_images(self.template.render_full(req.template_messages(), req.tools),
+                                                  req.images())
+        return ids + (self.template.encode(req.msgs[-1].content) if req.prefill else []), images
 
     async def run_turn(self, ep: EpisodeState, req: ChatRequest, plan: Plan) -> Reply:
         """Generate (no lock held) and commit; raises ApiError only, and taints the episode on a bug of ours."""
@@ -538,7 +559,8 @@ class SegmentStore:
                 plan.gen_s = time.perf_counter() - start
         try:
             try:
-                c = await self.generator.generate(plan.prompt, max_new_tokens=plan.max_new, seed=req.seed,
+                seed = None if req.seed is None else hash((ep.id, req.seed)) & (1 << 63) - 1   # per episode: G differ
+                c = await self.generator.generate(plan.prompt, max_new_tokens=plan.max_new, seed=seed,
                                                   request_id=plan.reply_id, affinity=ep.id,
                                                   constraint=req.constraint[0], images=plan.images)
             except ConstraintError as e:
@@ -565,13 +587,14 @@ class SegmentStore:
         return reply
 
     def commit(self, ep: EpisodeState, req: ChatRequest, plan: Plan, c: Completion) -> Reply:
-        """Record the sampled ids on the planned segment (or a fork of it) and build the reply."""
+        """Record the sampled ids on the planned segment (or a new one branching off it) and build the reply."""
         ids, logprobs, versions = list(c.token_ids), list(c.logprobs), list(c.versions)
         finish, stop = c.finish_reason, None
         if not ids or not len(ids) == len(logprobs) == len(versions):
             raise RuntimeError(f"generator returned {len(ids)} ids, {len(logprobs)} log-probs, "
                                f"{len(versions)} versions")
-        text = self.template.decode(ids[:-1] if finish == "stop" and ids[-1] in self.template.special_ids else ids)
+        shut = finish == "stop" and ids[-1] in self.template.special_ids   # ended by a stop token, which has no text
+        text = self.template.decode(ids[:len(ids) - shut])
         cut = cut_at_stop(self.template, ids, req.stop) if req.stop else None
         if cut:
             kept, stop, text = cut
@@ -586,30 +609,26 @@ class SegmentStore:
         if ep.closed:   # the trainer already took this episode's segments
             self.counts["chat/late_turns_dropped"] += 1
             return reply
-        src = t = plan.track
-        if src is None or src.stamp != plan.stamp:   # a new segment, or a fork: another commit moved the planned one
-            self.counts["chat/forks"] += src is not None
-            t = Track(len(ep.tracks), parent=src and src.index, hashes=req.hashes[:1], rewrite_of=plan.rewrite_of)
+        t = plan.track
+        if t is None or plan.base != len(t.tokens):   # a new segment: a REWRITE, or a branch (another turn went first,
+            self.counts["chat/forks"] += t is not None   # a RETRY), whose track's ids are prompt here, trained there
+            t = Track(len(ep.tracks), parent=t and t.index, rewrite_of=plan.rewrite_of)
             ep.tracks.append(t)
-        if src is not None:   # the planned prefix (in place: a RETRY rolls the last turn back)
-            rows = (src.tokens, src.mask, src.logprobs, src.versions)
-            t.tokens, t.mask, t.logprobs, t.versions = (r[:plan.base] for r in rows)
-            t.msgs, t.hashes = src.msgs[:plan.base_msgs], src.hashes[:plan.base_msgs + 1]
-            t.turns = [u for u in src.turns if u.end <= plan.base]
-        added = plan.prompt[plan.base:]
+        added, n = plan.prompt[len(t.tokens):], len(req.msgs) - req.prefill
         t.tokens += added + ids
         t.mask += [False] * len(added) + [True] * len(ids)
         t.logprobs += [0.0] * len(added) + logprobs
         t.versions += [-1] * len(added) + versions
-        assistant = Msg("assistant", content, reasoning, calls)
-        t.msgs += req.msgs[plan.base_msgs:] + [assistant]
-        t.hashes += req.hashes[plan.base_msgs + 1:] + [hash((req.hashes[-1], assistant.key()))]
-        t.turns.append(Turn(len(t.tokens) - len(ids), len(t.tokens), self.template.bridge(ids), finish, list(ids),
-                            req.constraint[0] is not None))
+        head = req.msgs[-1].content if req.prefill else ""   # a continued turn is one message: prefill + continuation
+        assistant = Msg("assistant", head + content, reasoning, calls)
+        t.msgs, t.hashes = req.msgs[:n] + [assistant], req.hashes[:n + 1] + [hash((req.hashes[n], assistant.key()))]
+        resume = None if cut else len(t.tokens) - shut
+        t.turns.append(Turn(len(t.tokens) - len(ids), len(t.tokens), self.template.bridge(ids), finish,
+                            (tuple(ids), tuple(logprobs), tuple(versions)), len(t.msgs), resume,
+                            req.constraint[0] is not None, not req.prefill))
         t.images = plan.images
         if c.routed_experts is not None:   # this call saw the whole segment
             t.experts = segment_routing(c.routed_experts, len(t.tokens))
-        t.stamp += 1
         if len(t.tokens) != len(plan.prompt) + len(ids) or len(t.msgs) + 1 != len(t.hashes):
             raise RuntimeError(f"segment {t.index} holds {len(t.tokens)} tokens, the engine saw "
                                f"{len(plan.prompt) + len(ids)}")
@@ -1051,9 +1070,12 @@ def parse_anthropic(body: dict, counting: bool = False, prior: tuple = (0, None,
     forced = forced.get(get(choice, "type", str, "tool_choice."))   # a non-string type is a 400, not a dict key
     constraint = constrain(tools, forced, (get(body, "output_config", dict) or {}).get("format"),
                            ("tool_choice", "output_config.format"), bool(choice.get("disable_parallel_tool_use")))
+    if body.get("thread") is not None:   # the SDK's tool runner then sends the whole conversation (no thread)
+        raise ApiError(400, "thread: message threads are not supported here; send the whole conversation",
+                       param="thread", code="thread_unsupported_request")
     return ChatRequest(get(body, "model", str, required=True), system, tools, msgs, "toolu_",
                        "prompt is too long: {n} tokens > {limit} maximum", max_tokens=max_tokens,
-                       constraint=constraint, server_tools=server,
+                       constraint=constraint, server_tools=server, prefill=bool(msgs) and msgs[-1].role == "assistant",
                        stop=tuple(s for s in get(body, "stop_sequences", list) or () if isinstance(s, str)),
                        seed=get(body, "seed", int), stream=bool(get(body, "stream", bool)))
 
@@ -1106,7 +1128,8 @@ class AnthropicWriter:
     @staticmethod
     def error(e: ApiError, request_id: str) -> dict:
         kind = ANTHROPIC_TYPES.get(e.status, "invalid_request_error")
-        return {"type": "error", "error": {"type": kind, "message": e.message}, "request_id": request_id}
+        details = {"details": {"error_code": e.code}} if e.code == "thread_unsupported_request" else {}
+        return {"type": "error", "error": {"type": kind, "message": e.message, **details}, "request_id": request_id}
 
     @staticmethod
     def models(name: str, created: int) -> dict:
@@ -1187,8 +1210,7 @@ class ChatServer(SegmentStore):
                         info={"segment": t.index, "forked_from": t.parent, "rewrite_of": t.rewrite_of,
                               "turns": [(u.start, u.end) for u in t.turns], "tainted": ep.tainted,
                               "constrained": [(u.start, u.end) for u in t.turns if u.constrained],
-                              "sampled": sampled_record((u.sampled, t.logprobs[u.start:u.end],
-                                                         t.versions[u.start:u.end]) for u in t.turns)})
+                              "sampled": sampled_record(u.sampled for u in t.turns)})
                 for t in ep.tracks]
 
     def metrics(self) -> dict:
@@ -1237,9 +1259,9 @@ class ChatServer(SegmentStore):
             raise bad("seed", "must be a 64-bit signed integer")
         if not req.msgs and req.system is None:
             raise bad("messages", "at least one message is required")
-        if req.msgs and req.msgs[-1].role == "assistant":
-            raise bad("messages", "the last message is the assistant's: "
-                                  "continuing (prefilling) a turn is not supported")
+        if req.prefill and (req.msgs[-1].calls or req.msgs[-1].reasoning):
+            raise bad(f"messages.{len(body['messages']) - 1}.content", "a prefill (a last, assistant message) is "
+                                                                      "continued as text: it may hold text blocks only")
         seen = set()
         for m in req.msgs if self.args.check_tool_ids else ():
             seen.update(c.id for c in m.calls)
@@ -1367,11 +1389,9 @@ class ChatServer(SegmentStore):
         self.attribute(request)
         req = self.parse(protocol, (await self.read_json(request))[0], counting=True)
         try:
-            ids, _ = self.template.expand_images(self.template.render_full(req.template_messages(), req.tools),
-                                                 req.images())
+            return JSONResponse({"input_tokens": len(self.render_request(req)[0])})
         except ValueError as e:
             raise bad("messages", str(e)) from None
-        return JSONResponse({"input_tokens": len(ids)})
 
     async def models(self, request: Request, protocol: str) -> Response:
         return JSONResponse(WRITERS[protocol].models(self.model_name, self.created))

@@ -15,6 +15,7 @@ import httpx2
 import openai
 import pytest
 
+import launch
 from chat_server import (Call, ChatArgs, ChatServer, ChatTemplate, Reply, anthropic_body, chain_hashes, cut_at_stop,
                          openai_body, parse_anthropic, parse_openai, parse_reply, parse_responses, responses_body)
 from conftest import call
@@ -264,7 +265,7 @@ def test_extend_appends_sampled_ids_bridge_and_delta_equal_to_a_full_render(tiny
     assert not any(seg.action_mask[start3:len(prompt3)])
 
 
-def test_retry_header_returns_the_cached_reply_and_no_header_resamples(tiny_model):
+def test_retry_header_returns_the_cached_reply_and_no_header_resamples_into_a_branch(tiny_model):
     server, ep = unit_server(tiny_model, ["first", "second", "third"])
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -278,8 +279,10 @@ def test_retry_header_returns_the_cached_reply_and_no_header_resamples(tiny_mode
         kind, _ = await ask(server, ep.id, "openai", {"model": "m", "messages": more})
         assert kind == "EXTEND"
     asyncio.run(main())
-    [seg] = server.close_episode(ep.id)
-    assert_exact_replay(seg, server.generator.calls[1:])   # the first sample was rolled back
+    first, again = server.close_episode(ep.id)   # the first sample still trains, in its own segment
+    assert_exact_replay(first, server.generator.calls[:1])
+    assert_exact_replay(again, server.generator.calls[1:])
+    assert again.info["forked_from"] == 0
 
 
 @pytest.mark.parametrize("rewrite", ["truncated_middle", "summary", "edited_tool_result", "system", "tools",
@@ -371,7 +374,7 @@ def test_dropped_reasoning_and_reordered_arguments_still_match(tiny_model):
     assert_exact_replay(seg, server.generator.calls)
 
 
-def test_concurrent_commits_fork_a_segment_sharing_the_prefix(tiny_model):
+def test_concurrent_commits_branch_a_segment_whose_shared_prefix_is_prompt(tiny_model):
     server, ep = unit_server(tiny_model, ["a", "b", "c"])
     body = {"model": "m", "messages": [{"role": "user", "content": "q"}]}
 
@@ -391,7 +394,7 @@ def test_concurrent_commits_fork_a_segment_sharing_the_prefix(tiny_model):
     assert fork.info["forked_from"] == 0 and fork.token_ids[:base] == first.token_ids[:base]
     assert fork.token_ids[base:] != first.token_ids[base:]
     assert_exact_replay(first, server.generator.calls[:2])
-    assert_exact_replay(fork, [server.generator.calls[0], server.generator.calls[2]])
+    assert_exact_replay(fork, server.generator.calls[2:])   # the shared first turn is an action in `first` only
 
 
 # --- real SDKs over loopback, real engine
@@ -452,40 +455,43 @@ def openai_stream_turn(client, **kw):
     return {"role": "assistant", "content": content or None, **({"tool_calls": list(calls.values())} if calls else {})}
 
 
-def test_stream_and_nonstream_produce_identical_segments(served, loop):
+def test_a_streamed_turn_samples_and_records_what_the_same_turn_unstreamed_does(served, loop):
+    """Each turn is sent unstreamed, then streamed, in one episode with one seed (the engine's seed derives from it
+    and the episode): both engine calls see the same prompt and sample the same ids, the SDK assembles the same
+    message from the stream, and the conversation goes on from the streamed one. Every sampled token trains once."""
     server, recorder = served
-    segments = {}
+
+    def said(m):   # a turn's text and calls, without the call ids each reply draws afresh
+        return m["content"] or None, [c["function"] for c in m.get("tool_calls") or []]
     for protocol in ("openai", "anthropic"):
-        for stream in (False, True):
-            ep = call(loop, server.open_episode)
+        ep = call(loop, server.open_episode)
+        msgs = [{"role": "user", "content": "Count to three."}]
+        for turn in range(3):
             if protocol == "openai":
                 client = openai.OpenAI(base_url=ep.openai_base_url, api_key="sk-fixed", max_retries=0)
-                msgs = [{"role": "user", "content": "Count to three."}]
-                for turn in range(3):
-                    kw = dict(model="m", messages=msgs, tools=TOOLS, max_tokens=6, seed=turn)
-                    if stream:
-                        msg = openai_stream_turn(client, **kw)
-                    else:
-                        msg = client.chat.completions.create(**kw).choices[0].message.model_dump()
-                    msgs += [msg, {"role": "tool", "tool_call_id": f"call_{turn}", "content": "ok"}]
+                kw = dict(model="m", messages=msgs, tools=TOOLS, max_tokens=6, seed=turn)
+                plain = client.chat.completions.create(**kw).choices[0].message.model_dump()
+                streamed = openai_stream_turn(client, **kw)
+                assert said(plain) == said(streamed)
+                msgs += [streamed, {"role": "tool", "tool_call_id": f"call_{turn}", "content": "ok"}]
             else:
                 client = anthropic.Anthropic(base_url=ep.anthropic_base_url, api_key="sk-fixed", max_retries=0)
-                msgs = [{"role": "user", "content": "Count to three."}]
-                for turn in range(3):
-                    kw = dict(model="m", messages=msgs, max_tokens=6, extra_body={"seed": turn})
-                    if stream:
-                        with client.messages.stream(**kw) as s:
-                            out = s.get_final_message()
-                    else:
-                        out = client.messages.create(**kw)
-                    msgs += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in out.content]},
-                             {"role": "user", "content": f"next {turn}"}]
-            [seg] = call(loop, server.close_episode, ep.id)
-            assert_exact_replay(seg, recorder.of(ep.id))
-            segments[protocol, stream] = seg
-        a, b = segments[protocol, False], segments[protocol, True]
-        assert ((a.token_ids, a.action_mask, a.logprobs, a.versions)
-                == (b.token_ids, b.action_mask, b.logprobs, b.versions))
+                kw = dict(model="m", messages=msgs, max_tokens=6, extra_body={"seed": turn})
+                plain = client.messages.create(**kw)
+                with client.messages.stream(**kw) as s:
+                    streamed = s.get_final_message()
+                blocks = [[(b.type, getattr(b, "text", None), getattr(b, "input", None)) for b in m.content]
+                          for m in (plain, streamed)]
+                assert blocks[0] == blocks[1] and plain.stop_reason == streamed.stop_reason
+                msgs += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in streamed.content]},
+                         {"role": "user", "content": f"next {turn}"}]
+        calls = recorder.of(ep.id)
+        assert len(calls) == 6 and all((p1, c1.token_ids) == (p2, c2.token_ids)
+                                       for (p1, c1), (p2, c2) in zip(calls[::2], calls[1::2]))
+        segs = call(loop, server.close_episode, ep.id)
+        assert sum(sum(s.action_mask) for s in segs) == sum(len(c.token_ids) for _, c in calls)
+        assert segs[-1].token_ids == calls[-1][0] + calls[-1][1].token_ids   # the last streamed turn's branch
+        launch.audit(segs)
 
 
 def test_anthropic_raw_stream_has_the_exact_event_order_and_count_tokens_is_exact(served, loop):
@@ -552,7 +558,7 @@ def test_stop_sequence_ends_the_turn_after_the_fewest_whole_sampled_tokens(serve
     kept = second.token_ids[:cut.usage.output_tokens]
     assert stop in server.template.decode(kept) and stop not in server.template.decode(kept[:-1])
     segs = call(loop, server.close_episode, ep.id)
-    assert segs[-1].token_ids[-len(kept):] == kept and len(segs) == 1   # the rolled-back first sample is gone
+    assert segs[-1].token_ids[-len(kept):] == kept and len(segs) == 2   # the first sample keeps its own segment
 
 
 def test_compaction_seals_segment_and_opens_new_one(served, loop):
@@ -947,3 +953,224 @@ def test_claude_code_request_shapes_parse():
     body["messages"] = [body["messages"][0], {"role": "system", "content": "# Environment"}]
     assert chain_hashes(None, [], parse_anthropic(body).msgs) == chain_hashes(None, [], first.msgs)
     assert first.constraint == (None, "") and [t["function"]["name"] for t in first.tools] == ["Bash", "Deferred"]
+
+
+# --- concurrency, the audit record, seeds, trailing assistant messages, threads
+
+
+def test_concurrent_requests_on_one_history_train_each_sampled_token_once(served, loop):
+    """Best-of-n through asyncio.gather (identical requests) and parallel sub-tasks (different user turns), all
+    extending one history after its first turn, on both SDKs. The first of the three samples only once all three
+    are planned, so all plan on the one segment before any commits. Whatever the interleaving, each engine call's ids
+    are the action tokens of exactly one turn of one segment: the episode's action tokens number exactly the tokens
+    sampled, the sum of the responses' completion (output) token counts. By hand: the first to commit extends the
+    segment, the other two branch off it, with the shared first turn as prompt: 3 segments."""
+    server, recorder = served
+
+    def planned():
+        return sum(v for k, v in server.counts.items() if k.startswith("chat/requests_"))
+
+    async def episode(ep, protocol: str, different: bool) -> int:
+        if protocol == "openai":
+            oai = openai.AsyncOpenAI(base_url=ep.openai_base_url, api_key=ep.api_key, max_retries=0)
+
+            async def ask(msgs):
+                out = await oai.chat.completions.create(model="m", messages=msgs, max_tokens=6)
+                return out.choices[0].message.model_dump(), out.usage.completion_tokens
+        else:
+            ant = anthropic.AsyncAnthropic(base_url=ep.anthropic_base_url, api_key=ep.api_key, max_retries=0)
+
+            async def ask(msgs):
+                out = await ant.messages.create(model="m", messages=msgs, max_tokens=6)
+                return ({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in out.content]},
+                        out.usage.output_tokens)
+        history = [{"role": "user", "content": "Plan the work."}]
+        reply, sampled = await ask(history)
+        history.append(reply)
+        start = planned()
+        recorder.hold = lambda: planned() >= start + 3
+        outs = await asyncio.gather(*(ask(history + [{"role": "user", "content": f"part {k}" if different else "go"}])
+                                      for k in range(3)))
+        return sampled + sum(n for _, n in outs)
+
+    for protocol in ("openai", "anthropic"):
+        for different in (False, True):
+            ep = call(loop, server.open_episode)
+            sampled = asyncio.run(episode(ep, protocol, different))
+            segs = call(loop, server.close_episode, ep.id)
+            assert sum(sum(s.action_mask) for s in segs) == sampled and len(segs) == 3
+            turns = [tuple(s.token_ids[a:b]) for s in segs for a, b in s.info["turns"]]
+            assert sorted(turns) == sorted(tuple(c.token_ids) for _, c in recorder.of(ep.id))
+            launch.audit(segs)
+
+
+def test_audit_compares_chat_rows_with_what_the_engine_returned(tiny_model):
+    """info["sampled"] is taken from each Completion as its turn commits, so a row whose log-prob or version changes
+    afterwards fails launch.audit at that token; the rows as sampled pass."""
+    for row, value in (None, None), ("logprobs", -9.0), ("versions", 99):
+        server, ep = unit_server(tiny_model, ["one", "two"])
+        msgs = [{"role": "user", "content": "hi"}]
+
+        async def main():
+            _, r = await ask(server, ep.id, "openai", {"model": "m", "messages": msgs})
+            msgs.extend([echo({"model": "m", "messages": msgs}, r), {"role": "user", "content": "more"}])
+            await ask(server, ep.id, "openai", {"model": "m", "messages": msgs})
+        asyncio.run(main())
+        track = server.episodes[ep.id].tracks[0]
+        k = track.turns[-1].start
+        if row is None:
+            launch.audit(server.close_episode(ep.id))
+            continue
+        getattr(track, row)[k] = value
+        with pytest.raises(RuntimeError, match=f"at token {k} differs from what the generator returned"):
+            launch.audit(server.close_episode(ep.id))
+
+
+def test_episodes_sending_one_seed_sample_differently_and_one_episode_repeats_itself(served, loop):
+    """An agent that pins `seed` must not collapse its group to G identical samples (zero advantage). The engine's
+    seed is derived from the client's and the episode: G = 4 episodes sending seed 7 sample 4 different 8-token
+    completions (the random tiny model makes a coincidence negligible), while one episode sending the same request
+    twice samples the same ids again, as the client asked."""
+    server, recorder = served
+    body = dict(model="m", messages=[{"role": "user", "content": "Pick a number."}], max_tokens=8, seed=7)
+    samples = []
+    for g in range(4):
+        ep = call(loop, server.open_episode)
+        client = openai.OpenAI(base_url=ep.openai_base_url, api_key=ep.api_key, max_retries=0)
+        for _ in range(2 if g == 0 else 1):
+            client.chat.completions.create(**body)
+        samples.append([tuple(c.token_ids) for _, c in recorder.of(ep.id)])
+        call(loop, server.close_episode, ep.id)
+    assert samples[0][0] == samples[0][1] and len({s[0] for s in samples}) == 4
+
+
+def test_a_trailing_assistant_message_gets_a_new_turn_in_chat_completions_and_responses(served, loop):
+    """Chat Completions and Responses answer a history ending with the assistant's message (langgraph's structured
+    output sends the agent's last answer so) with a new assistant turn after it. After a turn the server sampled, the
+    segment goes on from its ids; by hand (ChatML): the prompt is the segment so far, the rest of that turn's end
+    ("\\n" after a sampled <|im_end|>, "<|im_end|>\\n" after a cut by length), then "<|im_start|>assistant\\n". An
+    assistant message the server did not sample is rendered whole, as a finished turn, before the new one."""
+    server, recorder = served
+    t = server.template
+    ep = call(loop, server.open_episode)
+    oai = openai.OpenAI(base_url=ep.openai_base_url, api_key=ep.api_key, max_retries=0)
+    msgs = [{"role": "user", "content": "Answer, then as JSON."}]
+    first = oai.chat.completions.create(model="m", messages=msgs, max_tokens=6)
+    msgs.append(first.choices[0].message.model_dump())
+    second = oai.chat.completions.create(model="m", messages=msgs, max_tokens=6,
+                                         response_format={"type": "json_object"})
+    sampled = first.usage.completion_tokens + second.usage.completion_tokens
+    out = oai.responses.create(model="m", input=msgs[:1], max_output_tokens=6)
+    again = oai.responses.create(model="m", input=msgs[:1] + [o.model_dump(exclude_none=True) for o in out.output],
+                                 max_output_tokens=6)
+    sampled += out.usage.output_tokens + again.usage.output_tokens
+    foreign = msgs[:1] + [{"role": "assistant", "content": "I wrote this."}]
+    sampled += oai.chat.completions.create(model="m", messages=foreign, max_tokens=4).usage.completion_tokens
+    (p1, c1), (p2, c2), (p3, c3), (p4, c4), (p5, c5) = recorder.of(ep.id)
+    for (p, c), (q, _) in (((p1, c1), (p2, c2)), ((p3, c3), (p4, c4))):
+        end = "\n" if c.token_ids[-1] == t.eos_id else "<|im_end|>\n"
+        assert q == p + c.token_ids + t.encode(end) + t.encode("<|im_start|>assistant\n")
+    assert p5 == t.encode("<|im_start|>user\nAnswer, then as JSON.<|im_end|>\n<|im_start|>assistant\nI wrote "
+                          "this.<|im_end|>\n<|im_start|>assistant\n")
+    segs = call(loop, server.close_episode, ep.id)
+    assert sum(sum(s.action_mask) for s in segs) == sampled and len(segs) == 3   # Responses branches, foreign rewrites
+    launch.audit(segs)
+
+
+def test_anthropic_prefill_is_prompt_and_only_its_continuation_is_sampled(served, loop):
+    """Messages takes a last assistant message as a prefill: the reply holds only the continuation. By hand
+    (ChatML) the prompt is the history's render up to "<|im_start|>assistant\\n", then the prefill's own tokens, all
+    mask 0; the continuation is the turn's action tokens. When the prefill repeats a turn the server sampled, the
+    continuation follows that turn's sampled ids: in place after a cut by length, else (after its <|im_end|>) in a
+    branch holding those ids without the <|im_end|> as prompt. The next turn, sent back with prefill and continuation
+    as one message, extends the continuation's segment."""
+    server, recorder = served
+    t = server.template
+    ep = call(loop, server.open_episode)
+    ant = anthropic.Anthropic(base_url=ep.anthropic_base_url, api_key=ep.api_key, max_retries=0)
+    ask = [{"role": "user", "content": "Give the answer as JSON."}]
+    out = ant.messages.create(model="m", max_tokens=6, messages=ask + [{"role": "assistant", "content": '{"a":'}])
+    [(p1, c1)] = recorder.of(ep.id)
+    assert p1 == t.encode("<|im_start|>user\nGive the answer as JSON.<|im_end|>\n<|im_start|>assistant\n") + \
+        t.encode('{"a":')
+    text = t.decode(c1.token_ids[:-1] if c1.token_ids[-1] == t.eos_id else c1.token_ids)
+    assert out.content[0].text == text and out.usage.output_tokens == len(c1.token_ids)
+    def turn(reply):
+        return {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]}
+    msgs = [{"role": "user", "content": "Write a long story."}]
+    a1 = ant.messages.create(model="m", max_tokens=5, messages=msgs)
+    msgs += [turn(a1), {"role": "user", "content": "Go on."}]
+    a2 = ant.messages.create(model="m", max_tokens=5, messages=msgs)
+    a3 = ant.messages.create(model="m", max_tokens=5, messages=msgs + [turn(a2)])   # the server's own last turn
+    (p2, c2), (p3, c3) = recorder.of(ep.id)[-2:]
+    assert a3.content[0].text == t.decode(c3.token_ids[:-1] if c3.token_ids[-1] == t.eos_id else c3.token_ids)
+    ended = c2.token_ids[-1] == t.eos_id
+    assert p3 == p2 + (c2.token_ids[:-1] if ended else c2.token_ids)   # the turn's own ids, never re-tokenised
+    msgs += [{"role": "assistant", "content": a2.content[0].text + a3.content[0].text},
+             {"role": "user", "content": "The end?"}]
+    a4 = ant.messages.create(model="m", max_tokens=5, messages=msgs)
+    p4, _ = recorder.of(ep.id)[-1]
+    assert p4[:len(p3) + len(c3.token_ids)] == p3 + c3.token_ids   # the merged message extends the continuation
+    sampled = sum(r.usage.output_tokens for r in (out, a1, a2, a3, a4))
+    segs = call(loop, server.close_episode, ep.id)
+    assert sum(sum(s.action_mask) for s in segs) == sampled and len(segs) == 2 + ended
+    launch.audit(segs)
+
+
+def test_a_prefill_repeating_a_sampled_turn_continues_its_ids_in_place_or_in_a_branch(tiny_model):
+    """By hand: a turn cut by length is continued in place (its segment grows by the continuation alone); a turn that
+    ended with <|im_end|> is continued in a branch whose prompt is its ids without the <|im_end|>, which trains in its
+    own segment; a prefill the server never sampled follows the history's tokens, as its own text's tokens."""
+    server, ep = unit_server(tiny_model, [("Half an ans", "length"), "wer.", " More.", "x"])
+
+    async def main():
+        out = []
+        for prefill in ([], ["Half an ans"], ["Half an answer."], ["Mine"]):
+            body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}] +
+                    [{"role": "assistant", "content": text} for text in prefill]}
+            kind, reply = await ask(server, ep.id, "anthropic", body)
+            out.append((kind, reply.content))
+        return out
+    assert asyncio.run(main()) == [("UNRELATED", "Half an ans"), ("CONTINUE", "wer."), ("CONTINUE", " More."),
+                                   ("RETRY", "x")]
+    (p0, c0), (p1, c1), (p2, c2), (p3, c3) = server.generator.calls
+    assert p1 == p0 + c0.token_ids and p2 == p1 + c1.token_ids[:-1]   # c1 ends with <|im_end|>: left out
+    assert p3 == p0 + server.template.encode("Mine")
+    segs = server.close_episode(ep.id)
+    assert [s.info["forked_from"] for s in segs] == [None, 0, 0]
+    assert_exact_replay(segs[0], [(p0, c0), (p1, c1)])
+    assert_exact_replay(segs[1], [(p2, c2)])
+    assert_exact_replay(segs[2], [(p3, c3)])
+    launch.audit(segs)
+
+
+def test_anthropic_tool_runner_falls_back_from_threads_through_a_tool_round_trip(loop, tiny_generator, tiny_model):
+    """anthropic 2.x's beta tool runner opens a server-side thread ("thread": {"type": "create"}), then sends only
+    the tool result to continue it. The server answers any `thread` with a 400 whose error.details.error_code is
+    "thread_unsupported_request"; the SDK then sends the whole conversation, unthreaded, from then on: one refused
+    request per runner, streamed or not, and the tool result extends the segment of the call it answers. The tool
+    choice is forced (sampled under its constraint) so that the random model calls the tool."""
+    server, recorder = start_server(loop, tiny_generator, tiny_model)   # default flags: tool call ids are checked
+    ran = []
+
+    @anthropic.beta_tool
+    def check(ok: bool) -> str:
+        """Checks a result."""
+        ran.append(ok)
+        return "checked"
+    try:
+        for stream in (False, True):
+            ep, refused = call(loop, server.open_episode), server.counts["chat/errors_400"]
+            client = anthropic.Anthropic(base_url=ep.anthropic_base_url, api_key=ep.api_key, max_retries=0)
+            runner = client.beta.messages.tool_runner(model="m", max_tokens=100, tools=[check], max_iterations=2,
+                                                      tool_choice={"type": "tool", "name": "check"}, stream=stream,
+                                                      messages=[{"role": "user", "content": "Check it."}])
+            replies = [item.get_final_message() if stream else item for item in runner]
+            assert [r.stop_reason for r in replies] == ["tool_use", "tool_use"] and ran
+            assert server.counts["chat/errors_400"] == refused + 1
+            (p1, c1), (p2, c2) = recorder.of(ep.id)
+            assert p2[:len(p1) + len(c1.token_ids)] == p1 + c1.token_ids
+            [seg] = call(loop, server.close_episode, ep.id)
+            assert_exact_replay(seg, recorder.of(ep.id))
+    finally:
+        call(loop, server.stop)

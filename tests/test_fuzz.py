@@ -34,6 +34,7 @@ ROUTE_PROTOCOL = {path: protocol for protocol, paths in ROUTES.items() for path 
 # 405 is Starlette's wrong method on a known path. 500 (our bug) and 503/529 (engine down) are documented too,
 # but neither may happen here.
 DOCUMENTED = {200, 400, 401, 404, 405, 413}
+THREADS = {"error_code": "thread_unsupported_request"}   # Anthropic's error.details for a request with a thread
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                    405: "invalid_request_error", 413: "request_too_large"}
 
@@ -67,7 +68,8 @@ OPTIONAL = {   # fields a request may carry, per protocol; strategies are built 
                        "name": "x", "schema": SCHEMA}}])),
     "anthropic": dict(system=TEXT, tools=st.just(ANTHROPIC_TOOLS), stop_sequences=st.lists(TEXT, max_size=2),
                       tool_choice=st.sampled_from([{"type": "auto"}, {"type": "any"}]),
-                      output_config=st.just({"format": {"type": "json_schema", "schema": SCHEMA}})),
+                      output_config=st.just({"format": {"type": "json_schema", "schema": SCHEMA}}),
+                      thread=st.sampled_from([{"type": "create"}, {"type": "continue", "previous_message_id": "m"}])),
     "responses": dict(instructions=TEXT, tools=st.just([{"type": "function", "name": "calc", "parameters": {}}]),
                       text=st.just({"format": {"type": "json_schema", "name": "x", "schema": SCHEMA}}))}
 OPTIONAL = {k: st.fixed_dictionaries({}, optional={"stream": st.booleans(), "seed": st.integers(-3, 2**65), **v})
@@ -77,8 +79,9 @@ ARGUMENTS, SMALL, TURNS = st.sampled_from(['{"a": 1}', "{}", "no json"]), st.int
 
 @st.composite
 def body(draw, protocol: str) -> dict:
-    """A well-formed request of `protocol`: text turns, then tool calls each answered by its result."""
-    turns = range(draw(TURNS))
+    """A well-formed request of `protocol`: text turns, then tool calls each answered by its result, and maybe a last
+    assistant message (Anthropic: a prefill to continue; OpenAI and Responses: history, answered by a new turn)."""
+    turns, trailing = range(draw(TURNS)), [{"role": "assistant", "content": draw(TEXT)}] * draw(st.booleans())
     if protocol == "openai":
         msgs = [{"role": "system", "content": draw(TEXT)}] * draw(st.booleans())
         msgs.append({"role": "user", "content": draw(TEXT)})
@@ -86,7 +89,7 @@ def body(draw, protocol: str) -> dict:
             call_k = {"id": f"call_{k}", "type": "function", "function": {"name": "calc", "arguments": draw(ARGUMENTS)}}
             msgs += [{"role": "assistant", "content": draw(TEXT), "tool_calls": [call_k]},
                      {"role": "tool", "tool_call_id": f"call_{k}", "content": draw(TEXT)}]
-        out = {"model": "m", "messages": msgs, "max_tokens": draw(SMALL)}
+        out = {"model": "m", "messages": msgs + trailing, "max_tokens": draw(SMALL)}
     elif protocol == "anthropic":
         msgs = [{"role": "user", "content": draw(TEXT)}]
         for k in turns:
@@ -94,13 +97,13 @@ def body(draw, protocol: str) -> dict:
             msgs += [{"role": "assistant", "content": [{"type": "text", "text": draw(TEXT)}, {
                 "type": "tool_use", "id": f"toolu_{k}", "name": "calc", "input": {"a": k}}]},
                 {"role": "user", "content": [result]}]
-        out = {"model": "m", "messages": msgs, "max_tokens": draw(SMALL)}
+        out = {"model": "m", "messages": msgs + trailing, "max_tokens": draw(SMALL)}
     else:
         items = [{"role": "user", "content": draw(TEXT)}]
         for k in turns:
             items += [{"type": "function_call", "call_id": f"c{k}", "name": "calc", "arguments": '{"a": 1}'},
                       {"type": "function_call_output", "call_id": f"c{k}", "output": draw(TEXT)}]
-        out = {"model": "m", "input": items if turns or draw(st.booleans()) else draw(TEXT),
+        out = {"model": "m", "input": items + trailing if turns or draw(st.booleans()) else draw(TEXT),
                "max_output_tokens": draw(SMALL)}
     return copy.deepcopy({**out, **draw(OPTIONAL[protocol])})   # damage() must not touch shared values (TOOLS)
 
@@ -202,6 +205,8 @@ def check(r: dict, path: str, headers: dict, response: httpx.Response) -> None:
         assert response.headers["x-should-retry"] == "false" and response.headers["content-type"] == "application/json"
         if protocol == "anthropic":
             assert shape["type"] == "error" and shape["request_id"].startswith("req_"), where
+            details = shape["error"].pop("details", None)   # only for a request that asks for a thread
+            assert details is None or (details == THREADS and b'"thread"' in r["data"]), where
             assert set(shape["error"]) == {"type", "message"} and shape["error"]["type"] == ANTHROPIC_TYPES[status]
         else:
             assert set(shape["error"]) == {"message", "type", "param", "code"} and isinstance(
