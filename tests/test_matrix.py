@@ -293,10 +293,25 @@ def turns(seg) -> list[tuple]:
     return out + ([tuple(run)] if run else [])
 
 
+def lag_violations(step: int, refits: int, segments: list, versions_at: dict, K: int, L: int | None) -> list[str]:
+    """Lags in refits: the refits before this step less the refit that made the token's version. Every action token
+    that trains (lag <= L, or any lag without --loss.max_token_lag) lags <= K, and so does each group's newest."""
+    bad, newest = [], {}
+    for s in segments:
+        lags = [refits - versions_at.get(v, -refits) for v, m in zip(s.versions, s.action_mask) if m]
+        newest[s.group_id] = min(lags + [newest.get(s.group_id, refits)])
+        trained = sorted({g for g in lags if L is None or g <= L})
+        if trained and (trained[0] < 0 or trained[-1] > K):
+            bad.append(f"step {step}: episode {s.episode_id!r} trains action tokens of lag {trained} (in refits; "
+                       f"a version no refit made counts as lag {refits * 2}) with K={K}, --loss.max_token_lag {L}")
+    return bad + [f"step {step}: group {g!r}'s newest token lags {lag} > K={K} refits"
+                  for g, lag in newest.items() if lag > K]
+
+
 def violations(row: dict, watch: Watch, metrics: list[dict]) -> list[str]:
     """Every invariant the run broke, each as one line naming the step and what broke."""
     bad, seen = [], {}
-    K, L = row["K"], row["max_token_lag"]
+    versions_at = {v: k for k, v in enumerate([0] + watch.refits)}  # policy version -> the refit that made it
     for step, (version, refits, segments) in enumerate(watch.batches):
         if version != refits or version != step:
             bad.append(f"step {step}: the trainer's version before the step is {version} after {refits} refits: "
@@ -307,17 +322,13 @@ def violations(row: dict, watch: Watch, metrics: list[dict]) -> list[str]:
                         sum(turns(o).count(turn) for o in segments if o.episode_id == s.episode_id) > 1:
                     bad.append(f"step {step}: a sampled turn of {len(turn)} tokens of episode {s.episode_id!r} "
                                "is an action in two trained rows")
-            lags = [version - v for v, m in zip(s.versions, s.action_mask) if m]
-            trained = [g for g in lags if L is None or g <= L]  # lag > L: masked out of the loss
-            if any(g > K or g < 0 for g in trained):
-                bad.append(f"step {step}: episode {s.episode_id!r} trains action tokens of lag {sorted(set(trained))} "
-                           f"with K={K}, --loss.max_token_lag {L}")
+        bad += lag_violations(step, refits, segments, versions_at, row["K"], row["max_token_lag"])
     trained_tokens = sum(sum(s.action_mask) for _, _, segs in watch.batches for s in segs)
     if metrics and trained_tokens > metrics[-1].get("generator/tokens", 0):
         bad.append(f"{trained_tokens} action tokens trained, the engines sampled {metrics[-1]['generator/tokens']}")
-    if metrics and not row["partial"] and metrics[-1]["rollout/dropped_stale"]:
-        bad.append(f"{metrics[-1]['rollout/dropped_stale']:g} groups dropped as stale without partial rollouts: "
-                   f"the window batch x (K + 1) and the staleness judgement disagree")
+    if not row["partial"] and (stale := watch.started["GroupQueue"].counts.get("stale", 0)):
+        bad.append(f"{stale} groups dropped as stale without partial rollouts: the window batch x (K + 1) and the "
+                   "staleness judgement disagree")
     for r in metrics:
         nan = sorted(k for k, v in r.items() if isinstance(v, float) and not math.isfinite(v))
         if nan:
@@ -337,7 +348,6 @@ def agents(tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("row", ROWS, ids=label)
 def test_pairwise_run_keeps_the_promise(row, ray_local, tiny_model, agents, tmp_path, monkeypatch):
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     out = str(tmp_path / "run")
     cfg = launch.parse_args(flags_for(row, tiny_model, out, agents[row["agent"]]))
     watch, start = Watch(monkeypatch), time.perf_counter()
@@ -360,18 +370,22 @@ def test_lag_check_counts_a_token_masked_by_max_token_lag_as_untrained():
     def seg(ep, versions, ids=(5, 6)):
         n = len(versions)
         return Segment(token_ids=[1] + list(ids[:n]), action_mask=[False] + [True] * n, logprobs=[0.0] + [-1.0] * n,
-                       versions=[-1] + versions, episode_id=ep, group_id="g")
+                       versions=[-1] + versions, episode_id=ep, group_id=ep)
 
     class Fake:
         batches = [(0, 0, [seg("a", [0, 0])]), (1, 1, [seg("b", [1])]), (2, 2, [seg("c", [0, 2])])]
-        refits = [1, 2]
+        refits = [1, 2, 3]
+        started = {"GroupQueue": launch.GroupQueue([], [], 1, {"epoch": 0, "index": 0}, 0, groups=0)}
     row = dict(ROWS[0], K=1, max_token_lag=1, partial=True)
-    metrics = [{"step": k, "generator/tokens": 99, "rollout/dropped_stale": 0.0} for k in range(STEPS)]
+    metrics = [{"step": k, "generator/tokens": 99} for k in range(STEPS)]
     assert violations(row, Fake(), metrics) == []
     assert violations(dict(row, max_token_lag=None), Fake(), metrics) == [
-        "step 2: episode 'c' trains action tokens of lag [0, 2] with K=1, --loss.max_token_lag None"]
+        "step 2: episode 'c' trains action tokens of lag [0, 2] (in refits; a version no refit made counts as lag 4) "
+        "with K=1, --loss.max_token_lag None"]
     Fake.batches[1] = (1, 1, [seg("b", [1]), seg("b", [1])])  # the same sampled turn in two rows
     assert len(violations(row, Fake(), metrics)) == 2  # counted once per row that holds it
+    Fake.batches[2] = (4, 2, [seg("c", [2])])  # two optimizer steps per train step: version 4 after 2 refits
+    assert "versions must count refits" in violations(row, Fake(), metrics)[-1]
 
 
 def test_every_pair_is_in_the_flag_values_parse_args_knows():
