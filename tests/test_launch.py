@@ -291,6 +291,7 @@ def check_chat_recipe(out: str) -> None:
     assert rows[-1]["train/version"] == 2.0
 
 
+@pytest.mark.slow
 def test_chat_agent_openai_episode_trains(tmp_path):
     out = str(tmp_path / "openai")
     run_recipe("chat_agent_openai.sh", out, STEPS="2")
