@@ -1,10 +1,11 @@
 # Two commands on a fresh machine: `make run` and `make test`. Both create .venv first (idempotent:
-# a few seconds when it is already up to date) and install the pinned CPU stack.
+# a few seconds when it is already up to date) and install the pinned CPU stack. `make test` is the core tier
+# (every invariant, <= 10 min on 2 cores); `make test-all` adds the slow tier (marker `slow`), as .ci/run does.
 PY      := .venv/bin/python
 STAMP   := .venv/.installed
 PIP     := $(PY) -m pip install --disable-pip-version-check -q
 
-.PHONY: run test bench test-gpu bench-gpu venv clean
+.PHONY: run test test-all bench test-gpu bench-gpu venv clean
 
 venv: $(STAMP)
 
@@ -26,6 +27,10 @@ run: $(STAMP)
 	bash recipes/cpu_default.sh
 
 test: $(STAMP)
+	$(PY) -m ruff check --quiet .
+	$(PY) -m pytest -q -p no:cacheprovider --durations=20 -m "not slow" $(PYTEST_ARGS)
+
+test-all: $(STAMP)
 	$(PY) -m ruff check --quiet .
 	$(PY) -m pytest -q -p no:cacheprovider --durations=20 $(PYTEST_ARGS)
 

@@ -125,6 +125,7 @@ async def capture_claude(tokenizer_dir: str) -> list[dict]:
 CAPTURES.append(capture_claude)
 
 
+@pytest.mark.slow
 def test_claude_code_runs_a_real_bash_loop_token_exact(loop, tool_model, tool_generator):
     agent = ClaudeCodeAgent(cli("claude"), CLAUDE_ARGS, timeout_s=240)
     segments, recorder, metrics = run_real(loop, tool_generator, tool_model, agent)
@@ -179,6 +180,7 @@ def test_claude_code_past_its_time_limit_is_killed_and_raises(loop, tiny_model):
         call(loop, server.stop)
 
 
+@pytest.mark.slow
 def test_claude_code_recipe_trains_a_step(tmp_path, tool_model):
     """recipes/claude_code.sh on this module's tool model (it builds its own when absent): one GRPO step, every
     episode one segment of >= 3 turns (a first request, then >= 2 that extend it), none dropped. Temperature 0.5
@@ -241,6 +243,7 @@ def assert_codex_loop(segments, recorder, metrics, template_dir: str):
     assert f"Output:\n{TASK_FILE}\n" in observed and "Output:\ncreated\n" in observed, sampled   # real results, mask 0
 
 
+@pytest.mark.slow
 def test_codex_runs_a_real_shell_loop_token_exact(loop, tool_model, tool_generator):
     agent = CodexAgent(cli("codex"), minimal=True, timeout_s=240)
     segments, recorder, metrics = run_real(loop, tool_generator, tool_model, agent)

@@ -160,7 +160,7 @@ def loop_flags(model: str, out: str, agent: str, *extra: str) -> list[str]:
 # --- kill -9 mid-step, resume: every position of the data order trained exactly once
 
 
-@pytest.mark.parametrize("partial", [False, True], ids=["drain", "partial"])
+@pytest.mark.parametrize("partial", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["drain", "partial"])
 def test_kill_9_mid_step_then_resume_trains_every_prompt_exactly_once(copy_model, tmp_path, partial):
     steps, batch = 5, 2
     seed = random.randrange(1 << 30)
@@ -203,6 +203,7 @@ def test_kill_9_mid_step_then_resume_trains_every_prompt_exactly_once(copy_model
     ("ray::AgentWorker", "AgentWorker", ()),
     ("ray::TrainerRank", "trainer rank", ("--train.world_size", "2")),
 ])
+@pytest.mark.slow
 def test_a_component_killed_mid_rollout_stops_the_run_naming_it(copy_model, tmp_path, title, named, extra):
     mark = str(tmp_path / "killed_at")
     agent = write(tmp_path / "killer.py", KILLER_ENV, TITLE=title, MARK=mark)
@@ -223,6 +224,7 @@ def test_a_component_killed_mid_rollout_stops_the_run_naming_it(copy_model, tmp_
 # --- soak: a steady chat-server loop, the resident memory of every process flat after warm-up
 
 
+@pytest.mark.slow
 def test_soak_resident_memory_of_every_process_stays_flat(tiny_model, tmp_path):
     steps, warm = 100, 30  # a 200-step run: the agent worker rose until ~step 50, then stayed flat
     agent = os.path.join(ROOT, "recipes", "calc_openai_agent.py")  # the stock openai SDK over loopback

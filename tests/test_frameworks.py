@@ -25,6 +25,8 @@ from recipes.frameworks import install
 from test_chat_server import Recorder, assert_exact_replay
 from tool_model import RecordingServer, ScriptedGenerator, build_tool_model, capture, redrawn
 
+pytestmark = pytest.mark.slow
+
 TASK = "If verbatim_task.txt is in the workspace, create done.txt there. Then say you are done."
 INSTRUCTIONS = "You manage files in a workspace with your tools."
 # The Anthropic runs' first reply thinks; an OpenAI run of the same framework renders the same prompt, so without

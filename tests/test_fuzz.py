@@ -282,6 +282,7 @@ def good_episode(server, loop, i: int):
 
 # --- the fuzz
 
+@pytest.mark.slow
 def test_fuzzed_requests_get_documented_answers_and_good_episodes_stay_exact(fuzzed, loop, monkeypatch, tmp_path):
     server, recorder = fuzzed
     set_hypothesis_home_dir(tmp_path)   # its caches too stay out of the checkout (database=None: no example store)

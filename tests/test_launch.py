@@ -291,18 +291,21 @@ def check_chat_recipe(out: str) -> None:
     assert rows[-1]["train/version"] == 2.0
 
 
+@pytest.mark.slow
 def test_chat_agent_openai_episode_trains(tmp_path):
     out = str(tmp_path / "openai")
     run_recipe("chat_agent_openai.sh", out, STEPS="2")
     check_chat_recipe(out)
 
 
+@pytest.mark.slow
 def test_chat_agent_anthropic_episode_trains(tmp_path):
     out = str(tmp_path / "anthropic")
     run_recipe("chat_agent_anthropic.sh", out, STEPS="2")
     check_chat_recipe(out)
 
 
+@pytest.mark.slow
 def test_cpu_default_recipe_runs_sft_then_rl(tmp_path):
     out = str(tmp_path / "cpu_default")
     printed = run_recipe("cpu_default.sh", out, SFT_STEPS="2", RL_STEPS="2")
@@ -315,6 +318,7 @@ def test_cpu_default_recipe_runs_sft_then_rl(tmp_path):
     assert os.path.exists(os.path.join(out, "rl", "reward.png"))
 
 
+@pytest.mark.slow
 def test_smollm2_recipe_evaluates_the_real_model_before_and_after_rl(tmp_path):
     out = str(tmp_path / "smollm2")
     printed = run_recipe("smollm2_cpu.sh", out, "--launch.batch_prompts", "2", "--eval.prompts", "4",

@@ -306,6 +306,7 @@ def test_hf_export_is_a_peft_adapter_or_the_merged_model(trainer, tiny_model, tm
 # --- the loop: GRPO with LoRA through launch.py
 
 
+@pytest.mark.slow
 def test_grpo_with_a_lora_adapter_through_launch_raises_the_copy_reward(ray_local, tmp_path):
     # recipes/cpu_default.sh: the tiny copy model, 30 SFT steps of every weight, then GRPO at K=1 with token-level IS;
     # here the RL trains a rank-8 adapter (lr 5e-3: 3e-2 collapsed, 1e-2 stayed flat over 12 steps) refit by adapter.

@@ -61,6 +61,7 @@ def segments(tiny_moe_model, tmp_path_factory):
     return with_routing(rows, routing)
 
 
+@pytest.mark.slow
 def test_expert_parallel_ranks_compute_the_same_logprobs_and_step_as_one_rank(groups, segments):
     one, ep = groups
     for a, b in zip(one.logprobs(segments), ep.logprobs(segments)):
@@ -78,6 +79,7 @@ def test_expert_parallel_ranks_compute_the_same_logprobs_and_step_as_one_rank(gr
         assert float((a - b).abs().max()) <= 1e-5  # equal gradients, so the same AdamW step
 
 
+@pytest.mark.slow
 def test_export_has_the_checkpoint_names_and_loads_in_transformers_with_equal_logprobs(groups, segments,
                                                                                        tiny_moe_model, tmp_path):
     _, ep = groups  # experts sharded over two ranks, trained one step above: the export gathers them whole
@@ -95,6 +97,7 @@ def test_export_has_the_checkpoint_names_and_loads_in_transformers_with_equal_lo
     assert any(not torch.equal(saved[k], original[k]) for k in saved)  # the trained weights, not the loaded ones
 
 
+@pytest.mark.slow
 def test_checkpoint_restores_expert_parallel_weights(groups, segments):
     _, ep = groups
     path, saved = ep.save(), exported(ep)

@@ -127,6 +127,7 @@ def test_gguf_with_a_wrong_checksum_is_refused_naming_the_file(tmp_path, monkeyp
     assert sorted(os.listdir(tmp_path)) == [smollm2.GGUF]  # nothing was converted or half-written
 
 
+@pytest.mark.slow
 def test_converted_model_has_smollm2_135m_shape(smollm2_model):
     config = json.load(open(os.path.join(smollm2_model, "config.json")))
     assert config["architectures"] == ["LlamaForCausalLM"] and config["dtype"] == "float32"
@@ -147,12 +148,14 @@ def test_converted_model_has_smollm2_135m_shape(smollm2_model):
 # --- trainer and engine compute the same function, before and after a refit
 
 
+@pytest.mark.slow
 def test_trainer_logprobs_match_engine_sampling_logprobs(trainer, sampled):
     assert all(sum(s.action_mask) >= 4 for s in sampled)
     engine, ours = actions(sampled, trainer.logprobs(sampled))
     assert mean_abs(engine, ours) <= MATCH and (engine - ours).abs().max() <= 10 * MATCH
 
 
+@pytest.mark.slow
 def test_refit_after_a_large_step_serves_the_new_weights_with_a_fresh_tied_head(
         trainer, sampled, stepped, smollm2_generator, smollm2_model):
     gen = smollm2_generator
@@ -178,6 +181,7 @@ def test_refit_after_a_large_step_serves_the_new_weights_with_a_fresh_tied_head(
         run(refit_with(gen, original, gen.version + 1))
 
 
+@pytest.mark.slow
 def test_hf_export_reloads_in_transformers_and_vllm_with_the_trainers_logprobs(
         trainer, sampled, stepped, smollm2_model, tmp_path):
     path = str(tmp_path / "hf")

@@ -8,13 +8,16 @@ capture: the real agent (a CLI, a framework) talks to a real ChatServer whose ge
 answers script(turn, prompt_text) per episode. The agent runs its real tools, so the requests carry its exact prompts,
 tool schemas and tool-result formats; the last request's canonical conversation plus the final reply is the example.
 build_tool_model: a BPE tokenizer learnt on the examples' text (long prompts tokenize compactly), then
-`launch.py --launch.mode sft` overfits the model to the examples, on purpose.
+`launch.py --launch.mode sft` overfits the model to the examples, on purpose. The model is cached on disk by
+tool_model_key, as recipes/smollm2.py caches its model: a second run reuses it.
 script_for: the replies keyed on the last message: the task -> `ls`; a tool result listing the task file ->
 `touch done.txt`; any other tool result -> FINAL.
 Not here: the engine under test. ScriptedGenerator only collects SFT data; real runs use generator.Generator.
 """
 import argparse
 import asyncio
+import hashlib
+import inspect
 import json
 import os
 import random
@@ -23,19 +26,26 @@ import shutil
 import string
 import subprocess
 import sys
+import tempfile
 from collections import Counter
 from typing import Awaitable, Callable
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from agent import ChatContext, load_module
 from chat_server import ChatArgs, ChatServer, ChatTemplate, Msg
 from generator import Completion, VllmArgs
+from recipes.smollm2 import CACHE
 from recipes.tiny_model import build_tiny_model
 from trainer import sft_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The code a tool model's training runs: its tokenizer and weights (tiny_model), the SFT (launch, trainer, losses,
+# the chat template's rendering) and this file's variants and checks.
+TRAINING_CODE = ("tests/tool_model.py", "recipes/tiny_model.py", "launch.py", "trainer.py", "losses.py",
+                 "chat_server.py")
 FINAL = "Done: done.txt is created."
 
 
@@ -165,6 +175,36 @@ def replay_odds(model_dir: str, examples: list[dict], temperature: float) -> lis
     return odds
 
 
+def tool_model_key(examples: list[dict], vary: Callable, hyper: dict) -> str:
+    """SHA-256 of what a tool model is trained on: the examples, the hyper-parameters and seed, the source of `vary`'s
+    file and of TRAINING_CODE, the torch and transformers versions. In the examples, WORD's words and digit runs are
+    blanked: dates, temporary paths and ids differ on every capture, and training redraws such words anyway."""
+    digest = hashlib.sha256()
+    stable = re.sub(r"[0-9]+", "0", WORD.sub("#", json.dumps(examples, sort_keys=True)))
+    for part in (stable, json.dumps(hyper, sort_keys=True), torch.__version__, transformers.__version__):
+        digest.update(part.encode() + b"\0")
+    for path in (inspect.getsourcefile(vary), *(os.path.join(ROOT, p) for p in TRAINING_CODE)):
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()
+
+
+def keep(model_dir: str, cached: str) -> str:
+    """Copy model_dir to `cached` atomically (a half-written copy is never used); returns `cached`."""
+    os.makedirs(CACHE, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tool-model-", dir=CACHE)
+    try:
+        shutil.copytree(model_dir, tmp, dirs_exist_ok=True)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private
+        os.replace(tmp, cached)
+    except OSError:
+        if not os.path.exists(os.path.join(cached, "config.json")):  # else another run kept the same model first
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return cached
+
+
 def build_tool_model(out_dir: str, examples: list[dict], *, temperature: float,
                      min_odds: float = 0.99, steps: int = 80, rounds: int = 3, seed: int = 0, lr: float = 5e-3,
                      augment: int = 8, vary: Callable = redrawn, vocab_size: int = 4096, flags: tuple = ()) -> str:
@@ -175,10 +215,21 @@ def build_tool_model(out_dir: str, examples: list[dict], *, temperature: float,
     check (each example and 8 copies through `vary` it never saw) replays at `temperature` with odds >=
     min_odds (replay_odds), else it raises. Not the augmented variants: one that lost the prompt's start and its
     tools can leave which agent is asking, and so the right reply, undecidable.
-    A fixed step count was not enough: the SFT's floating-point sums differ between CPUs, and so does the model."""
+    A fixed step count was not enough: the SFT's floating-point sums differ between CPUs, and so does the model.
+    The model is kept under CACHE by tool_model_key; a later call with the same key returns that copy once it replays
+    this call's checks as a new one must (else it trains as above)."""
     os.makedirs(out_dir, exist_ok=True)
     rng, unseen = random.Random(seed), random.Random(seed + 1)
     checks = [c for ex in examples for c in [ex] + [vary(ex, unseen) for _ in range(8)]]
+    hyper = dict(temperature=temperature, min_odds=min_odds, steps=steps, rounds=rounds, seed=seed, lr=lr,
+                 augment=augment, vocab_size=vocab_size, flags=list(flags))
+    cached = os.path.join(CACHE, f"tool-model-{tool_model_key(examples, vary, hyper)[:16]}")
+    if os.path.exists(os.path.join(cached, "config.json")):
+        odds = replay_odds(cached, checks, temperature)
+        print(f"tool model cached at {cached}: replay odds at T={temperature}: min {min(odds):.4f}")
+        if min(odds) >= min_odds:
+            return cached
+        shutil.rmtree(cached)
     corpus, data = os.path.join(out_dir, "corpus.txt"), os.path.join(out_dir, "sft.jsonl")
     # The BPE merges: every message and tool schema, as the template shows them, less the random words: merges learnt
     # on the capture's ids would make them single tokens, unlike a real run's, which split as `vary`'s copies do.
@@ -215,7 +266,7 @@ def build_tool_model(out_dir: str, examples: list[dict], *, temperature: float,
         print(f"tool model, round {round_}: replay odds at T={temperature}: min {min(odds):.4f}, "
               f"mean {sum(odds) / len(odds):.4f} over {len(odds)} examples")
         if min(odds) >= min_odds:
-            return os.path.join(out, "hf")
+            return keep(os.path.join(out, "hf"), cached)
     raise RuntimeError(f"the tool model replays an example at T={temperature} with odds {min(odds):.4f} < {min_odds} "
                        f"after {rounds} rounds of {steps} SFT steps")
 
