@@ -59,8 +59,6 @@ REFUSED = {
     (("partial", False), ("in_flight", "above")): ("--launch.in_flight", "--launch.partial_rollout"),
     # in_flight above needs partial rollouts, and they need an importance correction
     (("in_flight", "above"), ("is_level", "off")): ("--launch.partial_rollout", "--loss.is_level"),
-    (("is_level", "geo"), ("is_mode", "trunc")): ("--loss.is_level geo", "--loss.is_mode"),
-    (("is_level", "geo"), ("is_mode", "clip")): ("--loss.is_level geo", "--loss.is_mode"),
     (("is_level", "seq"), ("is_mode", "clip")): ("--loss.is_level seq", "--loss.is_mode clip"),
 }
 
@@ -205,6 +203,8 @@ def flags_for(row: dict, model: str, out: str, agent: str) -> list[str]:
         argv += ["--data.filter_range", *BAND]
     if row["estimator"] == "gae":
         argv += ["--train.critic_lr", "1e-3"]
+    if row["surrogate"] == "gspo":  # GSPO's objective is a mean over sequences (losses.py refuses other aggregations)
+        argv += ["--loss.agg", "seq_mean_token_mean"]
     return argv
 
 
