@@ -1,6 +1,7 @@
 """Any `verifiers` environment (Prime Intellect's library) trains as it ships: one ChatAgent runs its own rollout.
 
-    VERIFIERS_ENV=my_env.py python launch.py --agent.path recipes/verifiers_agent.py --data.path recipes/verifiers_agent.py
+    export VERIFIERS_ENV=my_env.py   # or an installed environment's module name
+    python launch.py --agent.path recipes/verifiers_agent.py --data.path recipes/verifiers_agent.py ...
 
 VERIFIERS_ENV names the environment: a .py file, or an importable module (a hub package), with load_environment().
 Each episode runs the environment's rollout (SingleTurnEnv, MultiTurnEnv, ToolEnv, ...) through verifiers' own
@@ -130,8 +131,9 @@ class VerifiersAgent(ChatAgent):
         if not isinstance(reward, (int, float)) or not math.isfinite(reward):
             raise ValueError(f"the environment's rubric gave reward {reward!r} (metrics {state['metrics']}): "
                              "a reward must be a finite number")
-        return Result(reward=float(reward), info={"metrics": dict(state["metrics"] or {}),
-                                                  "turns": len(state["trajectory"])})
+        usage = self.env.get_state_usage(state) or {}
+        return Result(reward=float(reward), info={"metrics": dict(state["metrics"] or {}), "env_turns":
+                      len(state["trajectory"]), "completion_tokens": usage.get("output_tokens")})
 
 
 def make_agent() -> ChatAgent:
