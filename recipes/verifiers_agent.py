@@ -8,7 +8,7 @@ Each episode runs the environment's rollout (SingleTurnEnv, MultiTurnEnv, ToolEn
 OpenAI chat client, wrapping a stock AsyncOpenAI at the episode's base URL; the chat server records the segments.
 The reward is the environment's rubric scored on the episode's whole group with Rubric.score_group, as verifiers'
 run_group scores one: group-level reward functions see every episode of the prompt that did not fail.
-rows(split): the environment's dataset ("train") or eval dataset ("test"); a row's label is the dataset row.
+rows(split): the environment's dataset ("train") or eval dataset ("test"); a label names the environment and row.
 An episode is dropped (rollout/dropped_agent_error) when its rollout raises or ends with an error, or when the rubric
 gives a reward that is not a finite number.
 Not here: verifiers 0.4, which replaced this environment API and pins openai<3 and mcp==2.0.0. 0.3.1 and the
@@ -49,41 +49,46 @@ install()
 from openai import AsyncOpenAI  # noqa: E402
 from verifiers.legacy.clients import OpenAIChatCompletionsClient  # noqa: E402
 
-ENV = None  # the environment, built once per process (load_environment may load a dataset)
+ENVS: dict = {}  # name -> environment, built once per process (load_environment may load a dataset)
 
 
-def environment():
-    global ENV
-    if ENV is None:
-        name = os.environ.get("VERIFIERS_ENV", "")
-        if not name:
-            raise ValueError("VERIFIERS_ENV is unset: set it to a .py file or a module that defines load_environment()")
+def environment(name: str):
+    if not name:
+        raise ValueError("VERIFIERS_ENV is unset: set it to a .py file or a module that defines load_environment()")
+    if name not in ENVS:
         module = (load_module(name, "load_environment", "VERIFIERS_ENV") if name.endswith(".py")
                   else importlib.import_module(name))
         if not hasattr(module, "load_environment"):
             raise ValueError(f"VERIFIERS_ENV {name}: defines no load_environment()")
         if threading.current_thread() is threading.main_thread():
-            ENV = module.load_environment()
+            ENVS[name] = module.load_environment()
         else:  # an Environment sets SIGINT/SIGTERM handlers, which only the main thread may; a Ray actor is off it
             with mock.patch("signal.signal"):
-                ENV = module.load_environment()
-    return ENV
+                ENVS[name] = module.load_environment()
+    return ENVS[name]
 
 
 def rows(split: str) -> list[dict]:
+    """The environment's rows; each label names the environment, so a Ray worker on any node loads the same one."""
     if split not in ("train", "test"):
         raise ValueError(f"split {split!r}: choose train or test (the environment's dataset or eval dataset)")
-    env = environment()
+    name = os.environ.get("VERIFIERS_ENV", "")
+    name = os.path.abspath(name) if name.endswith(".py") else name
+    env = environment(name)
     data = env.get_dataset() if split == "train" else env.get_eval_dataset()
     # Arrow gives every message every key any message has: drop the None ones
-    return [{"messages": [{k: v for k, v in m.items() if v is not None} for m in row["prompt"]], "label": dict(row)}
-            for row in data]
+    return [{"messages": [{k: v for k, v in m.items() if v is not None} for m in row["prompt"]],
+             "label": {"env": name, "input": dict(row)}} for row in data]
 
 
-def rollout_input(ctx: ChatContext) -> dict:
-    if isinstance(ctx.label, dict) and "prompt" in ctx.label:  # a row of the environment's dataset
-        return ctx.label
-    return {"prompt": ctx.messages, "answer": "" if ctx.label is None else str(ctx.label), "example_id": 0}
+def episode(ctx: ChatContext) -> tuple:
+    """(environment, verifiers input) of an episode: a row of rows() names both; a row of another --data.path is
+    the input of the environment VERIFIERS_ENV names."""
+    if isinstance(ctx.label, dict) and ctx.label.keys() == {"env", "input"}:
+        return environment(ctx.label["env"]), ctx.label["input"]
+    answer = "" if ctx.label is None else str(ctx.label)
+    return environment(os.environ.get("VERIFIERS_ENV", "")), {"prompt": ctx.messages, "answer": answer,
+                                                             "example_id": 0}
 
 
 # --- a group: the episodes of one prompt, scored together once the last one has rolled out
@@ -106,16 +111,13 @@ async def score(env, group: dict) -> None:
 
 
 class VerifiersAgent(ChatAgent):
-    def __init__(self, env):
-        self.env = env
-
     async def run(self, ctx: ChatContext) -> Result:
-        key = id(ctx.messages)
+        key, (env, task) = id(ctx.messages), episode(ctx)
         group = GROUPS.setdefault(key, {"running": 0, "states": [], "scored": asyncio.Event(), "error": None})
         group["running"] += 1
         try:
             client = OpenAIChatCompletionsClient(AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key))
-            state = await self.env.rollout(rollout_input(ctx), client, ctx.model, self.env.sampling_args)
+            state = await env.rollout(task, client, ctx.model, env.sampling_args)
             if state.get("error") is not None:
                 raise RuntimeError(f"the verifiers rollout ended with an error: {state['error']!r}")
             group["states"].append(state)
@@ -123,7 +125,7 @@ class VerifiersAgent(ChatAgent):
             group["running"] -= 1
             if group["running"] == 0:
                 del GROUPS[key]
-                group["task"] = asyncio.ensure_future(score(self.env, group))
+                group["task"] = asyncio.ensure_future(score(env, group))
         await group["scored"].wait()
         if group["error"] is not None:
             raise group["error"]
@@ -131,10 +133,10 @@ class VerifiersAgent(ChatAgent):
         if not isinstance(reward, (int, float)) or not math.isfinite(reward):
             raise ValueError(f"the environment's rubric gave reward {reward!r} (metrics {state['metrics']}): "
                              "a reward must be a finite number")
-        usage = self.env.get_state_usage(state) or {}
+        usage = env.get_state_usage(state) or {}
         return Result(reward=float(reward), info={"metrics": dict(state["metrics"] or {}), "env_turns":
                       len(state["trajectory"]), "completion_tokens": usage.get("output_tokens")})
 
 
 def make_agent() -> ChatAgent:
-    return VerifiersAgent(environment())
+    return VerifiersAgent()
