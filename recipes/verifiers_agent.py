@@ -9,8 +9,8 @@ OpenAI chat client, wrapping a stock AsyncOpenAI at the episode's base URL; the 
 The reward is the environment's rubric scored on the episode's whole group with Rubric.score_group, as verifiers'
 run_group scores one: group-level reward functions see every episode of the prompt that did not fail.
 rows(split): the environment's dataset ("train") or eval dataset ("test"); a label names the environment and row.
-An episode is dropped (rollout/dropped_agent_error) when its rollout raises or ends with an error, or when the rubric
-gives a reward that is not a finite number.
+An episode is dropped (rollout/dropped_agent_error) when its rollout raises or ends with an error other than an empty
+or malformed reply, or when the rubric gives a reward that is not a finite number.
 Not here: verifiers 0.4, which replaced this environment API and pins openai<3 and mcp==2.0.0. 0.3.1 and the
 packages .venv lacks are installed beside .venv with --no-deps (install()), so it runs on .venv's openai and mcp.
 """
@@ -46,8 +46,10 @@ def install(root: str = os.path.join(os.path.dirname(os.path.dirname(os.path.abs
 
 
 install()
+import httpx  # noqa: E402
 from openai import AsyncOpenAI  # noqa: E402
 from verifiers.legacy.clients import OpenAIChatCompletionsClient  # noqa: E402
+from verifiers.legacy.errors import InvalidModelResponseError  # noqa: E402
 
 ENVS: dict = {}  # name -> environment, built once per process (load_environment may load a dataset)
 
@@ -97,6 +99,7 @@ def episode(ctx: ChatContext) -> tuple:
 # any can finish (a rollout waits on HTTP): the row's messages list names the group, and every member has joined
 # before the first one ends. The entry goes when its last member ends, so the list's id is not reused meanwhile.
 GROUPS: dict[int, dict] = {}
+HTTP = None  # one connection pool for the process's episodes: a fresh AsyncOpenAI builds its own, ~40 ms of CPU
 
 
 async def score(env, group: dict) -> None:
@@ -112,13 +115,18 @@ async def score(env, group: dict) -> None:
 
 class VerifiersAgent(ChatAgent):
     async def run(self, ctx: ChatContext) -> Result:
+        global HTTP
         key, (env, task) = id(ctx.messages), episode(ctx)
         group = GROUPS.setdefault(key, {"running": 0, "states": [], "scored": asyncio.Event(), "error": None})
         group["running"] += 1
         try:
-            client = OpenAIChatCompletionsClient(AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key))
+            HTTP = HTTP or httpx.AsyncClient(limits=httpx.Limits(max_connections=None))  # every episode at once
+            client = OpenAIChatCompletionsClient(AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key,
+                                                             http_client=HTTP))
             state = await env.rollout(task, client, ctx.model, env.sampling_args)
-            if state.get("error") is not None:
+            # An empty or malformed reply is the policy's own sample: the rubric scores it, as verifiers' run_group
+            # does. Any other error (the server, a sandbox, the environment) drops the episode.
+            if state.get("error") is not None and not isinstance(state["error"], InvalidModelResponseError):
                 raise RuntimeError(f"the verifiers rollout ended with an error: {state['error']!r}")
             group["states"].append(state)
         finally:  # a failed or timed-out member leaves the group; the last one to end starts the scoring
