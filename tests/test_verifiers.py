@@ -8,6 +8,7 @@ from the decoded segments. Loop tests (slow): each environment trains a few step
 import asyncio
 import json
 import os
+import subprocess
 import textwrap
 
 import pytest
@@ -280,3 +281,30 @@ def test_environment_trains_through_the_loop_token_exact(kind, ray_local, tiny_m
     if kind == "tool":
         assert all(r["rollout/constrained_tokens"] > 0 and r["rollout/reward_mean"] >= 2.0 for r in rows)
     assert rows[-1]["train/version"] == 2.0
+
+
+# --- the learning curve
+
+
+@pytest.mark.slow
+def test_verifiers_copy_recipe_trains_both_agents_from_one_warm_start(tmp_path):
+    """recipes/verifiers_copy.sh, shortened to 2 SFT and 2 RL steps: both agents log the same keys.
+
+    The full recipe (30 SFT steps, then 60 GRPO steps of 32 prompts x 8, K=1, from one SFT model), 2 CPU cores shared
+    with other jobs, held-out reward on the 100 test strings:
+        native Env agent (recipes/copy_agent.py):           before RL 0.725, after 60 steps NATIVE_AFTER, RL NATIVE_S s
+        verifiers SingleTurnEnv (recipes/verifiers_copy_env): before RL VF_BEFORE, after 60 steps VF_AFTER, RL VF_S s
+    """
+    root = os.path.join(os.path.dirname(__file__), "..")
+    out = str(tmp_path / "curve")
+    done = subprocess.run(["bash", "recipes/verifiers_copy.sh"], cwd=root, capture_output=True, text=True, timeout=1200,
+                          env={**os.environ, "OUT": out, "SFT_STEPS": "2", "RL_STEPS": "2"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    native, mine = read_metrics(os.path.join(out, "native")), read_metrics(os.path.join(out, "verifiers"))
+    assert [r["step"] for r in native] == [r["step"] for r in mine] == [0, 1]
+    for a, b in zip(native, mine):
+        assert a["rollout/episodes"] == b["rollout/episodes"] == 256.0  # 32 prompts x 8 samples, none dropped
+        assert b["rollout/segments_per_episode"] == 1.0
+    # the same held-out strings and the same SFT model: the baselines differ only by sampling noise
+    assert abs(native[0]["eval/before_reward_mean"] - mine[0]["eval/before_reward_mean"]) < 0.1
+    assert done.stdout.count("held-out eval before RL") == 2
