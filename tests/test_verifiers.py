@@ -290,10 +290,12 @@ def test_environment_trains_through_the_loop_token_exact(kind, ray_local, tiny_m
 def test_verifiers_copy_recipe_trains_both_agents_from_one_warm_start(tmp_path):
     """recipes/verifiers_copy.sh, shortened to 2 SFT and 2 RL steps: both agents log the same keys.
 
-    The full recipe (30 SFT steps, then 60 GRPO steps of 32 prompts x 8, K=1, from one SFT model), 2 CPU cores shared
-    with other jobs, held-out reward on the 100 test strings:
-        native Env agent (recipes/copy_agent.py):           before RL 0.725, after 60 steps NATIVE_AFTER, RL NATIVE_S s
-        verifiers SingleTurnEnv (recipes/verifiers_copy_env): before RL VF_BEFORE, after 60 steps VF_AFTER, RL VF_S s
+    The full recipe (30 SFT steps, then 60 GRPO steps of 32 prompts x 8, K=1, from one SFT model) on 2 CPU cores shared
+    with other jobs; held-out reward on the 100 test strings, before RL / after 10, 20, ..., 60 steps, and RL wall time:
+        native Env agent (recipes/copy_agent.py):    0.725 / 0.811 0.884 0.979 0.986 0.985 0.991, 290 s
+        verifiers SingleTurnEnv (verifiers_copy_env): 0.721 / 0.785 0.899 0.967 0.986 0.988 0.988, 1,204 s
+    Median step 2.2 s native, 13.9 s verifiers (each episode goes through HTTP, verifiers' message models and the
+    chat server, and that run shared the cores with this file's other tests): the same reward in the same steps.
     """
     root = os.path.join(os.path.dirname(__file__), "..")
     out = str(tmp_path / "curve")
