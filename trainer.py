@@ -497,7 +497,8 @@ class TrainerRank:
         self.device = torch.device("cuda", 0) if self.cuda else torch.device("cpu")  # Ray shows each rank its GPU as 0
         if not self.cuda:
             torch.set_num_threads(1)  # ranks share the cores; one thread each is fastest and deterministic
-        self.version = 0  # optimizer steps taken (0 = the loaded weights); the driver counts train steps
+        self.version = 0  # policy version: train steps taken, one refit each (0 = the loaded weights)
+        self.optimizer_steps = 0  # AdamW steps (epochs x minibatches per train step): the lr schedule's clock
         self.router = None  # the Generator this rank refits (rank 0)
         # --train.routing_replay: (MoE layers, top_k, experts), and this forward's (b, t, layers, top_k) expert ids
         self.moe, self.replay = None, None
@@ -560,7 +561,8 @@ class TrainerRank:
         if self.loss.needs_ref_model:
             self.ref = self.build(AutoModelForCausalLM).requires_grad_(False)  # the loaded weights, frozen
         if self.train.critic_lr is not None:
-            self.critic = self.build(AutoModelForTokenClassification, num_labels=1)
+            # no dropout (transformers' head default: 0.1): the no-grad pass's old values must be the values
+            self.critic = self.build(AutoModelForTokenClassification, num_labels=1, classifier_dropout=0.0)
             self.critic_optimizer = adamw(self.critic.parameters())
 
     def build(self, auto_class, lora: bool = False, **kwargs) -> torch.nn.Module:
@@ -707,7 +709,7 @@ class TrainerRank:
         batch = collate(segments, self.moe, vlm=self.processor is not None)
         mask = batch["mask"]  # (B, T)
         plan = self.plan(batch, self.train.minibatches)
-        start_version, records = self.version, []
+        records = []
         if "routed" in batch:  # share of the batch's (token, MoE layer) positions whose recorded experts are replayed
             real = torch.arange(mask.shape[1]) < batch["lengths"][:, None]  # (B, T)
             records.append((1.0, {"train/replayed_frac": float((batch["routed"][..., 0] >= 0)[real].float().mean())}))
@@ -749,7 +751,7 @@ class TrainerRank:
                     logp, entropy = self.policy_logprobs(self.model, x, self.temperature, entropy=True)
                     loss, loss_metrics = compute_policy_loss(
                         self.loss, logp, x.get("old_logp", logp.detach()), x["rollout_logp"], x["adv"], x["mask"],
-                        versions=x["versions"], current_version=start_version, denoms=denoms, entropy=entropy,
+                        versions=x["versions"], current_version=self.version, denoms=denoms, entropy=entropy,
                         group_tokens=group_tokens.to(self.device)[x["group_ids"]], ref_logp=x.get("ref_logp"))
                     # FSDP averages gradients over dp ranks; the shares already sum to the batch loss, so undo it
                     (loss * self.dp_size).backward()
@@ -767,12 +769,13 @@ class TrainerRank:
                     grad_norm, _ = self.optimizer_step(self.critic, self.critic_optimizer, self.train.critic_lr)
                     records.append((1.0, {"train/critic_grad_norm": grad_norm}))
                 records.append((1.0, self.policy_step(step_loss)))
+        self.version += 1  # one new policy per train step, however many optimizer steps it took
         return records, self.version
 
     def optimizer_step(self, model, optimizer, base_lr: float) -> tuple[float, float]:
         """Clip model's gradients, take one AdamW step at the scheduled lr; -> (gradient norm before clipping, lr)."""
         grad_norm = clip_grad_norm(list(model.parameters()), self.train.grad_clip)
-        lr = lr_at(self.version, lr=base_lr, warmup_steps=self.train.warmup_steps, schedule=self.train.schedule,
+        lr = lr_at(self.optimizer_steps, lr=base_lr, warmup_steps=self.train.warmup_steps, schedule=self.train.schedule,
                    total_steps=self.train.total_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -781,14 +784,14 @@ class TrainerRank:
         return grad_norm, lr
 
     def policy_step(self, step_loss: torch.Tensor) -> dict[str, float]:
-        """End the policy's optimizer step: sum its loss over ranks, clip, AdamW, advance the policy version."""
+        """End the policy's optimizer step: sum its loss over ranks, clip, AdamW, advance the lr schedule."""
         dist.all_reduce(step_loss, group=self.dp_group)
         if self.fsdp.ep_size > 1:  # experts sum every ep rank's tokens, and FSDP averages them over dp / ep_size
             for name, p in self.model.named_parameters():  # ranks, not dp: ep_size x the scale of the others
                 if ".experts." in name and p.grad is not None:
                     p.grad.div_(self.fsdp.ep_size)
         grad_norm, lr = self.optimizer_step(self.model, self.optimizer, self.train.lr)
-        self.version += 1
+        self.optimizer_steps += 1
         peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.cuda else 0.0  # since the rank started
         return {"train/loss": float(step_loss), "train/grad_norm": grad_norm, "train/lr": lr, "train/peak_gib": peak}
 
@@ -808,6 +811,7 @@ class TrainerRank:
             step_loss += loss.detach()
             records.append((float(x["mask"].sum()), metrics))
         records.append((1.0, self.policy_step(step_loss)))
+        self.version += 1
         return records, self.version
 
     def logprobs(self, segments: list[Segment], temperature: float | None) -> list[torch.Tensor] | None:
@@ -933,8 +937,8 @@ class TrainerRank:
             torch.save(rng, os.path.join(tmp, f"rng_rank{self.rank}.pt"))
             if self.rank == 0:
                 with open(os.path.join(tmp, "meta.json"), "w") as f:
-                    json.dump({"step": step, "version": self.version, "world_size": self.world_size,
-                               "data_position": data_position}, f)
+                    json.dump({"step": step, "version": self.version, "optimizer_steps": self.optimizer_steps,
+                               "world_size": self.world_size, "data_position": data_position}, f)
         except CheckpointException as e:  # DCP raises it on every rank when one rank's write failed
             rank, (cause, _) = next(iter(e.failures.items()))
             failure = f"{type(cause).__name__}: {cause} on rank {rank}"
@@ -983,7 +987,9 @@ class TrainerRank:
         np.random.set_state(rng["numpy"])
         if self.cuda:
             torch.cuda.set_rng_state_all(rng["cuda"])
-        self.version = meta["version"]
+        if "optimizer_steps" not in meta:  # written when the version counted AdamW steps and the step train steps
+            meta = {**meta, "optimizer_steps": meta["version"], "version": meta["step"]}
+        self.version, self.optimizer_steps = meta["version"], meta["optimizer_steps"]
         return meta
 
     def shutdown(self) -> None:
