@@ -63,7 +63,8 @@ class TrainArgs:
     lr: float = field(default=1e-5, metadata={"help": "AdamW peak learning rate of the policy"})
     warmup_steps: int = field(default=0, metadata={"help": "optimizer steps of linear warmup: lr/warmup_steps to lr"})
     schedule: str = field(default="constant", metadata={"help": "learning rate after warmup", "choices": SCHEDULES})
-    total_steps: int | None = field(default=None, metadata={"help": "step at which --train.schedule cosine reaches 0"})
+    total_steps: int | None = field(default=None, metadata={
+        "help": "optimizer step (epochs x minibatches per train step) at which --train.schedule cosine reaches 0"})
     betas: tuple[float, float] = field(default=(0.9, 0.999), metadata={"help": "AdamW beta1 beta2"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW decoupled weight decay"})
     grad_clip: float | None = field(default=1.0, metadata={"help": "clip the global grad norm to this; None = no clip"})
@@ -561,8 +562,7 @@ class TrainerRank:
         if self.loss.needs_ref_model:
             self.ref = self.build(AutoModelForCausalLM).requires_grad_(False)  # the loaded weights, frozen
         if self.train.critic_lr is not None:
-            # no dropout (transformers' head default: 0.1): the no-grad pass's old values must be the values
-            self.critic = self.build(AutoModelForTokenClassification, num_labels=1, classifier_dropout=0.0)
+            self.critic = self.build(AutoModelForTokenClassification, num_labels=1)
             self.critic_optimizer = adamw(self.critic.parameters())
 
     def build(self, auto_class, lora: bool = False, **kwargs) -> torch.nn.Module:
@@ -599,6 +599,7 @@ class TrainerRank:
         if lora:  # --train.lora_rank: the policy's adapters, added before FSDP wraps its parameters
             self.adapted = add_lora(model, self.train)
         if auto_class is AutoModelForTokenClassification:
+            model.dropout.p = 0.0  # transformers' head default is 0.1: the no-grad pass's old values are the values
             with torch.no_grad():  # the value head starts at V = 0, the same on every rank
                 model.score.weight.zero_()
                 model.score.bias.zero_()

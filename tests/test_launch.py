@@ -294,7 +294,8 @@ def test_a_group_spanning_refits_is_as_fresh_as_its_newest_token_with_partial_ro
 
     async def one_batch():
         queue = launch.GroupQueue([Scripted.remote()], [{"prompt": "p"}], 1, {"epoch": 0, "index": 0}, 0, groups=1)
-        batch = await queue.next_batch(1, capacity=1, filter_range=None, min_version=1, partial=partial)
+        batch = await queue.next_batch(1, capacity=1, filter_range=None, min_version=1, max_filtered=1,
+                                       partial=partial)
         await queue.drain()
         return batch, queue.counts["stale"], queue.launched
     batch, dropped, launched = asyncio.run(one_batch())
