@@ -9,7 +9,8 @@ Two kinds of agent, both plain Python in a file passed by `--agent.path FILE` th
   engine never samples the image token id).
 - `ChatAgent`: the agent owns the loop. `run(ctx) -> Result` talks to the loopback chat server with a stock OpenAI
   or Anthropic SDK (`ctx.base_url`, `ctx.anthropic_base_url`, `ctx.api_key`); the server captures its segments.
-A `Result.reward` is any float the agent computes. An exception inside an agent drops that episode
+A `Result.reward` is any float the agent computes; an Env episode's reward is the sum of its step() rewards (the
+undiscounted return), a ChatAgent's is its run()'s. An exception inside an agent drops that episode
 (`rollout/dropped_agent_error`) and the run goes on. `AgentWorker` (a Ray async actor) runs the episodes of one
 prompt group concurrently and returns their Segments.
 Not here: scheduling, batching or staleness (launch.py), token capture (generator.py, chat_server.py).
@@ -54,7 +55,8 @@ class Result:
 
 class Env:
     """Subclass and implement reset and step; one instance serves one episode. reset returns the first user turn,
-    as Result.observation is: a str, or a list of str (text) and bytes (an encoded PNG/JPEG image) parts."""
+    as Result.observation is: a str, or a list of str (text) and bytes (an encoded PNG/JPEG image) parts. The
+    episode's reward is the sum of every step's Result.reward (a reward only at the end is that reward)."""
     system_prompt: str | None = None
 
     async def reset(self, prompt: str, label) -> str | list:
@@ -136,7 +138,7 @@ async def run_env_episode(env: Env, generator: Generator, template: ChatTemplate
     system = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []
     ids, spans = template.expand_images(template.render_full(system + [first]), images)
     mask, logps, versions, sampled = [False] * len(ids), [0.0] * len(ids), [-1] * len(ids), []
-    result, truncated, routed = Result(reward=0.0), True, None  # truncated unless the env ends the episode
+    result, truncated, routed, reward = Result(reward=0.0), True, None, 0.0  # truncated unless the env ends it
     while (room := args.max_context - len(ids)) > 0 and state["turn"] < args.max_turns:
         out = await generator.generate(ids, max_new_tokens=min(room, generator.rollout.max_new_tokens),
                                        affinity=episode_id, images=spans)
@@ -149,6 +151,7 @@ async def run_env_episode(env: Env, generator: Generator, template: ChatTemplate
         state.update(turn=state["turn"] + 1, finish_reason=out.finish_reason)
         text_ids = out.token_ids[:-1] if out.token_ids[-1:] == [template.eos_id] else out.token_ids
         result = await env.step(template.decode(text_ids), state)
+        reward += result.reward
         if result.terminated or result.truncated or out.finish_reason == "abort":
             truncated = result.truncated
             break
@@ -162,7 +165,7 @@ async def run_env_episode(env: Env, generator: Generator, template: ChatTemplate
         logps += [0.0] * len(delta)
         versions += [-1] * len(delta)
     info = dict(result.info, sampled=sampled_record(sampled), turns=state["turn"])
-    return [Segment(token_ids=ids, action_mask=mask, logprobs=logps, versions=versions, reward=result.reward,
+    return [Segment(token_ids=ids, action_mask=mask, logprobs=logps, versions=versions, reward=reward,
                     episode_id=episode_id, group_id=group_id, finish_reason=state["finish_reason"],
                     truncated=truncated, info=info, images=spans,
                     routed_experts=None if routed is None else segment_routing(routed, len(ids)))]

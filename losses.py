@@ -4,10 +4,11 @@ Shapes: B rows, T tokens. logp / old_logp / rollout_logp / ref_logp / adv / entr
 (B, T); mask (B, T) bool is True on action tokens. logp is the trainer's current log-prob (gradient
 flows), old_logp the trainer's recompute before this step (proximal policy), rollout_logp the
 engine's sampling log-prob (behaviour policy), versions the policy version that sampled each token.
-Contract: compute_policy_loss(args, ...) -> (loss (), metrics dict[str, float]); it is the one
-function that reads the policy flags (compute_value_loss reads --loss.value_clip). Loss values
+Contract: compute_policy_loss(args, ...) -> (loss (), records [(count, metrics dict[str, float])]); it is the
+one function that reads the policy flags (compute_value_loss reads --loss.value_clip). Loss values
 use global denominators (Denoms), so summing the losses of an optimizer step's microbatches and
-ranks gives the full-batch loss and gradient. Metrics are means over this call's action tokens.
+ranks gives the full-batch loss and gradient. Each record's metrics are means over its count of tokens, so
+count-weighted means over microbatches and ranks give the full-batch values (trainer.merge_metrics).
 Nothing leaks from masked positions: every input goes through torch.where before any exp, so -inf
 or NaN there gives exactly zero gradient; log-ratios are clamped to +-20 before exp.
 Not here: log-probs and entropy from logits (trainer.py), advantages (estimators.py), reductions
@@ -36,11 +37,11 @@ K3_CAP = 10.0  # the k3 KL estimate's ceiling per token, verl's and OpenRLHF's v
 @dataclass
 class LossArgs:
     surrogate: str = field(default="ppo", metadata={"help": "policy surrogate (see losses.py)", "choices": SURROGATES})
-    clip_low: float = field(default=0.2, metadata={"help": "floor 1-clip_low: ppo/gspo ratio, CISPO weight (1 = none)"})
+    clip_low: float = field(default=0.2, metadata={"help": "floor 1-clip_low of the ppo/gspo ratio (cispo has none)"})
     clip_high: float = field(default=0.2, metadata={"help": "ceiling 1+clip_high: ppo/gspo ratio, CISPO weight"})
     dual_clip: float | None = field(default=None, metadata={"help": "c > 1 caps loss at -c*A where A < 0; None = off"})
     is_level: str = field(default="off", metadata={
-        "help": "IS weight old/rollout: per token, seq (product), or geo (seq geo-mean gate)", "choices": IS_LEVELS})
+        "help": "IS weight old/rollout: per token, seq (product), geo (seq geometric mean)", "choices": IS_LEVELS})
     is_mode: str = field(default="trunc", metadata={"help": "trunc=TIS, mask=IcePop, clip=clamp", "choices": IS_MODES})
     is_band: tuple[float, float] = field(default=(0.5, 5.0), metadata={"help": "IS weight band 0 < LOW < 1 < HIGH"})
     max_token_lag: int | None = field(default=None, metadata={"help": "max version lag of a kept token; None = any"})
@@ -77,10 +78,13 @@ class LossArgs:
         if self.dual_clip is not None and self.surrogate == "cispo":
             raise ValueError("--loss.dual_clip with --loss.surrogate cispo: CISPO's weight is already capped at "
                              "1+clip_high; unset --loss.dual_clip")
-        if self.is_level == "geo" and self.is_mode != "mask":
-            raise ValueError(f"--loss.is_level geo with --loss.is_mode {self.is_mode}: geo is a gate that keeps or "
-                             "zeroes whole sequences, there is nothing to truncate or clip; set --loss.is_mode mask, "
-                             "or --loss.is_level token for TIS")
+        if self.surrogate == "cispo" and self.clip_low != type(self).clip_low:
+            raise ValueError(f"--loss.clip_low {self.clip_low} with --loss.surrogate cispo: CISPO's weight has no "
+                             "floor (MiniMax-M1), its one bound is --loss.clip_high; unset --loss.clip_low")
+        if self.surrogate == "gspo" and self.agg != "seq_mean_token_mean":
+            raise ValueError(f"--loss.surrogate gspo with --loss.agg {self.agg}: GSPO's objective is a mean over "
+                             "sequences of each sequence's token mean, other aggregations weight its tokens otherwise; "
+                             "set --loss.agg seq_mean_token_mean")
         if self.is_level == "seq" and self.is_mode == "clip":
             raise ValueError("--loss.is_level seq with --loss.is_mode clip: a product over a sequence spans orders of "
                              "magnitude, and raising tiny ones to LOW up-weights the sequences the trainer would not "
@@ -168,8 +172,9 @@ def gspo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_low:
          dual_clip: float | None) -> tuple[Tensor, Tensor]:
     """GSPO-token, https://arxiv.org/abs/2507.18071: PPO's clip on s_t = sg(s) * exp(logp_t - sg(logp_t)), with
     s = exp(mean_t(logp_t - old_logp_t)) one ratio per row: value s, gradient s * grad(logp_t) on every token.
-    Each token keeps its own advantage A_t (per-token advantages: gae, gamma < 1, a KL reward); with one
-    advantage per row this is GSPO's sequence form."""
+    Each token keeps its own advantage A_t (per-token advantages: gae, gamma < 1, a KL reward). Taken as a mean
+    over rows of each row's token mean (LossArgs refuses any other --loss.agg) and with one advantage per row,
+    this is GSPO's sequence objective mean_i min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i)."""
     logp = torch.where(mask, logp, 0.0)  # (B, T)
     n = mask.sum(-1, keepdim=True).clamp(min=1)  # (B, 1)
     log_seq = torch.where(mask, logp - old_logp, 0.0).sum(-1, keepdim=True) / n  # (B, 1)
@@ -178,13 +183,13 @@ def gspo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_low:
     return clipped_surrogate(log_ratio, adv, mask, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
 
 
-def cispo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_low: float,
-          clip_high: float) -> tuple[Tensor, Tensor]:
-    """CISPO, https://arxiv.org/abs/2506.13585: -sg(clip(r, 1-eps_low, 1+eps_high))*A*logp, r = exp(logp - old_logp).
-    The clipped weight is a constant, so every token keeps a gradient and it flows only through logp."""
+def cispo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_high: float) -> tuple[Tensor, Tensor]:
+    """CISPO, https://arxiv.org/abs/2506.13585: -sg(min(r, 1+eps_high))*A*logp, r = exp(logp - old_logp); the paper's
+    clip(r, 1-eps_low, 1+eps_high) with the large eps_low its experiments use, so no floor. The clipped weight is
+    a constant, so every token keeps a gradient and it flows only through logp."""
     logp = torch.where(mask, logp, 0.0)  # (B, T)
     ratio = torch.where(mask, logp - old_logp, 0.0).detach().clamp(-LOG_CLAMP, LOG_CLAMP).exp()  # (B, T)
-    weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # (B, T)
+    weight = ratio.clamp(max=1.0 + clip_high)  # (B, T)
     return torch.where(mask, -weight * torch.where(mask, adv, 0.0) * logp, 0.0), (weight != ratio) & mask
 
 
@@ -194,8 +199,10 @@ def cispo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_low
 def importance_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, *, level: str, mode: str,
                        band: tuple[float, float]) -> tuple[Tensor, Tensor]:
     """Detached weight (B, T) that multiplies the per-token loss, and the bool (B, T) of tokens the band changed.
-    level token: w_t = exp(old_t - rollout_t); seq: every token gets exp(sum_t log w_t); geo: w_t times a
-    gate 1[LOW <= exp(mean_t log w_t) <= HIGH] that zeroes a whole sequence (mode must be mask).
+    level token: w_t = exp(old_t - rollout_t); seq: every token gets exp(sum_t log w_t); geo: every token gets
+    exp(mean_t log w_t), GSPO's length-normalised sequence ratio (https://arxiv.org/abs/2507.18071) applied to
+    old/rollout as verl's rollout_is_level geometric does, so the band bounds every token's weight:
+    https://github.com/volcengine/verl/blob/10350b613de7625d759a48e582573749484ef861/docs/advance/rollout_is.md
     mode trunc, TIS (https://fengyao.notion.site/off-policy-rl): min(w, HIGH); mask, IcePop
     (https://arxiv.org/abs/2510.18855): w * 1[LOW <= w <= HIGH]; clip: clamp(w, LOW, HIGH)."""
     log_low, log_high = math.log(band[0]), math.log(band[1])
@@ -207,11 +214,7 @@ def importance_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, *, 
     elif level == "seq":
         log_w = log_w.sum(-1, keepdim=True).expand_as(log_w)  # (B, T)
     elif level == "geo":
-        if mode != "mask":
-            raise ValueError(f"mode {mode!r}: level geo is a gate, only mode mask applies")
-        log_geo = log_w.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # (B, 1)
-        inside = (log_geo >= log_low) & (log_geo <= log_high)  # (B, 1)
-        return torch.where(inside, log_w.clamp(-LOG_CLAMP, LOG_CLAMP).exp(), 0.0), mask & ~inside
+        log_w = (log_w.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)).expand_as(log_w)  # (B, T)
     else:
         raise ValueError(f"level {level!r}: unknown; choose one of {', '.join(IS_LEVELS)}")
     w = log_w.clamp(-LOG_CLAMP, LOG_CLAMP).exp()  # (B, T)
@@ -342,9 +345,9 @@ def mismatch_metrics(rollout_logp: Tensor, trainer_logp: Tensor, mask: Tensor) -
 def compute_policy_loss(args: LossArgs, logp: Tensor, old_logp: Tensor, rollout_logp: Tensor, adv: Tensor, mask: Tensor,
                         *, versions: Tensor, current_version: int, denoms: Denoms, group_tokens: Tensor | None = None,
                         ref_logp: Tensor | None = None,
-                        entropy: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
-    """The policy loss () of one microbatch and its metrics. group_tokens (B,) only for agg
-    prompt_mean_token_mean; ref_logp only for kl_ref model; entropy (B, T) when entropy_coef > 0 or to log it."""
+                        entropy: Tensor | None = None) -> tuple[Tensor, list[tuple[float, dict[str, float]]]]:
+    """The policy loss () of one microbatch and its metric records, (count, means over count tokens). group_tokens
+    (B,) only for agg prompt_mean_token_mean; ref_logp only for kl_ref model; entropy (B, T) to use or log it."""
     # --- inputs, then which tokens train: drop those past the lag bound, refuse uncorrected stale data
     check_shapes(mask, logp=logp, old_logp=old_logp, rollout_logp=rollout_logp, adv=adv, versions=versions,
                  ref_logp=ref_logp, entropy=entropy)
@@ -358,7 +361,7 @@ def compute_policy_loss(args: LossArgs, logp: Tensor, old_logp: Tensor, rollout_
     elif args.surrogate == "gspo":
         per_token, clipped = gspo(logp, old_logp, adv, kept, **clip, dual_clip=args.dual_clip)
     elif args.surrogate == "cispo":
-        per_token, clipped = cispo(logp, old_logp, adv, kept, **clip)
+        per_token, clipped = cispo(logp, old_logp, adv, kept, clip_high=args.clip_high)
     else:
         raise ValueError(f"--loss.surrogate {args.surrogate!r}: unknown; choose one of {', '.join(SURROGATES)}")
 
@@ -368,8 +371,7 @@ def compute_policy_loss(args: LossArgs, logp: Tensor, old_logp: Tensor, rollout_
     per_token = weight * per_token  # (B, T)
     loss = aggregate(per_token, mask, agg=args.agg, denoms=denoms, group_tokens=group_tokens)
     metrics = {"loss/pg": masked_mean(per_token, kept), "loss/clip_frac": masked_mean(clipped, kept),
-               "loss/is_weight_mean": masked_mean(weight, kept), "loss/is_masked_frac": masked_mean(cut, kept),
-               "loss/stale_frac": masked_mean(mask & ~kept, mask)}
+               "loss/is_weight_mean": masked_mean(weight, kept), "loss/is_masked_frac": masked_mean(cut, kept)}
 
     # --- KL to the reference: always measured when a reference exists, in the loss when kl_coef > 0
     if args.kl_ref == "rollout":
@@ -400,12 +402,13 @@ def compute_policy_loss(args: LossArgs, logp: Tensor, old_logp: Tensor, rollout_
             loss = loss - args.entropy_coef * aggregate(torch.where(kept, entropy, 0.0), mask, agg=args.agg,
                                                         denoms=denoms, group_tokens=group_tokens)
 
-    # --- forward consistency, only on tokens the trainer's current weights sampled (lag is not mismatch);
-    # a batch with none (asynchronous steps) reports no mismatch keys rather than a false zero
+    # --- records: each mean with its count. Mismatch only on tokens the current weights sampled (lag is not
+    # mismatch); a batch with none (asynchronous steps) reports no mismatch keys rather than a false zero.
+    records = [(float(kept.sum()), metrics), (float(mask.sum()), {"loss/stale_frac": masked_mean(mask & ~kept, mask)})]
     same = mask & (versions == current_version)  # (B, T)
     if same.any():
-        metrics.update(mismatch_metrics(rollout_logp, old_logp, same))
-    return loss, metrics
+        records.append((float(same.sum()), mismatch_metrics(rollout_logp, old_logp, same)))
+    return loss, records
 
 
 def compute_value_loss(args: LossArgs, values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *,

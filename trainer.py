@@ -355,18 +355,18 @@ EXTREMES = {"estimator/adv_max": max, "estimator/adv_min": min, "loss/mismatch_m
 
 def merge_metrics(records: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
     """Weighted mean of each key over (weight, metrics) records from every rank, except the EXTREMES, which take
-    their max or min. A weight is a record's action tokens (1 for per-step records)."""
+    their max or min. A weight is the count its record's means are over (1 for per-step records), so the merge
+    equals the full batch's value; a key whose records all count 0 is 0, as a mean over nothing is in losses.py."""
     out, weights = {}, {}
     for weight, metrics in records:
-        if weight <= 0:
-            continue
         for key, value in metrics.items():
             if key in EXTREMES:
-                out[key] = EXTREMES[key](out.get(key, value), value)
-            else:
-                out[key] = out.get(key, 0.0) + weight * value
-                weights[key] = weights.get(key, 0.0) + weight
-    return {k: v / weights[k] if k in weights else v for k, v in out.items()}
+                if weight > 0:
+                    out[key] = EXTREMES[key](out.get(key, value), value)
+            else:  # a count-0 record's value (possibly NaN) never enters the sum
+                out[key] = out.get(key, 0.0) + (weight * value if weight > 0 else 0.0)
+                weights[key] = weights.get(key, 0.0) + max(weight, 0.0)
+    return {k: v / weights[k] if weights.get(k) else v for k, v in out.items()}
 
 
 def sft_batch(examples: list[dict], tokenizer, *, end_token: str = "<|im_end|>", template=None) -> list[Segment]:
@@ -750,7 +750,7 @@ class TrainerRank:
                 for micro in minibatch[self.dp_rank]:
                     x = self.microbatch(batch, micro)
                     logp, entropy = self.policy_logprobs(self.model, x, self.temperature, entropy=True)
-                    loss, loss_metrics = compute_policy_loss(
+                    loss, loss_records = compute_policy_loss(
                         self.loss, logp, x.get("old_logp", logp.detach()), x["rollout_logp"], x["adv"], x["mask"],
                         versions=x["versions"], current_version=self.version, denoms=denoms, entropy=entropy,
                         group_tokens=group_tokens.to(self.device)[x["group_ids"]], ref_logp=x.get("ref_logp"))
@@ -762,10 +762,10 @@ class TrainerRank:
                         value_loss, value_metrics = compute_value_loss(self.loss, v, x["values"], x["returns"],
                                                                        x["mask"], denoms=denoms)
                         (value_loss * self.dp_size).backward()
-                        loss_metrics.update(value_metrics)
                         value_mean = (v.detach() * x["mask"]).sum() / x["mask"].sum().clamp(min=1)
-                        loss_metrics["train/value_mean"] = float(value_mean)
-                    records.append((float(x["mask"].sum()), loss_metrics))
+                        value_metrics["train/value_mean"] = float(value_mean)
+                        records.append((float(x["mask"].sum()), value_metrics))
+                    records += loss_records
                 if self.critic is not None:
                     grad_norm, _ = self.optimizer_step(self.critic, self.critic_optimizer, self.train.critic_lr)
                     records.append((1.0, {"train/critic_grad_norm": grad_norm}))

@@ -87,6 +87,29 @@ def test_multiturn_episode_trains_on_exact_sampled_ids(tiny_generator, template)
     seg.check()
 
 
+class Paid(Env):
+    """Pays a reward on every step, 1 then 0.25, and ends at the third with 0.5."""
+    rewards = (1.0, 0.25, 0.5)
+
+    async def reset(self, prompt, label):
+        return f"start {prompt}"
+
+    async def step(self, action_text, state):
+        turn = state["turn"]
+        return Result(reward=self.rewards[turn - 1], observation=f"observation {turn}",
+                      terminated=turn == len(self.rewards))
+
+
+def test_env_episode_reward_is_the_sum_of_its_step_rewards(tiny_generator, template):
+    gen = Recording(tiny_generator)
+    (seg,) = run(Paid(), gen, template)
+    # Three steps: 1 + 0.25 + 0.5 = 1.75, the undiscounted return (the last step alone pays 0.5).
+    assert len(gen.completions) == 3 and seg.reward == 1.75 and not seg.truncated
+    (seg,) = run(Paid(), gen, template, max_turns=2)
+    # Cut at the turn limit after two steps: 1 + 0.25.
+    assert len(gen.completions) == 5 and seg.reward == 1.25 and seg.truncated
+
+
 def test_turn_limit_ends_episode_as_truncated(tiny_generator, template):
     gen = Recording(tiny_generator)
     (seg,) = run(Echo(turns=10), gen, template, max_turns=2)

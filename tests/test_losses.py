@@ -4,8 +4,9 @@ import math
 import pytest
 import torch
 
-from losses import (Denoms, LossArgs, aggregate, check_versions, cispo, compute_policy_loss, compute_value_loss, gspo,
-                    importance_weights, kl_penalty, mismatch_metrics, ppo, sft_loss, stale_mask, value_loss)
+from losses import (IS_MODES, Denoms, LossArgs, aggregate, check_versions, cispo, compute_policy_loss,
+                    compute_value_loss, gspo, importance_weights, kl_penalty, mismatch_metrics, ppo, sft_loss,
+                    stale_mask, value_loss)
 
 LN2 = math.log(2.0)
 
@@ -29,12 +30,14 @@ def one_row(n):
 
 def policy_loss(args, logp, old_logp, adv, mask, *, rollout_logp=None, versions=None, current_version=0,
                 denoms=None, **kw):
-    """compute_policy_loss with on-policy defaults: rollout = old, every token of version current_version."""
+    """compute_policy_loss with on-policy defaults: rollout = old, every token of version current_version;
+    -> (loss, metrics of all its records in one dict: their keys are disjoint)."""
     rollout_logp = old_logp.detach() if rollout_logp is None else rollout_logp
     versions = torch.full(mask.shape, current_version) if versions is None else versions
     denoms = Denoms(float(mask.sum()), float(mask.any(-1).sum()), 1.0) if denoms is None else denoms
-    return compute_policy_loss(args, logp, old_logp, rollout_logp, adv, mask, versions=versions,
-                               current_version=current_version, denoms=denoms, **kw)
+    loss, records = compute_policy_loss(args, logp, old_logp, rollout_logp, adv, mask, versions=versions,
+                                        current_version=current_version, denoms=denoms, **kw)
+    return loss, {k: v for _, metrics in records for k, v in metrics.items()}
 
 
 # --- masks and robustness
@@ -82,7 +85,8 @@ def test_loss_ignores_masked_tokens(flags):
 def test_empty_mask_gives_zero_loss_zero_metrics_and_a_backward_pass(surrogate):
     # No action tokens anywhere in the step: every denominator is 0, the loss must be 0 (not NaN) and still
     # connected to logp, so a rank with an empty microbatch can join the collective backward.
-    args = LossArgs(surrogate=surrogate, is_level="token", kl_coef=0.1, entropy_coef=0.1)
+    agg = "seq_mean_token_mean" if surrogate == "gspo" else "token_mean"
+    args = LossArgs(surrogate=surrogate, is_level="token", kl_coef=0.1, entropy_coef=0.1, agg=agg)
     mask = torch.zeros(2, 3, dtype=torch.bool)
     logp = torch.full((2, 3), -math.inf, dtype=torch.float64, requires_grad=True)
     loss, metrics = policy_loss(args, logp, torch.full((2, 3), -math.inf, dtype=torch.float64),
@@ -102,7 +106,8 @@ def test_empty_mask_gives_zero_loss_zero_metrics_and_a_backward_pass(surrogate):
 def test_extreme_ratio_stays_finite(surrogate):
     # logp - old = 1000 on an action token would overflow exp; the log-ratio is clamped to 20 first, and the
     # importance log-weight (old - rollout = -1000) likewise.
-    args = LossArgs(surrogate=surrogate, is_level="token", is_mode="clip")
+    agg = "seq_mean_token_mean" if surrogate == "gspo" else "token_mean"
+    args = LossArgs(surrogate=surrogate, is_level="token", is_mode="clip", agg=agg)
     logp = leaf([[0.0, -1.0]])
     loss, _ = policy_loss(args, logp, t([[-1000.0, -1.0]]), t([[-1.0, 1.0]]), torch.tensor([[True, True]]),
                           rollout_logp=t([[0.0, -1.0]]))
@@ -141,12 +146,13 @@ def test_gspo_uses_one_sequence_ratio_and_reaches_every_token():
     # Row 0: logp - old = [0.5, -0.5]; PPO would clip both tokens, but s = exp(mean) = e^0 = 1 is inside the band:
     # loss -1 per token, gradient -s*A/N = -1/4 on both tokens (N = 4 action tokens in the step).
     # Row 1: logp - old = [0.1, -0.3], s = e^-0.1 = 0.904837, A = [1, 3], each token keeps its own: loss -s*A_t,
-    # gradient -s*A_t/4 = [-s/4, -3s/4]. Loss = (-1 - 1 - s - 3s) / 4.
+    # gradient -s*A_t/4 = [-s/4, -3s/4]. Loss = (-1 - 1 - s - 3s) / 4. (Two rows of two tokens: the mean over rows
+    # of each row's token mean is the sum over 4.)
     s = math.exp(-0.1)
     logp = leaf([[0.5, -0.5], [0.1, -0.3]])
     mask = torch.ones(2, 2, dtype=torch.bool)
-    loss, metrics = policy_loss(LossArgs(surrogate="gspo"), logp, t([[0.0, 0.0], [0.0, 0.0]]),
-                                t([[1.0, 1.0], [1.0, 3.0]]), mask)
+    loss, metrics = policy_loss(LossArgs(surrogate="gspo", agg="seq_mean_token_mean"), logp,
+                                t([[0.0, 0.0], [0.0, 0.0]]), t([[1.0, 1.0], [1.0, 3.0]]), mask)
     loss.backward()
     assert loss.item() == pytest.approx((-2.0 - 4.0 * s) / 4.0)
     assert close(logp.grad, [[-0.25, -0.25], [-s / 4.0, -3.0 * s / 4.0]])
@@ -169,11 +175,28 @@ def test_gspo_token_keeps_its_own_advantage_against_a_clipped_sequence_ratio():
     per_token, clipped = gspo(logp, torch.zeros(2, 2, dtype=torch.float64), adv, mask, clip_low=0.2, clip_high=0.2,
                               dual_clip=None)
     assert close(per_token, [[-2.4, s0], [0.8, -2.0 * s1]]) and clipped.tolist() == [[True, False], [True, False]]
-    loss, metrics = policy_loss(LossArgs(surrogate="gspo"), logp, torch.zeros(2, 2, dtype=torch.float64), adv, mask)
+    loss, metrics = policy_loss(LossArgs(surrogate="gspo", agg="seq_mean_token_mean"), logp,
+                                torch.zeros(2, 2, dtype=torch.float64), adv, mask)
     loss.backward()
     assert loss.item() == pytest.approx((-2.4 + s0 + 0.8 - 2.0 * s1) / 4.0)
     assert close(logp.grad, [[0.0, s0 / 4.0], [0.0, -s1 / 2.0]])
     assert metrics["loss/clip_frac"] == 0.5
+
+
+def test_gspo_gradient_is_the_papers_sequence_objective_and_other_aggregations_are_refused():
+    # GSPO: J = mean_i s_i A_i (inside the clip), s_i = exp(mean_t(logp_it - old_it)),
+    # so dJ/dlogp_it = s_i A_i / (G |y_i|).
+    # Rows of 1 and 3 tokens, logp = old (s = 1), A = 1, G = 2: the loss gradient is -1/2 on the short row's
+    # token and -1/6 on each of the long row's. A token mean would give -1/4 everywhere: the long row 3x the weight.
+    logp = leaf([[-1.0, 0.0, 0.0], [-1.0, -2.0, -3.0]])
+    mask = torch.tensor([[True, False, False], [True, True, True]])
+    loss, _ = policy_loss(LossArgs(surrogate="gspo", agg="seq_mean_token_mean"), logp, logp.detach(),
+                          torch.ones(2, 3, dtype=torch.float64), mask)
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.0) and close(logp.grad, [[-0.5, 0.0, 0.0], [-1 / 6, -1 / 6, -1 / 6]])
+    for agg in ("token_mean", "seq_mean_token_sum", "prompt_mean_token_mean"):
+        with pytest.raises(ValueError, match=f"--loss.surrogate gspo with --loss.agg {agg}.*seq_mean_token_mean"):
+            LossArgs(surrogate="gspo", agg=agg)
 
 
 def test_gspo_clips_the_whole_sequence():
@@ -186,21 +209,23 @@ def test_gspo_clips_the_whole_sequence():
     assert clipped.all() and (logp.grad == 0).all()
 
 
-def test_cispo_gradient_flows_only_through_logp():
-    # r = [2, 0.5]; clip to [1-0.2, 1+0.5] -> w = [1.5, 0.8] (both clipped, both keep a gradient). A = [1, -2], N = 2:
-    # loss = -(1.5*1*ln0.5 + 0.8*(-2)*ln0.25)/2 = -(-1.5ln2 + 3.2ln2)/2 = -0.85ln2; d/dlogp = -w*A/N = [-0.75, 0.8].
+def test_cispo_weight_has_no_floor_and_gradient_flows_only_through_logp():
+    # MiniMax-M1's CISPO caps the weight at 1+eps_high and has no floor. r = [2, 0.5], eps_high 0.5 -> w = [1.5, 0.5]
+    # (only the 2 is clipped; a floor of 1-0.2 would have raised 0.5 to 0.8). A = [1, -2], N = 2:
+    # loss = -(1.5*1*ln0.5 + 0.5*(-2)*ln0.25)/2 = -(-1.5ln2 + 2ln2)/2 = -0.25ln2; d/dlogp = -w*A/N = [-0.75, 0.5].
     logp = leaf([[math.log(0.5), math.log(0.25)]])
     old = leaf([[math.log(0.25), math.log(0.5)]])
     loss, metrics = policy_loss(LossArgs(surrogate="cispo", clip_high=0.5), logp, old, t([[1.0, -2.0]]),
                                 torch.tensor([[True, True]]))
     loss.backward()
-    assert loss.item() == pytest.approx(-0.85 * LN2)
-    assert close(logp.grad, [[-0.75, 0.8]])
+    assert loss.item() == pytest.approx(-0.25 * LN2)
+    assert close(logp.grad, [[-0.75, 0.5]])
     assert old.grad is None or (old.grad == 0).all()
-    assert metrics["loss/clip_frac"] == 1.0
-    direct, _ = cispo(logp.detach(), old.detach(), t([[1.0, -2.0]]), torch.tensor([[True, True]]),
-                      clip_low=0.2, clip_high=0.5)
-    assert close(direct, [[1.5 * LN2, -3.2 * LN2]])
+    assert metrics["loss/clip_frac"] == 0.5
+    direct, _ = cispo(logp.detach(), old.detach(), t([[1.0, -2.0]]), torch.tensor([[True, True]]), clip_high=0.5)
+    assert close(direct, [[1.5 * LN2, -2.0 * LN2]])  # -w*A*logp: -1.5*1*(-ln2), -0.5*(-2)*(-2ln2)
+    with pytest.raises(ValueError, match="--loss.clip_low 0.1 with --loss.surrogate cispo"):
+        LossArgs(surrogate="cispo", clip_low=0.1)
 
 
 # --- importance correction
@@ -241,11 +266,30 @@ def test_seq_weight_is_the_product_over_the_action_tokens():
     assert w[mask].tolist() == pytest.approx([0.0, 0.0, 0.0, 1.0, 1.0])
 
 
-def test_geo_gate_zeroes_a_whole_sequence():
-    # Row 0: geometric mean sqrt(2*8) = 4 inside [0.5, 5] -> per-token weights kept, [2, 8].
-    # Row 1: sqrt(0.1*0.2) = 0.141 < 0.5 -> the whole row gets weight 0.
+def test_geo_weight_is_the_sequence_geometric_mean_on_every_token():
+    # Row 0: geometric mean sqrt(2*8) = 4 inside [0.5, 5] -> every token gets 4. Row 1: sqrt(0.1*0.2) = 0.141 < 0.5
+    # -> mask zeroes the whole row. With trunc and HIGH 3: row 0 gets min(4, 3) = 3, row 1 keeps 0.141.
     w, cut = weights([[2.0, 8.0], [0.1, 0.2]], "geo", "mask", (0.5, 5.0))
-    assert close(w, [[2.0, 8.0], [0.0, 0.0]]) and cut.tolist() == [[False, False], [True, True]]
+    assert close(w, [[4.0, 4.0], [0.0, 0.0]]) and cut.tolist() == [[False, False], [True, True]]
+    w, cut = weights([[2.0, 8.0], [0.1, 0.2]], "geo", "trunc", (0.5, 3.0))
+    assert close(w, [[3.0, 3.0], [0.02**0.5, 0.02**0.5]]) and cut.tolist() == [[True, True], [False, False]]
+
+
+def test_geo_bounds_every_token_weight_when_one_token_is_an_outlier():
+    # issue 35's row: log w = +15 on one token, -0.15 on the other 99. Its log geometric mean is
+    # (15 - 99*0.15)/100 = 0.15/100 = 0.0015, inside [ln 0.5, ln 5], so every token gets e^0.0015 = 1.0015011;
+    # the outlier no longer gets e^15 = 3.3e6. On-policy PPO (r = 1), A = 1, token mean over 100 tokens: each
+    # token's gradient is -w/100, so the outlier carries 1/100 of the row's gradient, not 99.997%.
+    log_w = t([[15.0] + [-0.15] * 99])
+    mask = torch.ones(1, 100, dtype=torch.bool)
+    w, cut = importance_weights(log_w, torch.zeros_like(log_w), mask, level="geo", mode="mask", band=(0.5, 5.0))
+    assert torch.allclose(w, torch.full((1, 100), math.exp(0.0015), dtype=w.dtype)) and not cut.any()
+    logp = leaf([[-1.0] * 100])
+    loss, metrics = policy_loss(LossArgs(is_level="geo", is_mode="mask"), logp, logp.detach(),
+                                torch.ones(1, 100, dtype=torch.float64), mask, rollout_logp=-1.0 - log_w)
+    loss.backward()
+    assert torch.allclose(logp.grad, torch.full((1, 100), -math.exp(0.0015) / 100, dtype=torch.float64))
+    assert metrics["loss/is_weight_mean"] == pytest.approx(math.exp(0.0015))
 
 
 def test_importance_weight_multiplies_the_loss_as_a_constant():
@@ -513,6 +557,56 @@ def test_policy_loss_reports_no_mismatch_when_no_token_has_the_current_version()
                              versions=torch.tensor([[2, 2]]), current_version=3)
     assert not any(k.startswith("loss/mismatch") or k == "loss/vllm_kl" for k in metrics)
 
+@pytest.mark.parametrize("surrogate, clip_frac", [("ppo", 1 / 7), ("gspo", 0.0), ("cispo", 1 / 7)])
+def test_metrics_merged_over_microbatches_equal_the_whole_batch(surrogate, clip_frac):
+    # Partial rollouts with --loss.max_token_lag 1 at version 5: each metric averages over its own tokens, so
+    # merging microbatches by action tokens gets them wrong; merge_metrics weights each record by its own count.
+    # Rows (action tokens, versions): 0: 4 at v5; 1: 2 at v3 (stale); 2: 3 at v4, v5, v5; 3: 1 at v3 (stale).
+    # stale_frac = 3/10. Kept: 7 tokens. logp - old = 0.5 on row 0 token 0 (r = 1.65, A = 1: clipped by ppo's
+    # and cispo's 1.2) and -0.5 on row 2 token 2 (r = 0.61: ppo keeps the unclipped -r*A, cispo has no floor);
+    # gspo's row ratios e^(0.5/4) = 1.13 and e^(-0.5/3) = 0.85 are inside [0.8, 1.2]: nothing clipped.
+    # old - rollout: -0.5 on row 0 token 1 (w = 0.61), +1 on row 2 token 0 (w = e > 2: IcePop cuts it):
+    # is_masked_frac 1/7, is_weight_mean (5 + e^-0.5)/7 (the cut token weighs 0).
+    # Mismatch over the 6 tokens of version 5, delta = old - rollout = -0.5 on one: vllm_kl = abs = 0.5/6,
+    # k3 = (e^-0.5 - 1 + 0.5)/6, max_abs 0.5, frac 1/6. Weighting by action tokens would give frac
+    # (4 x 1/4 + 4 x 0)/8 = 1/8 from microbatches [0] and [2, 3].
+    from trainer import merge_metrics
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    versions = torch.tensor([[5, 5, 5, 5], [3, 3, -1, -1], [4, 5, 5, -1], [3, -1, -1, -1]])
+    old = torch.full((4, 4), -1.0, dtype=torch.float64)
+    logp = old.clone()
+    logp[0, 0], logp[2, 2] = -0.5, -1.5
+    rollout = old.clone()
+    rollout[0, 1], rollout[2, 0] = -0.5, -2.0
+    entropy = t([[0.1, 0.2, 0.3, 0.4], [0.5, 0.6, 0.0, 0.0], [0.7, 0.8, 0.9, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    agg = "seq_mean_token_mean" if surrogate == "gspo" else "token_mean"
+    args = LossArgs(surrogate=surrogate, agg=agg, max_token_lag=1, is_level="token", is_mode="mask",
+                    is_band=(0.5, 2.0))
+    denoms = Denoms(num_tokens=10.0, num_seqs=4.0, num_prompts=1.0)
+
+    def records(rows):
+        return compute_policy_loss(args, logp[rows], old[rows], rollout[rows], torch.ones(len(rows), 4), mask[rows],
+                                   versions=versions[rows], current_version=5, denoms=denoms,
+                                   entropy=entropy[rows])[1]
+
+    whole = merge_metrics(records([0, 1, 2, 3]))
+    merged = merge_metrics(records([0]) + records([1]) + records([2, 3]))  # 4, 0 and 3 kept tokens
+    keys = {"loss/pg", "loss/clip_frac", "loss/is_weight_mean", "loss/is_masked_frac", "loss/stale_frac", "loss/kl",
+            "loss/entropy", "loss/vllm_kl", "loss/mismatch_k3", "loss/mismatch_abs", "loss/mismatch_max_abs",
+            "loss/mismatch_frac"}
+    assert set(whole) == set(merged) == keys and merged == pytest.approx(whole)
+    k3 = math.exp(-0.5) - 1 + 0.5
+    assert merged == pytest.approx({**merged, "loss/stale_frac": 0.3, "loss/clip_frac": clip_frac,
+                                    "loss/is_masked_frac": 1 / 7, "loss/is_weight_mean": (5 + math.exp(-0.5)) / 7,
+                                    "loss/entropy": (1.0 + 0.7 + 0.8 + 0.9) / 7, "loss/vllm_kl": 0.5 / 6,
+                                    "loss/mismatch_abs": 0.5 / 6, "loss/mismatch_k3": k3 / 6,
+                                    "loss/mismatch_max_abs": 0.5, "loss/mismatch_frac": 1 / 6})
+    # A batch of only stale rows: every kept-token mean is over nothing, 0 on the whole batch and merged alike.
+    assert merge_metrics(records([1]) + records([3])) == merge_metrics(records([1, 3])) == {
+        k: 0.0 for k in ("loss/pg", "loss/clip_frac", "loss/is_weight_mean", "loss/is_masked_frac", "loss/kl",
+                         "loss/entropy")} | {"loss/stale_frac": 1.0}
+
+
 # --- flags and shapes
 
 
@@ -529,7 +623,8 @@ def test_policy_loss_reports_no_mismatch_when_no_token_has_the_current_version()
     (dict(kl_coef=-0.1), "--loss.kl_coef"),
     (dict(value_clip=0.0), "--loss.value_clip"),
     (dict(surrogate="cispo", dual_clip=3.0), "--loss.dual_clip with --loss.surrogate cispo"),
-    (dict(is_level="geo", is_mode="trunc"), "--loss.is_level geo with --loss.is_mode trunc"),
+    (dict(surrogate="gspo"), "--loss.surrogate gspo with --loss.agg token_mean"),
+    (dict(surrogate="cispo", clip_low=1.0), "--loss.clip_low 1.0 with --loss.surrogate cispo"),
     (dict(is_level="seq", is_mode="clip"), "--loss.is_level seq with --loss.is_mode clip"),
 ])
 def test_loss_args_errors_name_the_flag(flags, flag):
@@ -552,9 +647,11 @@ def test_flag_owner_predicates_answer_for_the_other_files():
 
 def test_allowed_combinations_construct():
     LossArgs()
-    LossArgs(surrogate="cispo", is_level="token", is_mode="trunc", clip_low=1.0, clip_high=5.0)
+    LossArgs(surrogate="cispo", is_level="token", is_mode="trunc", clip_high=5.0)
+    LossArgs(surrogate="gspo", agg="seq_mean_token_mean")
     LossArgs(is_level="seq", is_mode="mask")
-    LossArgs(is_level="geo", is_mode="mask")
+    for mode in IS_MODES:  # geo's weight is one number per row, which any mode can bound
+        LossArgs(is_level="geo", is_mode=mode)
 
 
 def test_bad_shapes_raise_naming_the_argument():
