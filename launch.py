@@ -30,7 +30,7 @@ import torch
 from agent import AgentArgs, AgentWorker, load_module
 from chat_server import ChatArgs, ChatTemplate
 from estimators import EstimatorArgs
-from generator import Generator, RolloutArgs, Segment, VllmArgs
+from generator import Generator, RolloutArgs, Segment, VllmArgs, segment_routing
 from losses import LossArgs, mismatch_metrics
 from trainer import CkptArgs, FsdpArgs, TrainArgs, TrainerGroup, sft_batch
 
@@ -73,10 +73,15 @@ class DataArgs:
     path: str = field(default="", metadata={"help": "JSONL/parquet rows (prompt, label) or a .py defining rows(split)"})
     filter_range: tuple[float, float] | None = field(default=None, metadata={
         "help": "LO HI: drop groups whose mean reward is outside [LO, HI] and sample more"})
+    max_filtered_batches: int = field(default=10, metadata={
+        "help": "with --data.filter_range: the run stops once more than this x --launch.batch_prompts groups were "
+                "filtered while one batch filled (data the policy always solves or always fails)"})
 
     def __post_init__(self):
         if self.filter_range is not None and not self.filter_range[0] <= self.filter_range[1]:
             raise ValueError(f"--data.filter_range {self.filter_range}: LO must be <= HI")
+        if self.max_filtered_batches < 1:
+            raise ValueError(f"--data.max_filtered_batches {self.max_filtered_batches}: must be >= 1")
 
 
 @dataclass
@@ -157,6 +162,18 @@ def check_cross_flags(cfg: dict) -> None:
                          f"and above --launch.batch_prompts x (--launch.max_staleness + 1) = {window} only with "
                          "--launch.partial_rollout (without it every refit waits for all of them, and the groups they "
                          "finish go stale)")
+    if launch.max_staleness == 0 and launch.partial_rollout and in_flight > launch.batch_prompts:
+        raise ValueError(f"--launch.max_staleness 0 with --launch.partial_rollout and --launch.in_flight {in_flight} > "
+                         f"--launch.batch_prompts {launch.batch_prompts}: the groups left sampling across a refit keep "
+                         "their old tokens, so K=0 would train 1-version-old ones; set --launch.max_staleness 1, or "
+                         "--launch.in_flight <= --launch.batch_prompts")
+    longest = cfg["vllm"].max_model_len  # a chat segment's bound; an Env episode's is --agent.max_context if lower
+    if launch.mode == "rl" and train.max_tokens_per_microbatch < longest:
+        raise ValueError(f"--vllm.max_model_len {longest} with --train.max_tokens_per_microbatch "
+                         f"{train.max_tokens_per_microbatch}: an episode that long cannot fit one microbatch, and the "
+                         f"step would stop on it; set --train.max_tokens_per_microbatch >= {longest}, or lower "
+                         "--vllm.max_model_len (an Env agent samples nothing past --agent.max_context "
+                         f"{cfg['agent'].max_context}, so that value costs it nothing)")
     if train.routing_replay and not cfg["vllm"].return_routed_experts:
         raise ValueError("--train.routing_replay without --vllm.return_routed_experts: the engine records no "
                          "routing to replay; set --vllm.return_routed_experts")
@@ -253,9 +270,11 @@ class GroupQueue:
         self.pending: dict[str, tuple] = {}  # group id -> (epoch, index): launched, not yet trained or dropped
         self.order: tuple[int, list[int]] = (-1, [])  # (epoch, its row order)
         self.tasks, self.done, self.launched, self.kept, self.failed = set(), asyncio.Queue(), 0, 0, 0
-        self.counts = {"agent_error": 0, "timeout": 0, "tainted": 0, "filtered": 0, "stale": 0}
+        self.counts = {"agent_error": 0, "timeout": 0, "tainted": 0, "filtered": 0, "stale": 0}  # run totals
         self.errors: list[str] = []
         self.idle_since, self.engine_idle_s = time.perf_counter(), 0.0
+        self.logged = (dict(self.counts), 0.0)  # the totals at the last step_metrics
+        self.finished: dict[str, float] = {}  # episode id -> reward, of every group finished since then
 
     def launch(self) -> None:
         """Start a group: a re-issued position first, else the data order's next (epoch, index 1-based)."""
@@ -308,12 +327,13 @@ class GroupQueue:
             await asyncio.wait(set(self.tasks))
 
     async def next_batch(self, n: int, *, capacity: int, filter_range: tuple[float, float] | None,
-                         min_version: int, partial: bool = False) -> list[dict]:
+                         min_version: int, max_filtered: int, partial: bool = False) -> list[dict]:
         """n finished groups, launching new ones while fewer than `capacity` are in flight, queued or taken.
-        Dropped and replaced by a new position: groups whose every episode failed, groups filtered by mean reward.
-        Re-issued (the same prompt sampled again, so long prompts are not lost): groups with a token older than
-        min_version (with `partial`: whose newest token is)."""
-        batch = []
+        Dropped and replaced by a new position: groups whose every episode failed, groups filtered by mean reward
+        (more than max_filtered of them before the batch fills stops the run). Re-issued (the same prompt sampled
+        again, so long prompts are not lost): groups with a token older than min_version (with `partial`: whose
+        newest token is)."""
+        batch, filtered = [], 0
         while len(batch) < n:
             self.fill(capacity, len(batch))
             group = await self.done.get()
@@ -329,9 +349,17 @@ class GroupQueue:
                     raise RuntimeError(f"every episode was dropped ({self.counts}); first errors: {self.errors[:3]}")
                 continue
             self.kept += 1
+            self.finished.update((s.episode_id, s.reward) for s in group["segments"])
             if filter_range and not filter_range[0] <= sum(rewards) / len(rewards) <= filter_range[1]:
                 self.counts["filtered"] += 1
-                self.to_launch += 1
+                self.to_launch, filtered = self.to_launch + 1, filtered + 1
+                if filtered > max_filtered:
+                    raise RuntimeError(
+                        f"--data.filter_range {filter_range[0]:g} {filter_range[1]:g}: {filtered} groups were filtered "
+                        f"while one batch filled {len(batch)} of {n}, more than --data.max_filtered_batches x "
+                        f"--launch.batch_prompts = {max_filtered}; {self.counts['filtered'] / self.kept:.1%} of the "
+                        f"{self.kept} groups finished so far were filtered. Widen the range, use data the policy "
+                        "neither always solves nor always fails, or raise --data.max_filtered_batches")
                 continue
             versions = [v for s in group["segments"] for v, m in zip(s.versions, s.action_mask) if m]
             # partial rollouts: a group is as fresh as its newest token; its older tokens are corrected per
@@ -342,6 +370,18 @@ class GroupQueue:
                 continue
             batch.append(group)
         return batch
+
+    def step_metrics(self) -> dict:
+        """Since the last call: episodes dropped by reason, seconds the engines sat idle, and the mean reward of every
+        episode of the groups that finished, filtered and stale ones included (the trained batch's leans to the
+        filter's range; rollout/trained_reward_mean)."""
+        counts, idle = self.logged
+        rewards = list(self.finished.values())
+        out = {f"rollout/dropped_{k}": float(v - counts[k]) for k, v in self.counts.items()}
+        out.update({"launch/engine_idle_s": self.engine_idle_s - idle,
+                    "rollout/reward_mean": sum(rewards) / max(len(rewards), 1)})
+        self.logged, self.finished = (dict(self.counts), self.engine_idle_s), {}
+        return out
 
 
 def audit(segments: list) -> None:
@@ -363,12 +403,12 @@ def audit(segments: list) -> None:
 
 
 def rollout_metrics(segments: list, version: int, lag_bins: int) -> dict:
-    """Reward over episodes (each counted once), action tokens, and the token staleness histogram."""
+    """The trained batch: reward over episodes (each counted once), action tokens, the token staleness histogram."""
     rewards = list({s.episode_id: s.reward for s in segments}.values())
     mean = sum(rewards) / len(rewards)
     lags = [version - v for s in segments for v, m in zip(s.versions, s.action_mask) if m]
-    out = {"rollout/reward_mean": mean,
-           "rollout/reward_std": (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5,
+    out = {"rollout/trained_reward_mean": mean,
+           "rollout/trained_reward_std": (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5,
            "rollout/episodes": float(len(rewards)), "rollout/segments": float(len(segments)),
            "rollout/segments_per_episode": len(segments) / len(rewards),  # > 1: compactions, rewrites, sub-agents
            "rollout/action_tokens": float(len(lags)),
@@ -424,6 +464,16 @@ def gpu_shares(launch: LaunchArgs, train: TrainArgs, vllm: VllmArgs) -> tuple[di
     return None, (1.0 if gpus else None)  # by the cluster, not this driver: it may have no GPU
 
 
+def probe_segments(prompts: list[list[int]], outs: list, images: list[list]) -> list[Segment]:
+    """The probe's rows: each prompt and the Completion sampled after it, with the routing the engine recorded
+    (--vllm.return_routed_experts), so that --train.routing_replay's recompute replays it as in a train step."""
+    return [Segment(token_ids=p + o.token_ids, action_mask=[False] * len(p) + [True] * len(o.token_ids),
+                    logprobs=[0.0] * len(p) + o.logprobs, versions=[-1] * len(p) + o.versions, images=i,
+                    routed_experts=None if o.routed_experts is None else
+                    segment_routing(o.routed_experts, len(p) + len(o.token_ids)))
+            for p, o, i in zip(prompts, outs, images)]
+
+
 async def probe_mismatch(generator: Generator, trainer: TrainerGroup, segments: list,
                          count: int = 8, tokens: int = 32) -> dict:
     """Forward consistency for a step whose batch held no token of the trainer's version (asynchronous
@@ -434,20 +484,22 @@ async def probe_mismatch(generator: Generator, trainer: TrainerGroup, segments: 
     tokens = min(tokens, generator.rollout.max_new_tokens)
     outs = await asyncio.gather(*(generator.generate(p, max_new_tokens=tokens, affinity="probe", images=i)
                                   for p, i in zip(prompts, images)))
-    probes = [Segment(token_ids=p + o.token_ids, action_mask=[False] * len(p) + [True] * len(o.token_ids),
-                      logprobs=[0.0] * len(p) + o.logprobs, versions=[-1] * len(p) + o.versions, images=i)
-              for p, o, i in zip(prompts, outs, images)]
+    probes = probe_segments(prompts, outs, images)
     recomputed = await asyncio.to_thread(trainer.logprobs, probes)
     pad = lambda rows: torch.nn.utils.rnn.pad_sequence([torch.as_tensor(r) for r in rows], batch_first=True)  # (B, T)
     return mismatch_metrics(pad([p.logprobs for p in probes]), pad(recomputed), pad([p.action_mask for p in probes]))
 
 
 async def evaluate(workers: list, rows: list[dict], count: int) -> dict:
-    """One sample for each of the first `count` held-out rows under the current weights; not trained."""
+    """One sample for each of the first `count` held-out rows under the current weights; not trained. The mean
+    counts each episode once (however many segments it has), and a failed one (dropped) as reward 0."""
     results = await asyncio.gather(*(workers[i % len(workers)].run_group.remote(row, f"eval{i}", 1)
                                      for i, row in enumerate(rows[:count])))
-    rewards = [s.reward for r in results for s in r["segments"]]
-    return {"eval/reward_mean": sum(rewards) / max(len(rewards), 1), "eval/episodes": float(len(rewards))}
+    rewards = [r for out in results for r in {s.episode_id: s.reward for s in out["segments"]}.values()]
+    failed = sum(n for out in results for n in out["dropped"].values())
+    episodes = len(rewards) + failed
+    return {"eval/reward_mean": sum(rewards) / max(episodes, 1), "eval/episodes": float(episodes),
+            "eval/failed_episodes": float(failed)}
 
 
 async def run_rl(cfg: dict) -> dict:
@@ -483,6 +535,7 @@ async def run_rl(cfg: dict) -> dict:
         t0 = time.perf_counter()
         groups = await queue.next_batch(launch.batch_prompts, capacity=capacity, filter_range=data.filter_range,
                                         min_version=trainer.version - launch.max_staleness,
+                                        max_filtered=data.max_filtered_batches * launch.batch_prompts,
                                         partial=launch.partial_rollout)
         segments = [s for g in groups for s in g["segments"]]
         wait_s, since_refit_s = time.perf_counter() - t0, time.perf_counter() - filled
@@ -501,11 +554,12 @@ async def run_rl(cfg: dict) -> dict:
         metrics.update(await asyncio.to_thread(trainer.train_step, segments, data_position=queue.checkpoint_position()))
         train_s = time.perf_counter() - t1
         # --- refit: without partial rollouts, in-flight groups finish on the old weights first
+        t2 = time.perf_counter()
         if not launch.partial_rollout:
             await queue.drain()
-        t2 = time.perf_counter()
+        t3 = time.perf_counter()
         metrics.update(await refit(generator, trainer))
-        refit_s = time.perf_counter() - t2
+        drain_s, refit_s = t3 - t2, time.perf_counter() - t3
         probe = None
         if "loss/vllm_kl" not in metrics:  # mismatch is measured every step, K > 0 included
             probe = asyncio.create_task(probe_mismatch(generator, trainer, segments))
@@ -527,10 +581,10 @@ async def run_rl(cfg: dict) -> dict:
                         "launch/rollout_wait_s": wait_s,
                         "launch/since_refit_s": since_refit_s,  # K=0: the whole rollout phase
                         "launch/groups_in_flight": float(in_flight),
-                        "launch/train_s": train_s, "launch/refit_s": refit_s, "launch/trainer_idle_s": wait_s + refit_s,
-                        "launch/engine_idle_s": queue.engine_idle_s,
+                        "launch/train_s": train_s, "launch/drain_s": drain_s, "launch/refit_s": refit_s,
+                        "launch/trainer_idle_s": wait_s + drain_s + refit_s,  # waiting on groups and engines
                         "launch/tokens_per_s": metrics["rollout/action_tokens"] / step_s,
-                        **{f"rollout/dropped_{k}": float(v) for k, v in queue.counts.items()}, **counters})
+                        **queue.step_metrics(), **counters})
         log.log(step, metrics)
     log.plot(os.path.join(launch.out_dir, "reward.png"))
     path = trainer.final_checkpoint(queue.checkpoint_position())

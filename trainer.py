@@ -63,7 +63,8 @@ class TrainArgs:
     lr: float = field(default=1e-5, metadata={"help": "AdamW peak learning rate of the policy"})
     warmup_steps: int = field(default=0, metadata={"help": "optimizer steps of linear warmup: lr/warmup_steps to lr"})
     schedule: str = field(default="constant", metadata={"help": "learning rate after warmup", "choices": SCHEDULES})
-    total_steps: int | None = field(default=None, metadata={"help": "step at which --train.schedule cosine reaches 0"})
+    total_steps: int | None = field(default=None, metadata={
+        "help": "optimizer step (epochs x minibatches per train step) at which --train.schedule cosine reaches 0"})
     betas: tuple[float, float] = field(default=(0.9, 0.999), metadata={"help": "AdamW beta1 beta2"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW decoupled weight decay"})
     grad_clip: float | None = field(default=1.0, metadata={"help": "clip the global grad norm to this; None = no clip"})
@@ -525,7 +526,8 @@ class TrainerRank:
         self.device = torch.device("cuda", 0) if self.cuda else torch.device("cpu")  # Ray shows each rank its GPU as 0
         if not self.cuda:
             torch.set_num_threads(1)  # ranks share the cores; one thread each is fastest and deterministic
-        self.version = 0  # optimizer steps taken (0 = the loaded weights); the driver counts train steps
+        self.version = 0  # policy version: train steps taken, one refit each (0 = the loaded weights)
+        self.optimizer_steps = 0  # AdamW steps (epochs x minibatches per train step): the lr schedule's clock
         self.router = None  # the Generator this rank refits (rank 0)
         # --train.routing_replay: (MoE layers, top_k, experts), and this forward's (b, t, layers, top_k) expert ids
         self.moe, self.replay = None, None
@@ -638,6 +640,7 @@ class TrainerRank:
         if lora:  # --train.lora_rank: the policy's adapters, added before FSDP wraps its parameters
             self.adapted = add_lora(model, self.train)
         if auto_class is AutoModelForTokenClassification:
+            model.dropout.p = 0.0  # transformers' head default is 0.1: the no-grad pass's old values are the values
             with torch.no_grad():  # the value head starts at V = 0, the same on every rank
                 model.score.weight.zero_()
                 model.score.bias.zero_()
@@ -748,7 +751,7 @@ class TrainerRank:
         batch = collate(segments, self.moe, vlm=self.processor is not None)
         mask = batch["mask"]  # (B, T)
         plan = self.plan(batch, self.train.minibatches)
-        start_version, records = self.version, []
+        records = []
         if "routed" in batch:  # share of the batch's (token, MoE layer) positions whose recorded experts are replayed
             real = torch.arange(mask.shape[1]) < batch["lengths"][:, None]  # (B, T)
             records.append((1.0, {"train/replayed_frac": float((batch["routed"][..., 0] >= 0)[real].float().mean())}))
@@ -790,7 +793,7 @@ class TrainerRank:
                     logp, entropy = self.policy_logprobs(self.model, x, self.temperature, entropy=True)
                     loss, loss_records = compute_policy_loss(
                         self.loss, logp, x.get("old_logp", logp.detach()), x["rollout_logp"], x["adv"], x["mask"],
-                        versions=x["versions"], current_version=start_version, denoms=denoms, entropy=entropy,
+                        versions=x["versions"], current_version=self.version, denoms=denoms, entropy=entropy,
                         group_tokens=group_tokens.to(self.device)[x["group_ids"]], ref_logp=x.get("ref_logp"))
                     # FSDP averages gradients over dp ranks; the shares already sum to the batch loss, so undo it
                     (loss * self.dp_size * self.scaler.scale).backward()
@@ -809,13 +812,14 @@ class TrainerRank:
                                                        self.critic_scaler)
                     records.append((1.0, {"train/critic_grad_norm": grad_norm}))
                 records.append((1.0, self.policy_step(step_loss)))
+        self.version += 1  # one new policy per train step, however many optimizer steps it took
         return records, self.version
 
     def optimizer_step(self, model, optimizer, base_lr: float, scaler: LossScale) -> tuple[float, float]:
         """Clip model's gradients, take one AdamW step at the scheduled lr; -> (gradient norm before clipping, lr).
         The gradients are of the loss x scaler.scale; a float16 step whose gradient is not finite is skipped."""
         grad_norm = clip_grad_norm(list(model.parameters()), self.train.grad_clip, scaler.scale)
-        lr = lr_at(self.version, lr=base_lr, warmup_steps=self.train.warmup_steps, schedule=self.train.schedule,
+        lr = lr_at(self.optimizer_steps, lr=base_lr, warmup_steps=self.train.warmup_steps, schedule=self.train.schedule,
                    total_steps=self.train.total_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -825,14 +829,14 @@ class TrainerRank:
         return grad_norm, lr
 
     def policy_step(self, step_loss: torch.Tensor) -> dict[str, float]:
-        """End the policy's optimizer step: sum its loss over ranks, clip, AdamW, advance the policy version."""
+        """End the policy's optimizer step: sum its loss over ranks, clip, AdamW, advance the lr schedule."""
         dist.all_reduce(step_loss, group=self.dp_group)
         if self.fsdp.ep_size > 1:  # experts sum every ep rank's tokens, and FSDP averages them over dp / ep_size
             for name, p in self.model.named_parameters():  # ranks, not dp: ep_size x the scale of the others
                 if ".experts." in name and p.grad is not None:
                     p.grad.div_(self.fsdp.ep_size)
         grad_norm, lr = self.optimizer_step(self.model, self.optimizer, self.train.lr, self.scaler)
-        self.version += 1
+        self.optimizer_steps += 1
         peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.cuda else 0.0  # since the rank started
         metrics = {"train/loss": float(step_loss), "train/grad_norm": grad_norm, "train/lr": lr, "train/peak_gib": peak}
         if self.scaler.dynamic:  # float16: the scale after this step, and the steps skipped so far
@@ -855,6 +859,7 @@ class TrainerRank:
             step_loss += loss.detach()
             records.append((float(x["mask"].sum()), metrics))
         records.append((1.0, self.policy_step(step_loss)))
+        self.version += 1
         return records, self.version
 
     def logprobs(self, segments: list[Segment], temperature: float | None) -> list[torch.Tensor] | None:
@@ -980,8 +985,8 @@ class TrainerRank:
             torch.save(rng, os.path.join(tmp, f"rng_rank{self.rank}.pt"))
             if self.rank == 0:
                 with open(os.path.join(tmp, "meta.json"), "w") as f:
-                    json.dump({"step": step, "version": self.version, "world_size": self.world_size,
-                               "data_position": data_position}, f)
+                    json.dump({"step": step, "version": self.version, "optimizer_steps": self.optimizer_steps,
+                               "world_size": self.world_size, "data_position": data_position}, f)
         except CheckpointException as e:  # DCP raises it on every rank when one rank's write failed
             rank, (cause, _) = next(iter(e.failures.items()))
             failure = f"{type(cause).__name__}: {cause} on rank {rank}"
@@ -1030,7 +1035,9 @@ class TrainerRank:
         np.random.set_state(rng["numpy"])
         if self.cuda:
             torch.cuda.set_rng_state_all(rng["cuda"])
-        self.version = meta["version"]
+        if "optimizer_steps" not in meta:  # written when the version counted AdamW steps and the step train steps
+            meta = {**meta, "optimizer_steps": meta["version"], "version": meta["step"]}
+        self.version, self.optimizer_steps = meta["version"], meta["optimizer_steps"]
         return meta
 
     def shutdown(self) -> None:

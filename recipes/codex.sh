@@ -6,6 +6,7 @@
 # CODEX_MINIMAL=1 sends the ~4 KB request (own instructions, the two shell tools); CODEX_MINIMAL=0 the stock ~40 KB
 # one (~8.5k tokens: prefix caching keeps later turns to their new tokens). Codex sets no max_output_tokens, so
 # --chat.max_tokens_cap bounds each turn (--rollout.max_new_tokens does not apply to chat requests).
+# A microbatch holds --vllm.max_model_len tokens, so the longest episode (a stock-prompt one) trains as one row.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/codex}
@@ -18,4 +19,5 @@ $PY recipes/clis.py codex
 exec $PY launch.py --launch.model "$OUT/tool_model/sft/hf" --launch.out_dir "$OUT" --launch.steps "${STEPS:-4}" \
   --agent.path "$AGENT" --data.path "$AGENT" \
   --launch.batch_prompts 2 --launch.samples_per_prompt 4 --chat.max_tokens_cap 64 --chat.model_name verbatim-tiny \
-  --vllm.max_model_len 16384 --vllm.enable_prefix_caching --train.lr 1e-4 "$@"
+  --vllm.max_model_len 16384 --train.max_tokens_per_microbatch 16384 --vllm.enable_prefix_caching \
+  --train.lr 1e-4 "$@"

@@ -421,6 +421,22 @@ def test_moe_loop_colocated_with_routing_replay_keeps_mismatch_flat(moe_model, r
     assert all(0.9 < r["train/replayed_frac"] < 1.0 for r in rows)
 
 
+def test_moe_loop_with_routing_replay_at_k1_replays_the_mismatch_probe(moe_model, ray_local, tmp_path):
+    """K=1 with routing replay: from the second step every trained token lags a version, so forward consistency is
+    measured by the probe (launch.probe_mismatch), whose rows carry the routing the engine recorded for them; the
+    replaying trainer refused rows without it, and the run stopped at step 1. Three steps run, the probe's mismatch
+    stays at bf16 noise (lr 0), and the train steps replay nearly every position."""
+    import json
+    out = loop(moe_model, str(tmp_path), "--launch.colocate", "--train.lr", "0", "--vllm.return_routed_experts",
+               "--train.routing_replay", "--launch.max_staleness", "1", "--loss.is_level", "token",
+               "--launch.steps", "3")
+    check_loop(out, steps=3)
+    rows = [json.loads(line) for line in open(os.path.join(out["out_dir"], "metrics.jsonl"))]
+    print("lag_1", [r["rollout/lag_1"] for r in rows], "replayed_frac", [r["train/replayed_frac"] for r in rows])
+    assert [r["rollout/lag_1"] for r in rows] == [0.0, 1.0, 1.0]  # steps 1 and 2: the probe measured them
+    assert all(0.9 < r["train/replayed_frac"] < 1.0 for r in rows)
+
+
 @pytest.fixture(scope="module")
 def moe_setup(moe_model, ray_local):
     """moe_model in an engine recording routing with prefix caching on (a quarter of the GPU), and one

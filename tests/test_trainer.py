@@ -310,23 +310,74 @@ def test_resume_is_bit_exact(ws1, ws1_after_one_step, ray_local, tiny_chars_mode
         assert torch.equal(tensor, after[name]), name
 
 
+def test_version_counts_train_steps_and_the_lr_schedule_optimizer_steps_across_a_resume(ray_local, tiny_chars_model,
+                                                                                          tmp_path):
+    # --train.minibatches 2 x --train.epochs 2: 4 AdamW steps per train step, one policy version (one refit).
+    # Warmup 16 at lr 1e-3: AdamW step s (0-based) runs at 1e-3 (s + 1) / 16, and a train step logs the mean of its 4:
+    # steps 0-3 -> 2.5 / 16, steps 4-7 -> 6.5 / 16, and after a resume steps 8-11 -> 10.5 / 16.
+    import json
+    start = lambda **ckpt: start_group(tiny_chars_model, ckpt=CkptArgs(dir=str(tmp_path), **ckpt), minibatches=2,
+                                       epochs=2, warmup_steps=16)
+    lr = lambda s: pytest.approx(1e-3 * s / 16, rel=1e-6)
+    group = start()
+    try:
+        metrics = [group.train_step(make_segments(group.version, seed=s)) for s in range(2)]
+        path = group.save()
+    finally:
+        group.shutdown()
+    assert [m["train/version"] for m in metrics] == [1.0, 2.0] and [m["train/lr"] for m in metrics] == [lr(2.5),
+                                                                                                          lr(6.5)]
+    with open(os.path.join(path, "meta.json")) as f:
+        meta = json.load(f)
+    # A checkpoint written before versions counted refits holds version = its AdamW steps, 8, and no
+    # optimizer_steps: it resumes at version 2 (its train steps) with the schedule at AdamW step 8.
+    old = {k: v for k, v in meta.items() if k != "optimizer_steps"} | {"version": 8}
+    for written in (meta, old):
+        with open(os.path.join(path, "meta.json"), "w") as f:
+            json.dump(written, f)
+        resumed = start(resume=True)
+        try:
+            assert resumed.version == 2
+            after = resumed.train_step(make_segments(2, seed=2))
+        finally:
+            resumed.shutdown()
+        assert after["train/version"] == 3.0 and after["train/lr"] == lr(10.5)
+
+
 # --- critic, SFT, bad input
 
 
-def test_critic_learns_constant_value(ray_local, tiny_chars_model):
+@pytest.fixture(scope="module")
+def critic_run(ray_local, tiny_chars_model):
+    """A policy at lr 0 with a critic trained 8 steps (epochs 2 x minibatches 2) on rewards of 1: (group, metrics)."""
+    group = start_group(tiny_chars_model, lr=0.0, critic_lr=3e-3, epochs=2, minibatches=2,
+                        loss=LossArgs(kl_ref="model"), estimator=EstimatorArgs(name="gae"))
+    history = [group.train_step(make_segments(group.version, reward=1.0, seed=s)) for s in range(8)]
+    yield group, history
+    group.shutdown()
+
+
+def test_critic_learns_constant_value(critic_run):
     # Every reward is 1 and gamma = lam = 1, so the GAE return at every action token is exactly 1:
     # the critic's values there must approach 1. Policy lr 0 keeps policy == reference, so the k3 KL
     # to the frozen reference model is exp(0) - 0 - 1 = 0 exactly.
-    group = start_group(tiny_chars_model, lr=0.0, critic_lr=3e-3, epochs=2, minibatches=2,
-                        loss=LossArgs(kl_ref="model"), estimator=EstimatorArgs(name="gae"))
-    try:
-        history = [group.train_step(make_segments(group.version, reward=1.0, seed=s)) for s in range(8)]
-    finally:
-        group.shutdown()
+    _, history = critic_run
     assert history[0]["train/value_mean"] < 0.5  # the value head starts at 0
     assert history[-1]["train/value_mean"] == pytest.approx(1.0, abs=0.05)
     assert history[-1]["loss/value"] < 0.01
-    assert all(m["loss/kl"] == 0.0 for m in history) and history[-1]["train/version"] == 8 * 4
+    assert all(m["loss/kl"] == 0.0 for m in history) and history[-1]["train/version"] == 8  # one per train step
+
+
+def test_critic_values_are_the_same_on_every_pass_in_train_mode(critic_run):
+    # The no-grad pass's "old values" and the loss pass's values must be one function: no dropout in the head
+    # (transformers' default for a token-classification head is 0.1), though the critic stays in train mode.
+    import ray
+    group, _ = critic_run
+    actor = group.actors[0]
+    ids = torch.tensor([make_segments(seed=9)[0].token_ids])
+    assert ray.get(actor.__ray_call__.remote(lambda rank: rank.critic.training))
+    first, second = (ray.get(actor.critic_values.remote(ids)) for _ in range(2))
+    assert first.abs().max() > 0.1 and torch.equal(first, second)  # trained values, not the head's initial zeros
 
 
 def test_sft_loss_only_on_assistant_tokens(ws1, tiny_chars_model):
