@@ -342,7 +342,8 @@ class GroupQueue:
             for reason, k in group["dropped"].items():
                 self.counts[reason] += k
             self.errors += group["errors"]
-            rewards, position = [s.reward for s in group["segments"]], self.pending.pop(group["id"])
+            rewards = list({s.episode_id: s.reward for s in group["segments"]}.values())  # each episode once
+            position = self.pending.pop(group["id"])
             if not rewards:
                 self.failed, self.to_launch = self.failed + 1, self.to_launch + 1
                 if not self.kept and self.failed >= max(2 * capacity, 8):  # nothing ever succeeded: stop, do not spin

@@ -305,8 +305,7 @@ def bench_loop(model: str, section: str, *extra: str, steps: int = 6) -> dict:
     rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))][2:]  # steps 0-1 warm up
     med = lambda key: statistics.median(r[key] for r in rows)
     tokens = med("rollout/action_tokens")
-    # the metric is cumulative
-    idle = [b["launch/engine_idle_s"] - a["launch/engine_idle_s"] for a, b in zip(rows, rows[1:])]
+    idle = [r["launch/engine_idle_s"] for r in rows]  # per step
     return {"loop_tokens_per_s": tokens / med("launch/step_s"),
             "rollout_phase_tokens_per_s": tokens / med("launch/rollout_wait_s"),
             "train_tokens_per_s": tokens / med("launch/train_s"), "refit_s": med("launch/refit_s"),
@@ -640,14 +639,14 @@ def bench_longtail(model: str, steps: int = 8) -> dict:
                 "--train.max_tokens_per_microbatch", "16384", "--no-fsdp.compile_logprobs", *extra]
         asyncio.run(launch.run_rl(launch.parse_args(argv)))
         rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
-        timed, first = rows[2:], rows[1]  # steps 0-1 warm up; counters are cumulative: differences from step 1
+        timed, first = rows[2:], rows[1]  # steps 0-1 warm up; generator/tokens is cumulative: differences from step 1
         span = sum(r["launch/step_s"] for r in timed)
         res[mode] = {"loop_tokens_per_s": sum(r["rollout/action_tokens"] for r in timed) / span,
                      "engine_tokens_per_s": (timed[-1]["generator/tokens"] - first["generator/tokens"]) / span,
-                     "engine_idle_share": (timed[-1]["launch/engine_idle_s"] - first["launch/engine_idle_s"]) / span,
+                     "engine_idle_share": sum(r["launch/engine_idle_s"] for r in timed) / span,
                      "step_s": span / len(timed), "train_s": statistics.median(r["launch/train_s"] for r in timed),
                      "refit_s": statistics.median(r["launch/refit_s"] for r in timed),
-                     "dropped_stale": timed[-1]["rollout/dropped_stale"] - first["rollout/dropped_stale"],
+                     "dropped_stale": sum(r["rollout/dropped_stale"] for r in timed),
                      "mixed_version_rows": sum(r["rollout/mixed_version_rows"] for r in timed),
                      "lag_older": statistics.mean(r["rollout/lag_older"] for r in timed),
                      # trained episodes' mean length: the first groups to finish are the short ones, so a

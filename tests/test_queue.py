@@ -155,3 +155,16 @@ def test_eval_reward_mean_counts_each_episode_once_and_a_failed_one_as_zero():
     out = asyncio.run(launch.evaluate([worker(run_group)], ROWS, 3))
     # 3 episodes, rewards 1, 0 and 0 (the failure): 1 / 3. Per segment, without the failure, it was 2 / 3.
     assert out == {"eval/reward_mean": pytest.approx(1 / 3), "eval/episodes": 3.0, "eval/failed_episodes": 1.0}
+
+
+def test_the_filter_judges_a_group_by_its_episodes_not_its_segments():
+    # One group: an episode of 3 segments at reward 1 (two compactions) and one episode at 0. Its episode mean is
+    # (1 + 0) / 2 = 0.5, inside [0, 0.6]: kept. Counted per segment it would be 3 / 4 = 0.75 and filtered.
+    queue = launch.GroupQueue([scripted([[[1.0, 1.0, 1.0], [0.0]]])], ROWS, 2, {"epoch": 0, "index": 0}, 0, groups=1)
+
+    async def one_batch():
+        batch = await queue.next_batch(1, capacity=1, filter_range=(0.0, 0.6), max_filtered=1, min_version=0)
+        await queue.drain()
+        return batch
+    batch = asyncio.run(one_batch())
+    assert len(batch) == 1 and queue.counts["filtered"] == 0
