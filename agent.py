@@ -160,6 +160,9 @@ async def run_env_episode(env: Env, generator: Generator, template: ChatTemplate
         bridge = template.bridge(out.token_ids)
         observation, new = template.expand_images(observation, images, len(ids) + len(bridge))
         delta, spans = bridge + observation, spans + new
+        if len(ids) + len(delta) >= args.max_context or state["turn"] >= args.max_turns:
+            spans = spans[:len(spans) - len(new)]  # no sample would follow it: the row ends at the last action
+            break
         ids += delta
         mask += [False] * len(delta)
         logps += [0.0] * len(delta)

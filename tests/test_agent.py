@@ -114,6 +114,8 @@ def test_turn_limit_ends_episode_as_truncated(tiny_generator, template):
     gen = Recording(tiny_generator)
     (seg,) = run(Echo(turns=10), gen, template, max_turns=2)
     assert len(gen.completions) == 2 and seg.truncated and seg.info["turns"] == 2
+    # No sample follows the second observation, so the row ends at the last sampled token, not after it.
+    assert seg.action_mask[-1]
 
 
 def test_context_limit_ends_episode_as_truncated(tiny_generator, template):
@@ -123,6 +125,7 @@ def test_context_limit_ends_episode_as_truncated(tiny_generator, template):
     (seg,) = run(Echo(turns=10), gen, template, max_context=first + 20)
     # No token is sampled past the limit: each call's max_new_tokens is clamped to the room left.
     assert seg.truncated and max(i for i, m in enumerate(seg.action_mask) if m) < first + 20
+    assert len(seg.token_ids) <= first + 20  # an observation that leaves no room to sample is not appended
     assert sum(seg.action_mask) == sum(len(c.token_ids) for c in gen.completions)
 
 
