@@ -14,8 +14,8 @@ rm -rf "$OUT"
 $PY recipes/tiny_model.py "$OUT/model" --tokenizer chars --alphabet $'0123456789copy \n' --hidden 128 --layers 2 --seed 0
 $PY launch.py --launch.mode sft --launch.model "$OUT/model" --launch.out_dir "$OUT/sft" --launch.steps "${SFT_STEPS:-30}" \
   --data.path recipes/copy_agent.py --launch.batch_prompts 16 --train.lr 3e-3
-RL=(--launch.model "$OUT/sft/hf" --launch.steps "${RL_STEPS:-60}" --launch.batch_prompts 32 --launch.samples_per_prompt 8
-    --rollout.max_new_tokens 8 --rollout.temperature 1.0 --train.lr 1e-3 --launch.max_staleness 1 --loss.is_level token
+RL=(--launch.model "$OUT/sft/hf" --launch.steps "${RL_STEPS:-60}" --launch.batch_prompts 32 --launch.samples_per_prompt 8 \
+    --rollout.max_new_tokens 8 --rollout.temperature 1.0 --train.lr 1e-3 --launch.max_staleness 1 --loss.is_level token \
     --loss.entropy_coef 0.0 --vllm.max_model_len 64 --eval.every 10 --eval.prompts 100)
 for agent in ${AGENTS:-native verifiers}; do
   SECONDS=0
