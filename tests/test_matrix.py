@@ -60,6 +60,8 @@ REFUSED = {
     # in_flight above needs partial rollouts, and they need an importance correction
     (("in_flight", "above"), ("is_level", "off")): ("--launch.partial_rollout", "--loss.is_level"),
     (("is_level", "seq"), ("is_mode", "clip")): ("--loss.is_level seq", "--loss.is_mode clip"),
+    # above the batch needs partial rollouts, whose groups sampling across a refit would train 1-version-old tokens
+    (("K", 0), ("in_flight", "above")): ("--launch.max_staleness 0", "--launch.in_flight"),
 }
 
 
@@ -234,7 +236,7 @@ def test_refused_pairs_are_refused_at_parse_time(pair, capsys):
             "is_mode": "trunc", "max_token_lag": None, "filter": False, "estimator": "grpo", "surrogate": "ppo",
             "lora_rank": 0, "world_size": 1}
     row = {**base, **dict(pair)}
-    if row["in_flight"] == "above" and row["is_level"] == "off":  # refused by the partial rollouts it needs, too
+    if row["in_flight"] == "above" and ("partial", False) not in pair:  # the partial rollouts it needs: their own rule
         row["partial"] = True
     with pytest.raises(SystemExit):
         launch.parse_args(flags_for(row, "m", "out", "agent.py"))
