@@ -5,9 +5,10 @@ anthropic SDKs against the chat server), 3 steps of 2 prompts x 2 samples, <= 8 
 more per episode. A spy on the driver's TrainerGroup.train_step keeps every batch it is handed, and each run checks:
 - each sampled token is trained once at most: no sampled turn (its ids, log-probs and versions) of an episode is an
   action in two trained rows, and the run trains no more action tokens than its engines sampled;
-- versions count refits (the trainer's version before step s is s), and the lag of every action token is <= K,
-  save tokens that --loss.max_token_lag L masks out of the loss (lag > L): with partial rollouts a group is as fresh
-  as its newest token (launch.GroupQueue.next_batch), so its older tokens may lag more, and only L bounds what trains;
+- versions count refits (the trainer's version before step s is s); without partial rollouts the lag of every
+  trained action token is <= K (tokens --loss.max_token_lag L masks, lag > L, do not train); with partial rollouts
+  a group is as fresh as its newest token (launch.GroupQueue.next_batch), whose lag is <= K, and its older tokens,
+  importance-corrected per token, may lag more: only L bounds them;
 - without partial rollouts no group is dropped as stale: the window batch x (K + 1) is sized so that none can be;
 - the audit passes on every batch; no metric in metrics.jsonl is NaN or infinite; the run ends within RUN_S seconds.
 A pair of values that parse_args refuses is listed in REFUSED; test_refused_pairs_are_refused_at_parse_time checks
@@ -295,15 +296,17 @@ def turns(seg) -> list[tuple]:
     return out + ([tuple(run)] if run else [])
 
 
-def lag_violations(step: int, refits: int, segments: list, versions_at: dict, K: int, L: int | None) -> list[str]:
-    """Lags in refits: the refits before this step less the refit that made the token's version. Every action token
-    that trains (lag <= L, or any lag without --loss.max_token_lag) lags <= K, and so does each group's newest."""
+def lag_violations(step: int, refits: int, segments: list, versions_at: dict, K: int, L: int | None,
+                   partial: bool) -> list[str]:
+    """Lags in refits: the refits before this step less the refit that made the token's version. Each group's newest
+    token lags <= K; without partial rollouts so does every action token that trains (lag <= L, or any lag without
+    --loss.max_token_lag)."""
     bad, newest = [], {}
     for s in segments:
         lags = [refits - versions_at.get(v, -refits) for v, m in zip(s.versions, s.action_mask) if m]
         newest[s.group_id] = min(lags + [newest.get(s.group_id, refits)])
         trained = sorted({g for g in lags if L is None or g <= L})
-        if trained and (trained[0] < 0 or trained[-1] > K):
+        if trained and (trained[0] < 0 or not partial and trained[-1] > K):
             bad.append(f"step {step}: episode {s.episode_id!r} trains action tokens of lag {trained} (in refits; "
                        f"a version no refit made counts as lag {refits * 2}) with K={K}, --loss.max_token_lag {L}")
     return bad + [f"step {step}: group {g!r}'s newest token lags {lag} > K={K} refits"
@@ -324,7 +327,7 @@ def violations(row: dict, watch: Watch, metrics: list[dict]) -> list[str]:
                         sum(turns(o).count(turn) for o in segments if o.episode_id == s.episode_id) > 1:
                     bad.append(f"step {step}: a sampled turn of {len(turn)} tokens of episode {s.episode_id!r} "
                                "is an action in two trained rows")
-        bad += lag_violations(step, refits, segments, versions_at, row["K"], row["max_token_lag"])
+        bad += lag_violations(step, refits, segments, versions_at, row["K"], row["max_token_lag"], row["partial"])
     trained_tokens = sum(sum(s.action_mask) for _, _, segs in watch.batches for s in segs)
     if metrics and trained_tokens > metrics[-1].get("generator/tokens", 0):
         bad.append(f"{trained_tokens} action tokens trained, the engines sampled {metrics[-1]['generator/tokens']}")
@@ -366,8 +369,9 @@ def test_pairwise_run_keeps_the_promise(row, ray_local, tiny_model, agents, tmp_
 
 
 def test_lag_check_counts_a_token_masked_by_max_token_lag_as_untrained():
-    """violations() itself, on hand-made batches: K=1, L=1; a token of lag 2 is masked (allowed), and with L unset
-    the same token trains with lag 2 > K (a violation); a turn repeated in two rows of one episode is a violation."""
+    """violations() itself, on hand-made batches: K=1, L=1; a token of lag 2 is masked (allowed); with L unset the
+    same token trains with lag 2 > K, allowed with partial rollouts (its group's newest token lags 0) and a violation
+    without; a turn repeated in two rows of one episode is a violation."""
     from generator import Segment
 
     def seg(ep, versions, ids=(5, 6)):
@@ -382,7 +386,8 @@ def test_lag_check_counts_a_token_masked_by_max_token_lag_as_untrained():
     row = dict(ROWS[0], K=1, max_token_lag=1, partial=True)
     metrics = [{"step": k, "generator/tokens": 99} for k in range(STEPS)]
     assert violations(row, Fake(), metrics) == []
-    assert violations(dict(row, max_token_lag=None), Fake(), metrics) == [
+    assert violations(dict(row, max_token_lag=None), Fake(), metrics) == []
+    assert violations(dict(row, max_token_lag=None, partial=False), Fake(), metrics) == [
         "step 2: episode 'c' trains action tokens of lag [0, 2] (in refits; a version no refit made counts as lag 4) "
         "with K=1, --loss.max_token_lag None"]
     Fake.batches[1] = (1, 1, [seg("b", [1]), seg("b", [1])])  # the same sampled turn in two rows
