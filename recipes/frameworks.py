@@ -26,10 +26,10 @@ def installed(root: str, pin: str) -> bool:
     return os.path.isdir(os.path.join(root, f"{name.replace('-', '_').lower()}-{version}.dist-info"))
 
 
-def install(root: str = ".agents/py") -> str:
+def install(root: str = ".agents/py", pins: list[str] = PINS) -> str:
     """Install the pins `root` lacks and put `root` on sys.path; RuntimeError naming them if pip fails."""
     root = os.path.abspath(root)
-    todo = [pin for pin in PINS if not installed(root, pin)]
+    todo = [pin for pin in pins if not installed(root, pin)]
     if todo:
         done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
                                "--no-deps", "--target", root, *todo], capture_output=True, text=True)

@@ -18,13 +18,11 @@ import asyncio
 import importlib
 import math
 import os
-import subprocess
-import sys
 import threading
 from unittest import mock
 
 from agent import ChatAgent, ChatContext, Result, load_module
-from recipes.frameworks import installed
+from recipes.frameworks import install
 
 # verifiers 0.3.1 and what its environment classes import that .venv lacks (found by importing them), nothing
 # .venv has; openai-agents, griffelib and tenacity are the pins recipes/frameworks.py installs too.
@@ -33,19 +31,7 @@ PINS = ["verifiers==0.3.1", "renderers==0.1.12", "prime-pydantic-config==0.4.3",
         "protobuf-py-ext==0.1.1", "aiofiles==25.1.0", "openai-agents==0.24.0", "griffelib==2.4.1"]
 
 
-def install(root: str = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".agents", "py")):
-    """Install the pins `root` lacks and put `root` on sys.path; RuntimeError naming them if pip fails."""
-    todo = [pin for pin in PINS if not installed(root, pin)]
-    if todo:
-        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                               "--no-deps", "--target", root, *todo], capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"could not install {' '.join(todo)} into {root} (offline?): {done.stderr[-600:]}")
-    if root not in sys.path:
-        sys.path.insert(0, root)
-
-
-install()
+install(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".agents", "py"), PINS)
 import httpx  # noqa: E402
 from openai import AsyncOpenAI  # noqa: E402
 from verifiers.legacy.clients import OpenAIChatCompletionsClient  # noqa: E402
