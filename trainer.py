@@ -986,7 +986,8 @@ class TrainerRank:
             if self.rank == 0:
                 with open(os.path.join(tmp, "meta.json"), "w") as f:
                     json.dump({"step": step, "version": self.version, "optimizer_steps": self.optimizer_steps,
-                               "world_size": self.world_size, "data_position": data_position}, f)
+                               "world_size": self.world_size, "data_position": data_position,
+                               "loss_scale": [self.scaler.scale, self.scaler.good_steps, self.scaler.skipped]}, f)
         except CheckpointException as e:  # DCP raises it on every rank when one rank's write failed
             rank, (cause, _) = next(iter(e.failures.items()))
             failure = f"{type(cause).__name__}: {cause} on rank {rank}"
@@ -1038,6 +1039,8 @@ class TrainerRank:
         if "optimizer_steps" not in meta:  # written when the version counted AdamW steps and the step train steps
             meta = {**meta, "optimizer_steps": meta["version"], "version": meta["step"]}
         self.version, self.optimizer_steps = meta["version"], meta["optimizer_steps"]
+        if self.scaler.dynamic and "loss_scale" in meta:  # float16: resume at the scale the run had reached
+            self.scaler.scale, self.scaler.good_steps, self.scaler.skipped = meta["loss_scale"]
         return meta
 
     def shutdown(self) -> None:

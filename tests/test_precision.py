@@ -169,3 +169,14 @@ def test_fp16_refit_export_is_what_a_float16_engine_loads(fp16_rank, tiny_chars_
         check_tensor(name, tensor, shapes, "float16", seen)
     with pytest.raises(ValueError, match="torch.float32, the engine runs float16"):
         check_tensor(name, tensor.float(), shapes, "float16", set())
+
+
+def test_fp16_checkpoint_keeps_the_loss_scale(fp16_rank, tmp_path):
+    """A resume must not restart at 2^16 and re-skip the overflowing steps the run had already backed off from."""
+    rank = fp16_rank
+    rank.optimizer_steps = max(rank.optimizer_steps, 1)  # a trained rank (save's meta records it)
+    rank.scaler.scale, rank.scaler.good_steps, rank.scaler.skipped = 2.0 ** 9, 17, 7
+    path = rank.save(str(tmp_path), 3, None)
+    rank.scaler = LossScale(True, 2.0 ** 16)  # as a fresh rank starts
+    rank.load(path)
+    assert (rank.scaler.scale, rank.scaler.good_steps, rank.scaler.skipped) == (2.0 ** 9, 17, 7)
