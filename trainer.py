@@ -288,6 +288,14 @@ def plan_step(lengths: list[int], *, minibatches: int, dp_size: int, max_tokens:
     return plan
 
 
+def pad_frac(lengths: list[int], plan: list) -> float:
+    """Share of the positions a step's forwards compute (a microbatch: its rows x its longest row) that are padding;
+    the empty microbatches of short ranks (one masked token each) are left out."""
+    micros = [micro for minibatch in plan for rank in minibatch for micro in rank if micro]
+    positions = sum(len(micro) * max(lengths[i] for i in micro) for micro in micros)
+    return 1.0 - sum(lengths[i] for micro in micros for i in micro) / positions
+
+
 def rows_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool, entropy_grad: bool):
     """(N,) log p(targets) under softmax(logits / temperature) for (N, V) logits, and its (N,) entropy when asked
     (else None). Eager: one fp32 copy scaled in place (none for fp32 logits at T = 1) and its log-softmax, the only
@@ -751,7 +759,7 @@ class TrainerRank:
         batch = collate(segments, self.moe, vlm=self.processor is not None)
         mask = batch["mask"]  # (B, T)
         plan = self.plan(batch, self.train.minibatches)
-        records = []
+        records = [(1.0, {"train/pad_frac": pad_frac(batch["lengths"].tolist(), plan)})]
         if "routed" in batch:  # share of the batch's (token, MoE layer) positions whose recorded experts are replayed
             real = torch.arange(mask.shape[1]) < batch["lengths"][:, None]  # (B, T)
             records.append((1.0, {"train/replayed_frac": float((batch["routed"][..., 0] >= 0)[real].float().mean())}))

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from estimators import EstimatorArgs
 from generator import Segment
 from losses import LossArgs
-from trainer import (CkptArgs, FsdpArgs, TrainArgs, TrainerGroup, check_args, lr_at, plan_step, sft_batch,
+from trainer import (CkptArgs, FsdpArgs, TrainArgs, TrainerGroup, check_args, lr_at, pad_frac, plan_step, sft_batch,
                      token_logprobs)
 
 VOCAB = 72  # tiny_chars_model
@@ -101,6 +101,8 @@ def test_microbatch_plan_bounds_padded_tokens_and_gives_every_rank_the_same_coun
     assert plan[0] == [[[0]], [[2, 1]]]
     # mb1: 5 (9) -> rank 0, 3 (7) -> rank 1, 4 (2) -> rank 1; [3, 4] = 2 x 7 = 14 <= 16
     assert plan[1] == [[[5]], [[3, 4]]]
+    # positions computed: [0] 1 x 10, [2, 1] 2 x 7, [5] 1 x 9, [3, 4] 2 x 7 = 47; real tokens 10+10+9+9 = 38
+    assert pad_frac(lengths, plan) == pytest.approx(9 / 47)
     tight = plan_step(lengths, minibatches=1, dp_size=2, max_tokens=10)
     assert [len(r) for r in tight[0]] == [len(tight[0][0])] * 2  # the short rank is padded with empty microbatches
     for rank in tight[0]:
@@ -232,6 +234,8 @@ def test_world_size_2_step_equals_world_size_1_step(ws1_after_one_step, ws2, tin
                 "loss/mismatch_k3", "loss/entropy", "estimator/adv_std"):
         assert key in metrics2
     assert metrics1["train/version"] == metrics2["train/version"] == 1.0
+    lengths = [len(s.token_ids) for s in make_segments()]  # world size 1: the 9 rows are one microbatch
+    assert metrics1["train/pad_frac"] == pytest.approx(1 - sum(lengths) / (len(lengths) * max(lengths)))
 
 
 def test_accumulated_microbatches_equal_one_batch(ws1_after_one_step, ray_local, tiny_chars_model):
