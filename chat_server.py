@@ -7,15 +7,11 @@
 Reading order: the chat template as token ids (ChatTemplate, shared with agent.py) -> the canonical request -> the
 matcher, this file's one idea: a request is EXTEND / CONTINUE (a prefill) / RETRY / REWRITE / UNRELATED against the
 episode's segments, and an EXTEND appends the stored sampled ids, a bridge and the delta tokens of the new messages
-(mask 0), never a re-render; going on from inside a segment branches it, the shared ids as prompt. Below the banner
-`machinery: reply parsing, wire formats, HTTP, template check`: the sampled turn's Hermes/<think> parsing, the
-start-up template check, one section per wire format (OpenAI chat, Responses, Anthropic), then HTTP (ChatServer.parse
-and WRITERS: the only protocol switches).
-Streams are "fake": one engine call, then a protocol-exact SSE sequence. Constrained decoding is sampled under vLLM's
-grammar mask, its turns marked in Segment.info["constrained"]. Reasoning goes out as an opaque handle mapping back to
-its exact text. A resend of a request whose client left joins that turn. Not here: sampling settings (the generator's
---rollout.*), stateful Responses (previous_response_id) and Anthropic threads, remote images (an inline one lands in a
-VLM's segment as its placeholder run plus its bytes), other non-text content (400), admin HTTP routes."""
+(mask 0), never a re-render; going on from inside a segment branches it. Below the banner `machinery: reply parsing,
+wire formats, HTTP, template check`: Hermes/<think> parsing, the start-up template check, one section per wire format,
+then HTTP (ChatServer.parse and WRITERS: the only protocol switches). Streams are "fake": one engine call, then a
+protocol-exact SSE sequence. Constrained turns are marked in Segment.info["constrained"]. Not here: sampling settings
+(--rollout.*), stateful Responses and Anthropic threads, remote images, admin HTTP routes."""
 import asyncio
 import base64
 import bisect

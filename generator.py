@@ -194,7 +194,7 @@ class Completion:
 # --- pure helpers: routing and per-token versions
 
 def pick_engine(affinity: str, num_engines: int) -> int:
-    """Stable engine index for an affinity key: crc32, because Python's hash() differs per process."""
+    """Stable engine index for an affinity key: crc32, as Python's hash() differs per process."""
     return zlib.crc32(affinity.encode()) % num_engines
 
 
@@ -382,8 +382,7 @@ class ConstraintError(ValueError):
 
 
 class EngineDied(RuntimeError):
-    """An engine actor or its vLLM engine is gone; agent.py re-raises it, so the loop stops instead of dropping
-    every later episode."""
+    """An engine actor or its vLLM engine is gone; agent.py re-raises it: the loop stops, no episode is dropped."""
 
 
 def engine_error(i: int, e: Exception) -> Exception:
@@ -396,8 +395,7 @@ def engine_error(i: int, e: Exception) -> Exception:
 
 
 def refit_report(start: float, worker_s: float, messages: int, nbytes: int, **extra) -> dict:
-    """What a refit (either kind) returns: its seconds, engine 0's worker seconds, the bytes sent, and "metrics",
-    the generator/refit_* metrics that launch.py logs with the step."""
+    """What a refit (either kind) returns, with "metrics": the generator/refit_* metrics launch.py logs."""
     refit_s = time.perf_counter() - start
     return {"refit_s": refit_s, "worker_s": worker_s, "bytes": nbytes, **extra,
             "metrics": {"generator/refit_s": refit_s, "generator/refit_worker_s": worker_s,
@@ -431,8 +429,7 @@ class Engine:
         self.paused, self.adding, self.open = False, 0, asyncio.Event()  # open: no refit under way
         self.open.set()
         self.refits, self.at_pause = {}, {}  # request id -> [(k, v)]: from output token k on, version v
-        # --vllm.max_lora_rank: the adapter new requests use (a LoRARequest; None: the loaded weights), the requests
-        # using each loaded adapter (by id), the last id given, and the directory of their files
+        # LoRA: the adapter new requests use (None: the loaded weights), users per loaded adapter id, last id, files
         self.adapter, self.users, self.adapter_ids, self.adapter_dir = None, {}, 0, None
 
     async def start(self, version: int) -> dict:
