@@ -8,8 +8,7 @@ Two kinds of agent, both plain Python in a file passed by `--agent.path FILE` th
 - `ChatAgent`: the agent owns the loop. `run(ctx) -> Result` talks to the loopback chat server with a stock OpenAI
   or Anthropic SDK (`ctx.base_url`, `ctx.anthropic_base_url`, `ctx.api_key`); the server captures its segments.
 An Env episode's reward is the sum of its step() rewards, a ChatAgent's its run()'s. An exception inside an agent
-drops that episode (`rollout/dropped_agent_error`) and the run goes on. `AgentWorker` (a Ray async actor) runs the
-episodes of one prompt group concurrently and returns their Segments.
+drops that episode (`rollout/dropped_agent_error`) and the run goes on.
 Not here: scheduling, batching or staleness (launch.py), token capture (generator.py, chat_server.py).
 Reading order: the contract, the two runners, AgentWorker; then the banner `machinery: the user's file, sandbox`.
 """
