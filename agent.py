@@ -1,19 +1,16 @@
 """The agent contract, and the runners that turn one agent episode into token-exact Segments.
 
 Two kinds of agent, both plain Python in a file passed by `--agent.path FILE` that defines `make_agent()`:
-- `Env`: the framework owns the LLM loop. `reset(prompt, label) -> first observation`, then `step(action_text, state)
-  -> Result` per turn. The prompt is rendered once; sampled ids are appended verbatim and each observation as delta
-  tokens (mask 0) by the chat server's `ChatTemplate`; an episode whose template cannot make that delta fails with
-  the reason (any template works for a one-turn Env). An observation is a str or a list of parts, str (text) or
-  bytes (an encoded image, for a VLM): each image becomes its placeholder run and lands in Segment.images (the
-  engine never samples the image token id).
+- `Env`: the framework owns the LLM loop: `reset(prompt, label)`, then `step(action_text, state) -> Result` per turn.
+  The prompt is rendered once; sampled ids are appended verbatim and each observation as delta tokens (mask 0) by
+  the chat server's `ChatTemplate` (a template that cannot make that delta fails the episode, naming why; any
+  template works for a one-turn Env). An image in an observation becomes its placeholder run in Segment.images.
 - `ChatAgent`: the agent owns the loop. `run(ctx) -> Result` talks to the loopback chat server with a stock OpenAI
   or Anthropic SDK (`ctx.base_url`, `ctx.anthropic_base_url`, `ctx.api_key`); the server captures its segments.
-A `Result.reward` is any float the agent computes; an Env episode's reward is the sum of its step() rewards (the
-undiscounted return), a ChatAgent's is its run()'s. An exception inside an agent drops that episode
-(`rollout/dropped_agent_error`) and the run goes on. `AgentWorker` (a Ray async actor) runs the episodes of one
-prompt group concurrently and returns their Segments.
+An Env episode's reward is the sum of its step() rewards, a ChatAgent's its run()'s. An exception inside an agent
+drops that episode (`rollout/dropped_agent_error`) and the run goes on.
 Not here: scheduling, batching or staleness (launch.py), token capture (generator.py, chat_server.py).
+Reading order: the contract, the two runners, AgentWorker; then the banner `machinery: the user's file, sandbox`.
 """
 import asyncio
 import importlib.util
@@ -43,7 +40,6 @@ class AgentArgs:
 
 # --- the contract
 
-
 @dataclass
 class Result:
     reward: float
@@ -54,9 +50,7 @@ class Result:
 
 
 class Env:
-    """Subclass and implement reset and step; one instance serves one episode. reset returns the first user turn,
-    as Result.observation is: a str, or a list of str (text) and bytes (an encoded PNG/JPEG image) parts. The
-    episode's reward is the sum of every step's Result.reward (a reward only at the end is that reward)."""
+    """Subclass and implement reset and step; one instance serves one episode; reset returns the first observation."""
     system_prompt: str | None = None
 
     async def reset(self, prompt: str, label) -> str | list:
@@ -83,56 +77,12 @@ class ChatAgent:
         raise NotImplementedError
 
 
-def load_module(path: str, needs: str, flag: str):
-    """Import a user's Python file (an agent, a data file) and check it defines `needs`."""
-    spec = importlib.util.spec_from_file_location(f"user_{uuid.uuid4().hex[:8]}", path)
-    if spec is None or not os.path.exists(path):
-        raise ValueError(f"{flag} {path}: not a Python file")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, needs):
-        raise ValueError(f"{flag} {path}: defines no {needs}()")
-    return module
-
-
-# --- sandbox for agents that execute code
-
-
-async def run_sandboxed(argv: list[str], *, stdin: str = "", timeout_s: float = 10.0, memory_mb: int = 512,
-                        max_output: int = 65536) -> tuple[int, str]:
-    """Run argv in a child process with CPU-time, memory and output limits; returns (exit code, output).
-    A timeout kills the child and returns code -9; output beyond max_output bytes is cut off."""
-    def limit():  # runs in the child before exec
-        resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
-        resource.setrlimit(resource.RLIMIT_CPU, (int(timeout_s) + 1, int(timeout_s) + 1))
-    proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                                                stderr=asyncio.subprocess.STDOUT, preexec_fn=limit)
-    try:
-        out, _ = await asyncio.wait_for(proc.communicate(stdin.encode()), timeout_s)
-    except asyncio.TimeoutError:
-        proc.kill()
-        await proc.wait()
-        return -9, "timeout"
-    return proc.returncode, out[:max_output].decode(errors="replace")
-
-
 # --- runners: one episode -> Segments
-
-
-def user_turn(observation: str | list, template: ChatTemplate) -> tuple[dict, list[bytes]]:
-    """An observation -> its chat-template user message (one {"type": "image"} part per image) and its images."""
-    if isinstance(observation, str):
-        return {"role": "user", "content": observation}, []
-    if not all(isinstance(p, (str, bytes)) for p in observation):
-        raise ValueError(f"observation parts {[type(p).__name__ for p in observation]}: each must be str or bytes")
-    return {"role": "user", "content": template_content(observation)}, [p for p in observation if isinstance(p, bytes)]
-
 
 async def run_env_episode(env: Env, generator: Generator, template: ChatTemplate, row: dict, *, args: AgentArgs,
                           episode_id: str, group_id: str) -> list[Segment]:
     """The framework-owned loop: render the first observation once, then append sampled ids verbatim and each
-    observation as delta tokens; an image becomes its placeholder run (expand_images; a text model's template refuses
-    it before rendering). One segment; it ends terminated, truncated (turn or context limit) or aborted."""
+    observation as delta tokens. One segment; it ends terminated, truncated (turn or context limit) or aborted."""
     state = {"label": row.get("label"), "prompt": row["prompt"], "turn": 0, "finish_reason": ""}
     first, images = user_turn(await env.reset(row["prompt"], row.get("label")), template)
     system = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []
@@ -142,10 +92,8 @@ async def run_env_episode(env: Env, generator: Generator, template: ChatTemplate
     while (room := args.max_context - len(ids)) > 0 and state["turn"] < args.max_turns:
         out = await generator.generate(ids, max_new_tokens=min(room, generator.rollout.max_new_tokens),
                                        affinity=episode_id, images=spans)
-        ids += out.token_ids
-        mask += [True] * len(out.token_ids)
-        logps += out.logprobs
-        versions += out.versions
+        ids, mask = ids + out.token_ids, mask + [True] * len(out.token_ids)
+        logps, versions = logps + out.logprobs, versions + out.versions
         sampled.append((out.token_ids, out.logprobs, out.versions))  # as returned, for the audit
         routed = out.routed_experts  # each call prefills the whole history: its routing covers every earlier row
         state.update(turn=state["turn"] + 1, finish_reason=out.finish_reason)
@@ -163,10 +111,8 @@ async def run_env_episode(env: Env, generator: Generator, template: ChatTemplate
         if len(ids) + len(delta) >= args.max_context or state["turn"] >= args.max_turns:
             spans = spans[:len(spans) - len(new)]  # no sample would follow it: the row ends at the last action
             break
-        ids += delta
-        mask += [False] * len(delta)
-        logps += [0.0] * len(delta)
-        versions += [-1] * len(delta)
+        ids, mask = ids + delta, mask + [False] * len(delta)
+        logps, versions = logps + [0.0] * len(delta), versions + [-1] * len(delta)
     info = dict(result.info, sampled=sampled_record(sampled), turns=state["turn"])
     return [Segment(token_ids=ids, action_mask=mask, logprobs=logps, versions=versions, reward=reward,
                     episode_id=episode_id, group_id=group_id, finish_reason=state["finish_reason"],
@@ -194,15 +140,13 @@ async def run_chat_episode(agent: ChatAgent, server: ChatServer, row: dict, *, m
 
 # --- the worker: a Ray async actor running many episodes at once
 
-
 class AgentWorker:
     """Runs the episodes of prompt groups concurrently (an async Ray actor: one event loop, many episodes)."""
 
     def __init__(self, args: AgentArgs, chat: ChatArgs, generator: Generator, model_path: str):
         self.args, self.chat, self.generator, self.model_path = args, chat, generator, model_path
         self.module = load_module(args.path, "make_agent", "--agent.path")
-        # No start-up check: an Env's delta is made when first needed (a one-turn Env needs none), and the
-        # chat server checks its own append roles.
+        # no start-up check: an Env's delta is made when first needed, and the chat server checks its own roles
         self.template = ChatTemplate(model_path, append_roles=())
         self.server = None
 
@@ -254,3 +198,45 @@ class AgentWorker:
     async def stop(self) -> None:
         if self.server is not None:
             await self.server.stop()
+
+
+# === machinery: the user's file, sandbox, observations; read it when you change how agents load, run code or see
+
+
+def load_module(path: str, needs: str, flag: str):
+    """Import a user's Python file (an agent, a data file) and check it defines `needs`."""
+    spec = importlib.util.spec_from_file_location(f"user_{uuid.uuid4().hex[:8]}", path)
+    if spec is None or not os.path.exists(path):
+        raise ValueError(f"{flag} {path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, needs):
+        raise ValueError(f"{flag} {path}: defines no {needs}()")
+    return module
+
+
+async def run_sandboxed(argv: list[str], *, stdin: str = "", timeout_s: float = 10.0, memory_mb: int = 512,
+                        max_output: int = 65536) -> tuple[int, str]:
+    """Run argv in a child process with CPU-time, memory and output limits; returns (exit code, output).
+    A timeout kills the child and returns code -9; output beyond max_output bytes is cut off."""
+    def limit():  # runs in the child before exec
+        resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
+        resource.setrlimit(resource.RLIMIT_CPU, (int(timeout_s) + 1, int(timeout_s) + 1))
+    proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.STDOUT, preexec_fn=limit)
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(stdin.encode()), timeout_s)
+    except asyncio.TimeoutError:
+        proc.kill()
+        await proc.wait()
+        return -9, "timeout"
+    return proc.returncode, out[:max_output].decode(errors="replace")
+
+
+def user_turn(observation: str | list, template: ChatTemplate) -> tuple[dict, list[bytes]]:
+    """An observation -> its chat-template user message (one {"type": "image"} part per image) and its images."""
+    if isinstance(observation, str):
+        return {"role": "user", "content": observation}, []
+    if not all(isinstance(p, (str, bytes)) for p in observation):
+        raise ValueError(f"observation parts {[type(p).__name__ for p in observation]}: each must be str or bytes")
+    return {"role": "user", "content": template_content(observation)}, [p for p in observation if isinstance(p, bytes)]

@@ -7,13 +7,11 @@
 Reading order: the chat template as token ids (ChatTemplate, shared with agent.py) -> the canonical request -> the
 matcher, this file's one idea: a request is EXTEND / CONTINUE (a prefill) / RETRY / REWRITE / UNRELATED against the
 episode's segments, and an EXTEND appends the stored sampled ids, a bridge and the delta tokens of the new messages
-(mask 0), never a re-render; going on from inside a segment branches it, the shared ids as prompt -> one section per
-wire format (OpenAI chat, Responses, Anthropic) -> HTTP (ChatServer.parse and WRITERS: the only protocol switches).
-Streams are "fake": one engine call, then a protocol-exact SSE sequence. Constrained decoding is sampled under vLLM's
-grammar mask, its turns marked in Segment.info["constrained"]. Reasoning goes out as an opaque handle mapping back to
-its exact text. A resend of a request whose client left joins that turn. Not here: sampling settings (the generator's
---rollout.*), stateful Responses (previous_response_id) and Anthropic threads, remote images (an inline one lands in a
-VLM's segment as its placeholder run plus its bytes), other non-text content (400), admin HTTP routes."""
+(mask 0), never a re-render; going on from inside a segment branches it. Below the banner `machinery: reply parsing,
+wire formats, HTTP, template check`: Hermes/<think> parsing, the start-up template check, one section per wire format,
+then HTTP (ChatServer.parse and WRITERS: the only protocol switches). Streams are "fake": one engine call, then a
+protocol-exact SSE sequence. Constrained turns are marked in Segment.info["constrained"]. Not here: sampling settings
+(--rollout.*), stateful Responses and Anthropic threads, remote images, admin HTTP routes."""
 import asyncio
 import base64
 import bisect
@@ -84,23 +82,6 @@ class ChatArgs:
 
 MARK = "ASSISTANT-TURN-" + secrets.token_hex(8)   # unguessable: text in a request cannot move the delta's cut
 CALL = {"id": "call_0", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}
-CHECK_TOOLS = [{"type": "function", "function": {"name": "calc", "description": "adds",
-                                                 "parameters": {"type": "object"}}}]
-CHECK_CONVERSATIONS = [   # each ends in an assistant turn: plain, reasoning, calls, unicode, blank content
-    ([{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "5"}], None),
-    ([{"role": "system", "content": "Be terse."}, {"role": "user", "content": "hi"},
-      {"role": "assistant", "content": "héllo 😀", "reasoning_content": "greet ü"}], None),
-    ([{"role": "user", "content": "add"}, {"role": "assistant", "content": "", "tool_calls": [CALL]}], CHECK_TOOLS),
-    ([{"role": "user", "content": "two"}, {"role": "assistant", "content": "Calling.", "reasoning_content": "r",
-      "tool_calls": [CALL, {**CALL, "id": "call_1",
-                            "function": {"name": "g", "arguments": {"é": [1, {"b": "ü"}]}}}]}], None),
-    ([{"role": "user", "content": "u"}, {"role": "assistant", "content": "  \n"}, {"role": "user", "content": "v"},
-      {"role": "assistant", "content": "", "tool_calls": [CALL]},
-      {"role": "tool", "tool_call_id": "call_0", "content": "1"}, {"role": "assistant", "content": "done"}],
-     CHECK_TOOLS),
-]
-CHECK_APPENDS = {"tool": {"role": "tool", "tool_call_id": "call_0", "content": "résultat: 42"},
-                 "user": {"role": "user", "content": "next ü"}, "system": {"role": "system", "content": "note"}}
 
 RECENT = 256  # full renders ChatTemplate keeps
 
@@ -131,7 +112,7 @@ class ChatTemplate:
         eos = self.tokenizer.eos_token
         self.after_eos = self.encode(self.turn_end[len(eos):]) if self.turn_end.startswith(eos) else None
         self.after_cut = self.encode(self.turn_end)                     # for turns that did not end with eos
-        self.refused = {role: why for role in append_roles if (why := self.check_append(role))}
+        self.refused = {role: why for role in append_roles if (why := append_refusal(self, role))}
         self.append_roles = tuple(r for r in append_roles if r not in self.refused)
         for role, why in self.refused.items():
             log.warning("chat template refused as an append role: %s (%s); such turns open a new segment", role, why)
@@ -221,33 +202,6 @@ class ChatTemplate:
             raise ValueError(f"chat template of {self.tokenizer.name_or_path} ends a turn with {self.turn_end!r}, "
                              f"which does not start with the eos token {self.tokenizer.eos_token!r}")
         return list(self.after_eos if sampled_ids and sampled_ids[-1] == self.eos_id else self.after_cut)
-
-    def check_append(self, role: str) -> str | None:
-        """Why `role` cannot be appended as delta tokens (None: it can): the full render must equal prompt + turn +
-        bridge + delta. A conversation the template refuses to render is skipped: no request can carry it."""
-        if self.after_eos is None:
-            return f"a turn ends with {self.turn_end!r}, not with the eos token: no bridge exists"
-        for conv, tools in CHECK_CONVERSATIONS:
-            try:
-                before = self.render_text(conv, tools, add_generation_prompt=False)
-            except TemplateError:
-                continue
-            if not before.startswith(self.render_text(conv[:-1], tools)):
-                return "not prefix-preserving: the generation prompt is not how a rendered assistant turn begins"
-            ids = self.encode(before)
-            if ids[-1 - len(self.after_eos):] != [self.eos_id] + self.after_eos:
-                return "a full render's turn end differs from eos + bridge"
-            for appended in ([CHECK_APPENDS[role]], [CHECK_APPENDS[role]] * 2, []):   # []: a new turn after one
-                try:
-                    after = self.render_text(conv + appended, tools)
-                    if not after.startswith(before):
-                        return "not prefix-preserving: appending it changes the rendered history"
-                    delta = self.render_delta(appended, bool(conv[-1].get("tool_calls")))
-                except (TemplateError, ValueError) as e:
-                    return str(e)
-                if ids + delta != self.encode(after):
-                    return "delta tokens differ from the full render's tokens"
-        return None
 
 
 # --- canonical form: every protocol parses into (system, tools, [Msg]), hashed as a prefix chain
@@ -350,46 +304,6 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return bisect.bisect_left(range(min(len(a), len(b))), True, key=lambda i: a[i] != b[i]) - 1
 
 
-# --- the sampled turn: Hermes tool calls, <think> reasoning, stop strings
-
-TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.S)
-
-
-def parse_reply(text: str) -> tuple[str, str, list[tuple[str, dict]]]:
-    """(reasoning, content, [(name, arguments)]) of a sampled turn's text, as vLLM's hermes parser reads it: content
-    is the text before the first <tool_call>; a call that is not {"name": str, "arguments": {}} makes it all content."""
-    reasoning = ""
-    if "</think>" in text:
-        head, _, text = text.partition("</think>")
-        reasoning, text = head.removeprefix("<think>").strip("\n"), text.lstrip("\n")
-    start = text.find("<tool_call>")
-    if start < 0:
-        return reasoning, text, []
-    calls = []
-    for match in TOOL_CALL.finditer(text, start):
-        try:
-            obj = json.loads(match.group(1) if match.group(1) is not None else match.group(2))
-        except ValueError:
-            return reasoning, text, []
-        args = obj.get("arguments", {}) if isinstance(obj, dict) else None
-        if not isinstance(args, dict) or not isinstance(obj.get("name"), str):
-            return reasoning, text, []
-        calls.append((obj["name"], args))
-    return reasoning, text[:start], calls
-
-
-def cut_at_stop(template: ChatTemplate, ids: list[int], stops: tuple) -> tuple[int, str, str] | None:
-    """(tokens kept, stop string, text before it) at the first stop string, or None: the fewest whole sampled ids
-    whose text covers it."""
-    text = template.decode(ids)
-    hits = sorted((text.find(s), s) for s in stops if s and s in text)
-    if not hits:
-        return None
-    pos, stop = hits[0]
-    kept = 1 + bisect.bisect_left(range(1, len(ids)), pos + len(stop), key=lambda k: len(template.decode(ids[:k])))
-    return kept, stop, text[:pos]
-
-
 # --- matcher: classify a request against the episode's segments, generate, commit
 
 @dataclass
@@ -424,8 +338,7 @@ class Track:
 
 @dataclass
 class Pending:
-    reply_id: str
-    prompt_tokens: int
+    plan: "Plan"   # the turn's first plan: its reply id and prompt
     future: asyncio.Future
     gone: bool = False   # its client left before the reply: an identical resend, marked or not, joins this turn
 
@@ -495,7 +408,7 @@ class SegmentStore:
         key, reply_id = req.hashes[-1], secrets.token_hex(12)
         if key in ep.pending and (retries > 0 or ep.pending[key].gone):   # an SDK's retry, or a runner's resend
             pending, ep.pending[key].gone = ep.pending[key], False   # (best-of-n requests are all still connected)
-            return Plan("RETRY", pending.reply_id, [], pending=pending, cached=True)
+            return Plan("RETRY", pending.plan.reply_id, [], pending=pending, cached=True)
         n, scored = len(req.msgs) - req.prefill, [(t, common_prefix(t.hashes, req.hashes)) for t in reversed(ep.tracks)]
         found = max(((t, L, *a) for t, L in scored if (a := self.anchor(t, L, req, n))), key=lambda s: s[1],
                     default=None)
@@ -526,7 +439,7 @@ class SegmentStore:
         want = req.max_tokens or self.args.default_max_tokens or room
         want = min(want, self.args.max_tokens_cap or want)
         plan.max_new, plan.clamped = min(want, room), want > room
-        plan.pending = ep.pending[key] = Pending(reply_id, len(plan.prompt), asyncio.get_running_loop().create_future())
+        plan.pending = ep.pending[key] = Pending(plan, asyncio.get_running_loop().create_future())
         return plan
 
     def anchor(self, t: Track, L: int, req: ChatRequest, n: int) -> tuple[str, Turn] | None:
@@ -634,6 +547,18 @@ class SegmentStore:
                                f"{len(plan.prompt) + len(ids)}")
         return reply
 
+    @staticmethod
+    def segments(ep: EpisodeState) -> list[Segment]:
+        """Every segment of the episode, as training rows (agent.py drops a tainted episode's)."""
+        return [Segment(token_ids=t.tokens, action_mask=t.mask, logprobs=t.logprobs, versions=t.versions,
+                        episode_id=ep.id, finish_reason=t.turns[-1].finish, truncated=t.turns[-1].finish == "length",
+                        routed_experts=t.experts, images=t.images,
+                        info={"segment": t.index, "forked_from": t.parent, "rewrite_of": t.rewrite_of,
+                              "turns": [(u.start, u.end) for u in t.turns], "tainted": ep.tainted,
+                              "constrained": [(u.start, u.end) for u in t.turns if u.constrained],
+                              "sampled": sampled_record(u.sampled for u in t.turns)})
+                for t in ep.tracks]
+
     def taint(self, ep: EpisodeState | None, e: Exception, note: str = "") -> ApiError:
         """A bug of ours: log it, never train on the episode, and answer with a 500."""
         log.error("internal error (episode %s; its segments are marked tainted)", ep and ep.id, exc_info=e)
@@ -641,6 +566,98 @@ class SegmentStore:
             ep.tainted = True
             self.counts["chat/tainted_episodes"] += 1
         return ApiError(500, f"internal error: {e!r}{note}")
+
+
+# === machinery: reply parsing, wire formats, HTTP, template check; read it when you change a protocol or a route
+
+
+# --- the sampled turn: Hermes tool calls, <think> reasoning, stop strings
+
+TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.S)
+
+
+def parse_reply(text: str) -> tuple[str, str, list[tuple[str, dict]]]:
+    """(reasoning, content, [(name, arguments)]) of a sampled turn's text, as vLLM's hermes parser reads it: content
+    is the text before the first <tool_call>; a call that is not {"name": str, "arguments": {}} makes it all content."""
+    reasoning = ""
+    if "</think>" in text:
+        head, _, text = text.partition("</think>")
+        reasoning, text = head.removeprefix("<think>").strip("\n"), text.lstrip("\n")
+    start = text.find("<tool_call>")
+    if start < 0:
+        return reasoning, text, []
+    calls = []
+    for match in TOOL_CALL.finditer(text, start):
+        try:
+            obj = json.loads(match.group(1) if match.group(1) is not None else match.group(2))
+        except ValueError:
+            return reasoning, text, []
+        args = obj.get("arguments", {}) if isinstance(obj, dict) else None
+        if not isinstance(args, dict) or not isinstance(obj.get("name"), str):
+            return reasoning, text, []
+        calls.append((obj["name"], args))
+    return reasoning, text[:start], calls
+
+
+def cut_at_stop(template: ChatTemplate, ids: list[int], stops: tuple) -> tuple[int, str, str] | None:
+    """(tokens kept, stop string, text before it) at the first stop string, or None: the fewest whole sampled ids
+    whose text covers it."""
+    text = template.decode(ids)
+    hits = sorted((text.find(s), s) for s in stops if s and s in text)
+    if not hits:
+        return None
+    pos, stop = hits[0]
+    kept = 1 + bisect.bisect_left(range(1, len(ids)), pos + len(stop), key=lambda k: len(template.decode(ids[:k])))
+    return kept, stop, text[:pos]
+
+
+# --- the start-up template check behind ChatTemplate.append_roles
+
+CHECK_TOOLS = [{"type": "function", "function": {"name": "calc", "description": "adds",
+                                                 "parameters": {"type": "object"}}}]
+CHECK_CONVERSATIONS = [   # each ends in an assistant turn: plain, reasoning, calls, unicode, blank content
+    ([{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "5"}], None),
+    ([{"role": "system", "content": "Be terse."}, {"role": "user", "content": "hi"},
+      {"role": "assistant", "content": "héllo 😀", "reasoning_content": "greet ü"}], None),
+    ([{"role": "user", "content": "add"}, {"role": "assistant", "content": "", "tool_calls": [CALL]}], CHECK_TOOLS),
+    ([{"role": "user", "content": "two"}, {"role": "assistant", "content": "Calling.", "reasoning_content": "r",
+      "tool_calls": [CALL, {**CALL, "id": "call_1",
+                            "function": {"name": "g", "arguments": {"é": [1, {"b": "ü"}]}}}]}], None),
+    ([{"role": "user", "content": "u"}, {"role": "assistant", "content": "  \n"}, {"role": "user", "content": "v"},
+      {"role": "assistant", "content": "", "tool_calls": [CALL]},
+      {"role": "tool", "tool_call_id": "call_0", "content": "1"}, {"role": "assistant", "content": "done"}],
+     CHECK_TOOLS),
+]
+CHECK_APPENDS = {"tool": {"role": "tool", "tool_call_id": "call_0", "content": "résultat: 42"},
+                 "user": {"role": "user", "content": "next ü"}, "system": {"role": "system", "content": "note"}}
+
+
+def append_refusal(t: ChatTemplate, role: str) -> str | None:
+    """Why `role` cannot be appended as delta tokens (None: it can): the full render must equal prompt + turn +
+    bridge + delta. A conversation the template refuses to render is skipped: no request can carry it."""
+    if t.after_eos is None:
+        return f"a turn ends with {t.turn_end!r}, not with the eos token: no bridge exists"
+    for conv, tools in CHECK_CONVERSATIONS:
+        try:
+            before = t.render_text(conv, tools, add_generation_prompt=False)
+        except TemplateError:
+            continue
+        if not before.startswith(t.render_text(conv[:-1], tools)):
+            return "not prefix-preserving: the generation prompt is not how a rendered assistant turn begins"
+        ids = t.encode(before)
+        if ids[-1 - len(t.after_eos):] != [t.eos_id] + t.after_eos:
+            return "a full render's turn end differs from eos + bridge"
+        for appended in ([CHECK_APPENDS[role]], [CHECK_APPENDS[role]] * 2, []):   # []: a new turn after one
+            try:
+                after = t.render_text(conv + appended, tools)
+                if not after.startswith(before):
+                    return "not prefix-preserving: appending it changes the rendered history"
+                delta = t.render_delta(appended, bool(conv[-1].get("tool_calls")))
+            except (TemplateError, ValueError) as e:
+                return str(e)
+            if ids + delta != t.encode(after):
+                return "delta tokens differ from the full render's tokens"
+    return None
 
 
 # --- wire formats: typed field reads and SSE frames, shared by the three protocols
@@ -989,7 +1006,7 @@ class ResponsesWriter(OpenAIWriter):
     body = staticmethod(responses_body)
 
     def __init__(self, req: ChatRequest, plan: Plan):
-        self.req, self.seq, empty = req, -1, Reply(plan.reply_id, plan.pending.prompt_tokens)
+        self.req, self.seq, empty = req, -1, Reply(plan.reply_id, len(plan.pending.plan.prompt))
         shell = {**responses_body(req, empty), "status": "in_progress", "output": [], "usage": None}
         self.head = [self.event("response.created", response=shell), self.event("response.in_progress", response=shell)]
 
@@ -1102,7 +1119,7 @@ class AnthropicWriter:
     ping, overloaded, body = event("ping"), 529, staticmethod(anthropic_body)
 
     def __init__(self, req: ChatRequest, plan: Plan):
-        self.req, empty = req, Reply(plan.reply_id, plan.pending.prompt_tokens)
+        self.req, empty = req, Reply(plan.reply_id, len(plan.pending.plan.prompt))
         self.head = [event("message_start", message={**anthropic_body(req, empty), "content": [], "stop_reason": None})]
 
     def tail(self, r: Reply) -> list[str]:
@@ -1204,14 +1221,7 @@ class ChatServer(SegmentStore):
         self.closed.update({ep.id: True, ep.api_key: True})
         while len(self.closed) > 100_000:
             self.closed.popitem(last=False)
-        return [Segment(token_ids=t.tokens, action_mask=t.mask, logprobs=t.logprobs, versions=t.versions,
-                        episode_id=ep.id, finish_reason=t.turns[-1].finish, truncated=t.turns[-1].finish == "length",
-                        routed_experts=t.experts, images=t.images,
-                        info={"segment": t.index, "forked_from": t.parent, "rewrite_of": t.rewrite_of,
-                              "turns": [(u.start, u.end) for u in t.turns], "tainted": ep.tainted,
-                              "constrained": [(u.start, u.end) for u in t.turns if u.constrained],
-                              "sampled": sampled_record(u.sampled for u in t.turns)})
-                for t in ep.tracks]
+        return self.segments(ep)
 
     def metrics(self) -> dict:
         ms = sorted(self.overheads_ms)

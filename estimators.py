@@ -13,6 +13,9 @@ shaping beyond the KL term, and length or token-count normalisation (the loss's 
 
 Research surface: a new estimator is one pure function here, one ESTIMATORS entry and one `elif` in
 compute_advantages (README, "Adding an advantage estimator"); it needs no edit of trainer.py or launch.py.
+Reading order: EstimatorArgs, the group helpers, the estimators, compute_advantages; below the banner
+`machinery: input checks, packed token scans`: the checks, and the scans by which reinforce and gae skip
+non-action tokens.
 """
 from dataclasses import dataclass, field
 
@@ -65,26 +68,7 @@ class EstimatorArgs:
         return self.kl_coef > 0.0
 
 
-# --- helpers: input checks, rows <-> episodes, group means, packing action tokens
-
-
-def check_inputs(rewards: Tensor, mask: Tensor, *, group_ids: Tensor | None = None, episode_ids: Tensor | None = None,
-                 values: Tensor | None = None, kl: Tensor | None = None) -> None:
-    """Raise ValueError naming the first input that breaks the contract; None means not given."""
-    if rewards.ndim != 1 or len(rewards) == 0 or not rewards.is_floating_point():
-        raise ValueError(f"rewards: expected a non-empty float (B,) tensor, got {rewards.dtype} {tuple(rewards.shape)}")
-    if not torch.isfinite(rewards).all():
-        bad = (~torch.isfinite(rewards)).nonzero().flatten()[:5].tolist()
-        raise ValueError(f"rewards: must be finite, rows {bad} are not; fix the reward function")
-    if mask.dtype != torch.bool or mask.ndim != 2 or len(mask) != len(rewards) or mask.shape[1] == 0:
-        raise ValueError(f"mask: expected a bool (B={len(rewards)}, T>0) tensor, got {mask.dtype} {tuple(mask.shape)}")
-    rows, tokens = (len(rewards),), tuple(mask.shape)
-    for name, x, shape in (("group_ids", group_ids, rows), ("episode_ids", episode_ids, rows),
-                           ("values", values, tokens), ("kl", kl, tokens)):
-        if x is not None and tuple(x.shape) != shape:
-            raise ValueError(f"{name}: expected shape {shape}, got {tuple(x.shape)}")
-        if x is not None and x.requires_grad:  # advantages are constants of the policy-gradient step
-            raise ValueError(f"{name}: requires grad; pass {name}.detach()")
+# --- helpers: rows <-> episodes, group means, whitening
 
 
 def to_episodes(rewards: Tensor, group_ids: Tensor, episode_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -120,46 +104,6 @@ def whiten_tokens(x: Tensor, mask: Tensor, eps: float) -> Tensor:
         return torch.zeros_like(x)
     kept = x[mask]  # (N,)
     return torch.where(mask, (x - kept.mean()) / (kept.std() + eps), 0.0)  # (B, T)
-
-
-def pack_slots(mask: Tensor) -> tuple[Tensor, Tensor]:
-    """Plan for packing each row's action tokens to its front, in order: every token's slot (B, T),
-    with all non-action tokens sent to one spare slot past the end, and each row's count (B,)."""
-    rank = mask.cumsum(1)  # (B, T): 1 + the number of action tokens before this one
-    counts = rank[:, -1]  # (B,)
-    return torch.where(mask, rank - 1, int(counts.max())), counts
-
-
-def pack(x: Tensor, slot: Tensor, counts: Tensor) -> Tensor:
-    """(B, T) -> (B, Tc), Tc = the longest count: action tokens at the front of each row, zeros after."""
-    width = int(counts.max())
-    return x.new_zeros(len(x), width + 1).scatter_(1, slot, x)[:, :width]  # drops the spare slot
-
-
-def unpack(packed: Tensor, slot: Tensor) -> Tensor:
-    """(B, Tc) -> (B, T): each action token back at its position, 0 on every other token."""
-    return F.pad(packed, (0, 1)).gather(1, slot)  # non-action tokens read the zero spare slot
-
-
-def packed_rewards(rewards: Tensor, kl: Tensor | None, kl_coef: float, slot: Tensor, counts: Tensor) -> Tensor:
-    """Packed token rewards (B, Tc): the row's reward on its last action token, -kl_coef * kl on each one."""
-    last = torch.arange(int(counts.max()), device=counts.device) == counts[:, None] - 1  # (B, Tc); none in an empty row
-    r = torch.where(last, rewards[:, None], 0.0)  # (B, Tc)
-    if kl_coef > 0.0:
-        if kl is None:
-            raise ValueError("kl: --estimator.kl_coef > 0 needs the per-token kl (B, T); pass it or set the coef to 0")
-        r = r - kl_coef * pack(kl, slot, counts)
-    return r
-
-
-def discounted_sum(x: Tensor, discount: float) -> Tensor:
-    """S_t = x_t + discount * S_{t+1} along each packed row (B, Tc); zero padding keeps S = 0 past the end.
-    Doubling scan: log2(Tc) whole-tensor steps instead of Tc one-column steps (Tc kernel launches on GPU)."""
-    s, k = x.clone(), 1  # (B, Tc); invariant: s_t = sum of discount^j * x_{t+j} over j < k
-    while k < s.shape[1]:
-        s[:, :-k] += discount**k * s[:, k:]  # adds the next k terms, each discounted k steps more
-        k *= 2
-    return s
 
 
 # --- estimators, in the order of ESTIMATORS
@@ -247,8 +191,7 @@ def batch_baseline(rewards: Tensor, episode_ids: Tensor, mask: Tensor) -> Tensor
 def compute_advantages(args: EstimatorArgs, rewards: Tensor, group_ids: Tensor, episode_ids: Tensor, mask: Tensor, *,
                        values: Tensor | None = None, kl: Tensor | None = None
                        ) -> tuple[Tensor, Tensor | None, dict[str, float]]:
-    """-> (advantages (B, T), returns (B, T) for gae else None, metrics {key: float})."""
-    check_inputs(rewards, mask, group_ids=group_ids, episode_ids=episode_ids, values=values, kl=kl)
+    """-> (advantages (B, T), returns (B, T) for gae else None, metrics {key: float}). The estimator validates."""
     returns = None
     if args.name == "reinforce":
         adv = reinforce(rewards, mask, kl=kl, kl_coef=args.kl_coef, gamma=args.gamma, whiten=args.whiten,
@@ -269,6 +212,8 @@ def compute_advantages(args: EstimatorArgs, rewards: Tensor, group_ids: Tensor, 
     else:
         raise ValueError(f"--estimator.name {args.name!r}: unknown; choose one of {', '.join(ESTIMATORS)}")
 
+    if group_ids.shape != rewards.shape:  # reinforce and gae read no group ids; the metrics below do
+        raise ValueError(f"group_ids: expected shape {tuple(rewards.shape)}, got {tuple(group_ids.shape)}")
     kept = adv[mask] if mask.any() else adv.new_zeros(1)  # (N,); a batch with no action token logs zeros
     groups, row_group = torch.unique(group_ids, return_inverse=True)  # (P,), (B,)
     live = adv.new_zeros(len(groups)).index_add_(0, row_group, (adv != 0).any(1).to(adv.dtype))  # (P,) rows with signal
@@ -282,3 +227,65 @@ def compute_advantages(args: EstimatorArgs, rewards: Tensor, group_ids: Tensor, 
     if returns is not None:
         metrics["estimator/returns_mean"] = returns[mask].mean().item() if mask.any() else 0.0
     return adv, returns, metrics
+
+
+# === machinery: input checks, packed token scans; read it when you change an input or a token-level sum
+
+
+def check_inputs(rewards: Tensor, mask: Tensor, *, group_ids: Tensor | None = None, episode_ids: Tensor | None = None,
+                 values: Tensor | None = None, kl: Tensor | None = None) -> None:
+    """Raise ValueError naming the first input that breaks the contract; None means not given."""
+    if rewards.ndim != 1 or len(rewards) == 0 or not rewards.is_floating_point():
+        raise ValueError(f"rewards: expected a non-empty float (B,) tensor, got {rewards.dtype} {tuple(rewards.shape)}")
+    if not torch.isfinite(rewards).all():
+        bad = (~torch.isfinite(rewards)).nonzero().flatten()[:5].tolist()
+        raise ValueError(f"rewards: must be finite, rows {bad} are not; fix the reward function")
+    if mask.dtype != torch.bool or mask.ndim != 2 or len(mask) != len(rewards) or mask.shape[1] == 0:
+        raise ValueError(f"mask: expected a bool (B={len(rewards)}, T>0) tensor, got {mask.dtype} {tuple(mask.shape)}")
+    rows, tokens = (len(rewards),), tuple(mask.shape)
+    for name, x, shape in (("group_ids", group_ids, rows), ("episode_ids", episode_ids, rows),
+                           ("values", values, tokens), ("kl", kl, tokens)):
+        if x is not None and tuple(x.shape) != shape:
+            raise ValueError(f"{name}: expected shape {shape}, got {tuple(x.shape)}")
+        if x is not None and x.requires_grad:  # advantages are constants of the policy-gradient step
+            raise ValueError(f"{name}: requires grad; pass {name}.detach()")
+
+
+def pack_slots(mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Plan for packing each row's action tokens to its front, in order: every token's slot (B, T),
+    with all non-action tokens sent to one spare slot past the end, and each row's count (B,)."""
+    rank = mask.cumsum(1)  # (B, T): 1 + the number of action tokens before this one
+    counts = rank[:, -1]  # (B,)
+    return torch.where(mask, rank - 1, int(counts.max())), counts
+
+
+def pack(x: Tensor, slot: Tensor, counts: Tensor) -> Tensor:
+    """(B, T) -> (B, Tc), Tc = the longest count: action tokens at the front of each row, zeros after."""
+    width = int(counts.max())
+    return x.new_zeros(len(x), width + 1).scatter_(1, slot, x)[:, :width]  # drops the spare slot
+
+
+def unpack(packed: Tensor, slot: Tensor) -> Tensor:
+    """(B, Tc) -> (B, T): each action token back at its position, 0 on every other token."""
+    return F.pad(packed, (0, 1)).gather(1, slot)  # non-action tokens read the zero spare slot
+
+
+def packed_rewards(rewards: Tensor, kl: Tensor | None, kl_coef: float, slot: Tensor, counts: Tensor) -> Tensor:
+    """Packed token rewards (B, Tc): the row's reward on its last action token, -kl_coef * kl on each one."""
+    last = torch.arange(int(counts.max()), device=counts.device) == counts[:, None] - 1  # (B, Tc); none in an empty row
+    r = torch.where(last, rewards[:, None], 0.0)  # (B, Tc)
+    if kl_coef > 0.0:
+        if kl is None:
+            raise ValueError("kl: --estimator.kl_coef > 0 needs the per-token kl (B, T); pass it or set the coef to 0")
+        r = r - kl_coef * pack(kl, slot, counts)
+    return r
+
+
+def discounted_sum(x: Tensor, discount: float) -> Tensor:
+    """S_t = x_t + discount * S_{t+1} along each packed row (B, Tc); zero padding keeps S = 0 past the end.
+    Doubling scan: log2(Tc) whole-tensor steps instead of Tc one-column steps (Tc kernel launches on GPU)."""
+    s, k = x.clone(), 1  # (B, Tc); invariant: s_t = sum of discount^j * x_{t+j} over j < k
+    while k < s.shape[1]:
+        s[:, :-k] += discount**k * s[:, k:]  # adds the next k terms, each discounted k steps more
+        k *= 2
+    return s

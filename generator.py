@@ -13,6 +13,8 @@ bytes from a CPU trainer, CUDA IPC to a colocated engine, else an NCCL broadcast
 A VLM's row holds each image's expanded placeholder run; the engine checks that vLLM expands it into the same ids.
 Not here: text, chat templates (chat_server.py, agent.py): this file moves token ids only (vLLM loads the
 tokenizer only to compile constrained-decoding grammars).
+Reading order: the flags, the data contract, token_versions, the Generator router; below the banner `machinery:
+the vLLM engine actor, refit transports`, the Engine actor, the wire format, images and where flags reach vLLM.
 """
 import asyncio
 import io
@@ -32,7 +34,6 @@ import numpy as np
 import ray
 import torch
 from safetensors.torch import save_file
-
 
 LORA_RANKS = (0, 1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank values; 0 = no LoRA
 
@@ -190,10 +191,10 @@ class Completion:
     routed_experts: object = None   # numpy (prompt + T - 1, layers, top_k) with --vllm.return_routed_experts
 
 
-# --- pure helpers: routing, versions, buckets, the wire format, refit checks
+# --- pure helpers: routing and per-token versions
 
 def pick_engine(affinity: str, num_engines: int) -> int:
-    """Stable engine index for an affinity key: crc32, because Python's hash() differs per process."""
+    """Stable engine index for an affinity key: crc32, as Python's hash() differs per process."""
     return zlib.crc32(affinity.encode()) % num_engines
 
 
@@ -208,267 +209,215 @@ def segment_routing(routed, T: int) -> np.ndarray:
     return out
 
 
-def versions_from_spans(spans: list[tuple[str, int, int]], num_tokens: int) -> list[int]:
-    """Expand vLLM's (version, start, end) spans over the output tokens into one version per token."""
-    versions = [int(v) for v, start, end in spans for _ in range(start, end)]
-    if len(versions) != num_tokens:
-        raise RuntimeError(f"weight-version spans {spans} cover {len(versions)} tokens, the output has {num_tokens}")
+def token_versions(version: int, marks: list[tuple[int, int]], num_tokens: int) -> list[int]:
+    """Per-token policy versions of a request that started under `version`, from its refit marks [(k, v)]: from
+    output token k on, version v. A refit pauses the engine, counts each kept request's tokens (k: all sampled
+    before the pause, Engine.sampled_counts) and marks it with the new version (Engine.set_version)."""
+    versions = [version] * num_tokens
+    for k, v in marks:
+        versions[k:] = [v] * (num_tokens - k)
     return versions
 
 
-def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list]:
-    """Group (name, tensor) pairs in order into lists of at most bucket_bytes (a bigger tensor goes alone)."""
-    bucket, size = [], 0
-    for name, tensor in named_tensors:
-        if bucket and size + tensor.nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += tensor.nbytes
-    if bucket:
-        yield bucket
+# --- the router
 
+class Generator:
+    """Picklable router over the engine actors; pause, update_weights and resume reach every engine.
 
-def packed_layout(bucket: list[tuple[str, torch.Tensor]]) -> tuple[list, int]:
-    """(layout, bytes) of a packed bucket: layout rows are (name, dtype, shape, byte offset)."""
-    layout, size = [], 0
-    for name, tensor in bucket:
-        layout.append((name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), size))
-        size += -(-tensor.nbytes // 256) * 256  # each tensor starts 256-byte aligned: dtype views of it are legal
-    return layout, size
+    Needs `ray.init()` first; blocks until every engine has started. `actor_options` go to each engine actor's
+    `.options()` (launch.py's placement); by default an engine takes its GPUs if the cluster has any. `version` is
+    what this router last loaded; a copy held elsewhere reads versions off its completions."""
 
+    def __init__(self, model_path: str, vllm: VllmArgs, rollout: RolloutArgs, *, version: int = 0,
+                 actor_options: dict | None = None):
+        if not ray.is_initialized():
+            raise RuntimeError("Generator needs a running Ray: call ray.init() first")
+        self.vllm, self.rollout, self.version, self.id = vllm, rollout, version, uuid.uuid4().hex
+        self._shapes = checkpoint_shapes(model_path)
+        self._bucket_bytes = vllm.refit_bucket_mb * 2**20
+        gpus = vllm.tensor_parallel_size if ray.cluster_resources().get("GPU", 0) > 0 else 0
+        options = {"num_gpus": gpus, **(actor_options or {})}
+        self._engines = [Engine.options(**options).remote(model_path, vllm) for _ in range(vllm.num_engines)]
+        infos = []
+        for i, ref in enumerate([e.start.remote(version) for e in self._engines]):
+            try:
+                infos.append(ray.get(ref))  # blocks: start-up happens once, before any loop runs
+            except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
+                raise engine_error(i, e) from e
+        self._vocab_size, self.dtype = infos[0]["vocab_size"], infos[0]["dtype"]
+        self._gpus = [uuid for info in infos for uuid in info["gpus"]]  # each engine worker's GPU
+        self._next, self._nccl, self._ipc, self._timings, self.dead = 0, None, None, {}, None
 
-def pack(bucket: list[tuple[str, torch.Tensor]], buffer: torch.Tensor | None = None) -> tuple[list, torch.Tensor]:
-    """A bucket as (layout, one flat uint8 tensor on the bucket's device: the first bytes of `buffer` when
-    given). The bytes are the tensors' own: a refit never casts."""
-    layout, size = packed_layout(bucket)
-    flat = torch.empty(size, dtype=torch.uint8, device=bucket[0][1].device) if buffer is None else buffer[:size]
-    for (_, _, _, offset), (_, tensor) in zip(layout, bucket):
-        flat[offset:offset + tensor.nbytes].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
-    return layout, flat
+    def __getstate__(self):  # an NCCL communicator and a CUDA IPC buffer belong to the process that made them
+        return {**self.__dict__, "_nccl": None, "_ipc": None}
 
+    @property
+    def serves_adapters(self) -> bool:
+        """Engines with --vllm.max_lora_rank load adapters (update_adapter, no pause), others full weights."""
+        return self.vllm.max_lora_rank > 0
 
-def unpack(layout: list, flat: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    """Inverse of pack: views of flat with each tensor's dtype and shape (no copy)."""
-    for name, dtype, shape, offset in layout:
-        dtype = getattr(torch, dtype)
-        size = dtype.itemsize * (torch.Size(shape).numel())
-        yield name, flat[offset:offset + size].view(dtype).reshape(shape)
+    async def _await(self, i: int, ref):
+        try:
+            return await ref
+        except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
+            error = engine_error(i, e)
+            if isinstance(error, EngineDied):
+                self.dead = error  # read by agent.py's run_group: an episode's own handling may have hidden it
+            raise error from e
 
+    async def _all(self, method: str, *args) -> list:
+        refs = [getattr(e, method).remote(*args) for e in self._engines]
+        return [await self._await(i, ref) for i, ref in enumerate(refs)]
 
-def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
-    """Parameter name -> shape, from the safetensors headers: the names a refit must use."""
-    from safetensors import safe_open
-    files = sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors"))
-    if not files:
-        raise ValueError(f"model path {model_path!r} has no *.safetensors files: pass a local model directory")
-    shapes = {}
-    for f in files:
-        with safe_open(os.path.join(model_path, f), framework="pt") as st:
-            shapes.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
-    return shapes
+    # --- sampling
 
-
-def refit_transport(device_uuid: str | None, engine_gpus: list[str], colocated: bool) -> str:
-    """How a bucket on the trainer's device (its GPU's uuid; None on CPU) reaches the engines' GPUs: "bytes" from
-    CPU; "ipc" when colocated (--launch.colocate), which needs every engine on this GPU; "nccl" to other GPUs."""
-    if device_uuid is None:
-        return "bytes"
-    if colocated and set(engine_gpus) != {device_uuid}:
-        raise ValueError(f"--launch.colocate: the engines' GPUs {engine_gpus} are not the trainer's {device_uuid}, "
-                         "and CUDA IPC reaches only its own GPU; drop --launch.colocate to refit over NCCL")
-    if not colocated and device_uuid in engine_gpus:
-        raise ValueError(f"an engine shares the trainer's GPU {device_uuid}, and NCCL needs two: set --launch.colocate "
-                         "to refit over CUDA IPC")
-    return "ipc" if colocated else "nccl"
-
-
-def contract_images(ids: list[int], images: list, image_id: int | None) -> list[int]:
-    """The engine's prompt for a row with images [(start, end, encoded image)]: each image's placeholder run
-    ids[start:end] (as the HF processor expands it) becomes the one image id vLLM expands again itself."""
-    if image_id is None:
-        raise ValueError("generate: images given, but the model's config.json names no image_token_id (not a VLM)")
-    out, at = [], 0
-    for k, (start, end, _) in enumerate(images):
-        if not at <= start < end <= len(ids) or image_id not in ids[start:end]:
-            raise ValueError(f"generate: images[{k}] spans ({start}, {end}), which is not an image's placeholder run "
-                             f"inside the {len(ids)}-token prompt, after the image before it")
-        out += ids[at:start] + [image_id]
-        at = end
-    out += ids[at:]
-    if out.count(image_id) != len(images):   # vLLM would put an image's run at such a stray id (a sampled one)
-        raise ValueError(f"generate: {out.count(image_id) - len(images)} image token id(s) {image_id} outside the "
-                         "images' spans; the engine would place an image there")
-    return out
-
-
-def decode_image(data: bytes, where: str):
-    """An encoded image (PNG, JPEG, ...) as the RGB PIL image the engine's and the trainer's processors both read."""
-    from PIL import Image, UnidentifiedImageError
-    try:
-        return Image.open(io.BytesIO(data)).convert("RGB")
-    except (UnidentifiedImageError, OSError, TypeError) as e:
-        raise ValueError(f"{where}: not a decodable image ({e})") from None
-
-
-def check_tensor(name: str, tensor: torch.Tensor, shapes: dict, dtype: str, seen: set) -> tuple[str, torch.Tensor]:
-    """Refuse a refit tensor the engine would misload: unknown or repeated name, other shape or dtype."""
-    if name not in shapes:
-        hint = " (the checkpoint ties it to the input embedding: leave it out)" if name == "lm_head.weight" else ""
-        raise ValueError(f"update_weights: unknown parameter {name!r}{hint}; names are the checkpoint's")
-    if name in seen:
-        raise ValueError(f"update_weights: parameter {name!r} given twice")
-    if type(tensor).__name__ == "DTensor":
-        raise ValueError(f"update_weights: {name!r} is a sharded DTensor; send tensor.full_tensor()")
-    if tuple(tensor.shape) != shapes[name]:
-        raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the engine's is {shapes[name]}")
-    if tensor.dtype != getattr(torch, dtype):
-        raise ValueError(f"update_weights: {name!r} is {tensor.dtype}, the engine runs {dtype}; cast in the "
-                         f"trainer's export or set --vllm.dtype (a refit never casts)")
-    seen.add(name)
-    return name, tensor.detach()
-
-
-# --- where flags reach vLLM
-
-def engine_dtype(model_path: str, dtype: str) -> str:
-    """--vllm.dtype, with auto meaning the checkpoint's own dtype (vLLM's auto would downcast fp32)."""
-    if dtype != "auto":
-        return dtype
-    config = json.load(open(os.path.join(model_path, "config.json")))
-    return config.get("dtype") or config.get("torch_dtype") or "float32"  # float32: transformers' default
-
-
-def build_engine_args(model_path: str, vllm: VllmArgs, *, cuda: bool):
-    """The one place where --vllm.* flags reach vLLM; refuses values this machine cannot honour."""
-    defaults = VllmArgs()
-    if not cuda and (vllm.tensor_parallel_size > 1 or vllm.enable_expert_parallel):
-        raise ValueError("--vllm.tensor_parallel_size > 1 / --vllm.enable_expert_parallel need GPUs; this engine "
-                         "runs on CPU: use --vllm.num_engines for more engines instead")
-    if not cuda and vllm.return_routed_experts:
-        raise ValueError("--vllm.return_routed_experts on a CPU engine: vLLM records experts only in its model "
-                         "runner V2, which needs Triton (GPU builds)")
-    if not cuda and vllm.batch_invariant:
-        raise ValueError("--vllm.batch_invariant on a CPU engine: vLLM's batch-invariant kernels are Triton kernels "
-                         "for CUDA GPUs (vLLM-CPU has none); drop the flag")
-    if not cuda and vllm.gpu_memory_utilization != defaults.gpu_memory_utilization:
-        raise ValueError("--vllm.gpu_memory_utilization on a CPU engine: size its KV cache with --vllm.kv_cache_gb")
-    if cuda and (vllm.kv_cache_gb != defaults.kv_cache_gb or vllm.cpu_threads != defaults.cpu_threads):
-        raise ValueError("--vllm.kv_cache_gb / --vllm.cpu_threads on a GPU engine: they size CPU engines; size "
-                         "its KV cache with --vllm.gpu_memory_utilization")
-    if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-        raise ValueError("VLLM_CPU_KVCACHE_SPACE is set and would override --vllm.kv_cache_gb: unset it")
-    if not cuda:  # the worker runs in the engine-core process (one spawn fewer: start-up ~2x faster) with
-        # --vllm.cpu_threads threads; that process reads both variables when it starts.
-        os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(vllm.cpu_threads)})
-    if vllm.batch_invariant:  # read by vLLM's config and by the worker process it starts (one flag, one env var)
-        os.environ["VLLM_BATCH_INVARIANT"] = "1"
-    from vllm.config import StructuredOutputsConfig
-    from vllm.engine.arg_utils import AsyncEngineArgs  # vLLM only where an engine runs: trainer.py imports this file
-    spec = {"method": "mtp", "num_speculative_tokens": vllm.num_speculative_tokens}
-    lora = {"enable_lora": True, "max_lora_rank": vllm.max_lora_rank, "max_loras": vllm.max_loras}
-    return AsyncEngineArgs(
-        model=model_path, max_model_len=vllm.max_model_len, seed=vllm.seed, enforce_eager=vllm.enforce_eager,
-        max_num_seqs=vllm.max_num_seqs, max_num_batched_tokens=vllm.max_num_batched_tokens,
-        dtype=engine_dtype(model_path, vllm.dtype),
-        enable_prefix_caching=vllm.enable_prefix_caching, tensor_parallel_size=vllm.tensor_parallel_size,
-        enable_expert_parallel=vllm.enable_expert_parallel, gpu_memory_utilization=vllm.gpu_memory_utilization,
-        kv_cache_memory_bytes=None if cuda else int(vllm.kv_cache_gb * 2**30),
-        speculative_config=spec if vllm.num_speculative_tokens > 0 else None,
-        enable_return_routed_experts=vllm.return_routed_experts,
-        logprobs_mode="processed_logprobs",   # the sampled token's log-prob after temperature
-        # constrained decoding writes compact JSON (an unbounded run of whitespace is legal JSON, and a weak policy
-        # samples one); vLLM's default backend, xgrammar
-        structured_outputs_config=StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True),
-        # ids in, ids out, but the tokenizer loads: constrained decoding compiles its grammar over the vocabulary
-        worker_extension_cls="generator.WeightLoader", disable_log_stats=True, **(lora if vllm.max_lora_rank else {}))
-
-
-def build_sampling_params(rollout: RolloutArgs, *, max_new_tokens: int | None, stop_token_ids: list[int] | None,
-                          seed: int | None, ignore_eos: bool, constraint: dict | None = None, banned: tuple = ()):
-    """The one place where --rollout.* flags reach vLLM. `constraint`: vLLM StructuredOutputsParams fields (json,
-    regex, structural_tag...); the processed log-probs are then those of the masked distribution sampled from.
-    `banned`: tokens never sampled (a VLM's image token), masked before the processed log-probs too."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
-    return SamplingParams(
-        structured_outputs=StructuredOutputsParams(**constraint) if constraint else None,
-        temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k or 0,  # vLLM: 0 = off
-        max_tokens=rollout.max_new_tokens if max_new_tokens is None else max_new_tokens,
-        stop_token_ids=stop_token_ids, seed=seed, ignore_eos=ignore_eos, bad_words=list(banned) or None,
-        logprobs=0,                      # no alternatives: just the sampled token's own log-prob
-        detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
-
-
-# --- inside the engine: the worker extension and the engine actor
-
-class WeightLoader:
-    """Mixed into each vLLM worker (`worker_extension_cls`); its methods run via `collective_rpc`."""
-
-    def device_uuid(self) -> str:
-        return str(torch.cuda.get_device_properties(self.device).uuid)
-
-    def join_nccl(self, host: str, port: int, rank_offset: int, world_size: int) -> None:
-        """Join the refit group whose rank 0 is the trainer process that sends the weights."""
-        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-        from vllm.distributed.utils import StatelessProcessGroup
-        group = StatelessProcessGroup.create(host=host, port=port, rank=rank_offset + self.rank, world_size=world_size)
-        self.refit_nccl = PyNcclCommunicator(group, device=self.device)
-
-    def refit_bucket(self, wire: tuple, first: bool, last: bool) -> tuple[list[tuple[str, str]], float]:
-        """Load one packed bucket; returns the (name, dtype) of each tensor applied, and the seconds it took here.
-
-        wire is (transport, layout, payload): "bytes" carries the bucket itself (CPU trainer); "ipc" the CUDA IPC
-        handle of the trainer's refit buffer on this GPU and the bucket's size; "nccl" its size, broadcast next."""
-        start = time.perf_counter()
-        transport, layout, payload = wire
-        if transport == "bytes":
-            flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        elif transport == "ipc":
-            handle, size = payload
-            if getattr(self, "refit_ipc", (None,))[0] != handle:  # the trainer's buffer: opened once, kept open
-                self.refit_ipc = None  # close the old one first
-                rebuild, args = pickle.loads(handle)
-                args = list(args)
-                args[6] = self.device.index  # torch's rebuild_cuda_tensor: the storage's device, numbered as seen here
-                self.refit_ipc = (handle, rebuild(*args))
-            # a copy of our own: the trainer refills its buffer with the next bucket, and the layerwise reload
-            # may keep views of this one until a later bucket completes a layer
-            flat = self.refit_ipc[1][:size].clone()
+    async def generate(self, prompt_ids: list[int], *, max_new_tokens: int | None = None,
+                       stop_token_ids: list[int] | None = None, seed: int | None = None,
+                       request_id: str | None = None, affinity: str | None = None,
+                       ignore_eos: bool = False, constraint: dict | None = None, images: list = ()) -> Completion:
+        """Sample one completion; requests sharing an affinity key (an episode id) go to one engine.
+        `constraint` (constrained decoding, see build_sampling_params) makes the sampler the behaviour policy.
+        `images` (a VLM): [(start, end, encoded image bytes)], prompt_ids[start:end] being each image's placeholder
+        run as the model's processor expands it; the engine checks that it expands them into the same ids."""
+        check_prompt(prompt_ids, self._vocab_size, self.vllm.max_model_len)
+        if affinity is None:
+            i, self._next = self._next % len(self._engines), self._next + 1
         else:
-            flat = torch.empty(payload, dtype=torch.uint8, device=self.device)
-            self.refit_nccl.broadcast(flat, src=0, stream=torch.cuda.current_stream())
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-        model = self.model_runner.get_model()
-        if first:  # unquantized dense weights on CUDA are used as loaded: copied in place. Others (MoE experts re-laid
-            # out for their kernel, quantized or CPU weights) go through vLLM's layerwise reload, opened on the first
-            # bucket and closed on the last: each layer is processed again once its weights are complete
-            self.refit_layerwise = (self.device.type != "cuda" or self.vllm_config.quant_config is not None
-                                    or any(hasattr(m, "w13_weight") for m in model.modules()))
-        with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            if self.refit_layerwise and first:
-                initialize_layerwise_reload(model)
-            model.load_weights(unpack(layout, flat))
-            if self.refit_layerwise and last:
-                finalize_layerwise_reload(model, self.vllm_config.model_config)
-                if self.device.type == "cpu":
-                    repack_cpu_weights(model, tied=self.vllm_config.model_config.hf_config.tie_word_embeddings)
-        if flat.is_cuda:  # the copies are done before the trainer refills its buffer or frees its tensor
-            torch.cuda.synchronize(self.device)
-        return [(name, dtype) for name, dtype, _, _ in layout], time.perf_counter() - start
+            i = pick_engine(affinity, len(self._engines))
+        ref = self._engines[i].generate.remote(
+            [int(t) for t in prompt_ids], self.rollout, request_id or uuid.uuid4().hex, max_new_tokens=max_new_tokens,
+            stop_token_ids=stop_token_ids, seed=seed, ignore_eos=ignore_eos, constraint=constraint,
+            images=[(int(a), int(b), bytes(data)) for a, b, data in images])
+        return await self._await(i, ref)
+
+    # --- refit: pause, update_weights, resume
+
+    async def pause(self) -> None:
+        """Stop scheduling on every engine; in-flight requests are kept, not dropped."""
+        start = time.perf_counter()
+        await self._all("pause")
+        self._timings["generator/pause_s"] = time.perf_counter() - start
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *,
+                             colocated: bool = False, keep: Iterable[str] = ()) -> dict:
+        """Load every (checkpoint name, tensor) pair into the paused engines; tokens sampled next carry `version`.
+
+        Pairs may stream (a trainer's export): every checkpoint parameter exactly once, in the engine's dtype, except
+        those named in `keep` (frozen in the trainer: the engine keeps them as loaded). Buckets travel as
+        refit_transport picks for `colocated` (--launch.colocate). Returns refit_report's dict, with "applied" (per
+        bucket, the (name, dtype) list engine 0 loaded) and "transport" ("bytes" | "ipc" | "nccl")."""
+        if not all(await self._all("is_paused")):
+            raise ValueError("update_weights while the engines are running: call pause() first")
+        start, seen, applied, transport, worker_s, nbytes = time.perf_counter(), set(), [], None, 0.0, 0
+        buckets = iter_buckets((check_tensor(n, t, self._shapes, self.dtype, seen) for n, t in named_tensors),
+                               self._bucket_bytes)
+        bucket = next(buckets, None)
+        if bucket is None:
+            raise ValueError("update_weights: no tensors given")
+        while bucket is not None:
+            try:
+                following = next(buckets, None)
+            except ValueError:  # a bad tensor further on: close the load opened by earlier buckets, then raise
+                await send_bucket(self, bucket, not applied, True, colocated)
+                raise
+            (loaded, seconds), transport = await send_bucket(self, bucket, not applied, following is None, colocated)
+            applied.append(loaded)
+            worker_s += seconds
+            nbytes += sum(tensor.nbytes for _, tensor in bucket)
+            bucket = following
+        missing = sorted(set(self._shapes) - seen - set(keep))
+        if missing:
+            raise ValueError(f"update_weights: parameters {missing[:5]} (of {len(missing)}) were not given; the "
+                             f"engines hold a partial update: send every parameter before resume()")
+        await self._all("set_version", version)
+        self.version = version
+        return refit_report(start, worker_s, len(applied), nbytes, applied=applied, transport=transport)
+
+    async def update_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], config: dict,
+                             version: int) -> dict:
+        """Load a LoRA adapter (peft's lora_A / lora_B tensor names, in the engine's dtype; peft's adapter_config) into
+        every engine as `version`, with no pause: a request in flight keeps the adapter it started with, so all its
+        tokens carry its start version. It travels as bytes through Ray (it is small). Returns refit_report's dict."""
+        if not 0 < config["r"] <= self.vllm.max_lora_rank:
+            raise ValueError(f"update_adapter: an adapter of rank {config['r']}, engines with --vllm.max_lora_rank "
+                             f"{self.vllm.max_lora_rank}; set it to at least the adapter's rank")
+        start, tensors = time.perf_counter(), []
+        for name, tensor in named_tensors:
+            if not name.endswith((".lora_A.weight", ".lora_B.weight")) or tensor.dtype != getattr(torch, self.dtype):
+                raise ValueError(f"update_adapter: {name!r} ({tensor.dtype}) is not an adapter tensor (peft's "
+                                 f"lora_A / lora_B names) in the engine's dtype {self.dtype}")
+            tensors.append((name, tensor.detach().cpu()))
+        if not tensors:
+            raise ValueError("update_adapter: no tensors given")
+        layout, flat = pack(tensors)
+        worker_s = (await self._all("load_adapter", ray.put((layout, flat.numpy().tobytes(), config)), version))[0]
+        self.version = version
+        return refit_report(start, worker_s, 1, sum(tensor.nbytes for _, tensor in tensors))
+
+    async def resume(self) -> None:
+        """Let every engine schedule again; kept requests continue under the new weights."""
+        await self._all("resume")
+
+    # --- metrics and lifetime
+
+    async def metrics(self) -> dict:
+        """Counters summed over engines (requests, tokens, seconds in requests), the last pause's seconds."""
+        total = {}
+        for counts in await self._all("metrics"):
+            for k, v in counts.items():
+                total[k] = total.get(k, 0) + v
+        return {**total, **self._timings, "generator/version": self.version}
+
+    async def shutdown(self) -> None:
+        await self._all("shutdown")
+        for e in self._engines:
+            ray.kill(e)
 
 
-def repack_cpu_weights(model: torch.nn.Module, *, tied: bool) -> None:
-    """vLLM 0.32's CPU build skips two prepacks on reload; redo them after every refit."""
-    head = getattr(model, "lm_head", None)
-    if tied and hasattr(head, "quant_method"):  # a tied lm_head keeps a packed copy of the old embedding
-        head.quant_method.process_weights_after_loading(head)
-    for layer in model.modules():  # MoE experts: a reload copies unpacked weights into the packed storage
-        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
-        if kernel is not None:
-            kernel.fused_experts.process_weights_after_loading(layer)
+# === machinery: the vLLM engine actor, refit transports; read it when you change vLLM, a transport or a format
 
+
+class ConstraintError(ValueError):
+    """vLLM refused a request's structured-output constraint (a schema it cannot compile): the asker's error."""
+
+
+class EngineDied(RuntimeError):
+    """An engine actor or its vLLM engine is gone; agent.py re-raises it: the loop stops, no episode is dropped."""
+
+
+def engine_error(i: int, e: Exception) -> Exception:
+    """What a failed engine call raises: the caller's own ValueError, else an error naming the engine."""
+    if isinstance(e, ray.exceptions.RayTaskError) and isinstance(e.cause, ValueError):
+        return e.cause
+    if isinstance(e, ray.exceptions.RayTaskError) and type(e.cause).__name__ != "EngineDeadError":
+        return RuntimeError(f"engine {i} failed: {e.cause!r}")
+    return EngineDied(f"engine {i} died: {e}")
+
+
+def refit_report(start: float, worker_s: float, messages: int, nbytes: int, **extra) -> dict:
+    """What a refit (either kind) returns, with "metrics": the generator/refit_* metrics launch.py logs."""
+    refit_s = time.perf_counter() - start
+    return {"refit_s": refit_s, "worker_s": worker_s, "bytes": nbytes, **extra,
+            "metrics": {"generator/refit_s": refit_s, "generator/refit_worker_s": worker_s,
+                        "generator/refit_messages": messages, "generator/refit_bytes": nbytes}}
+
+
+def check_prompt(prompt_ids: list, vocab_size: int, max_model_len: int) -> None:
+    """Refuse a prompt the engine would fail on later or as a TypeError: empty, a non-int id, out of range, too long."""
+    if not prompt_ids:
+        raise ValueError("generate: empty prompt (at least one token id is needed)")
+    # a float, str, None or bool would fail as a TypeError in `<` or in vLLM; numpy ints are sent as ints
+    for k, t in enumerate(prompt_ids):
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+            raise ValueError(f"generate: prompt_ids[{k}] is {t!r} ({type(t).__name__}), not an int token id")
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"generate: prompt_ids[{k}] = {t} is outside the vocabulary [0, {vocab_size})")
+    if len(prompt_ids) >= max_model_len:
+        raise ValueError(f"generate: a prompt of {len(prompt_ids)} tokens leaves no room under "
+                         f"--vllm.max_model_len {max_model_len}")
+
+
+# --- the engine actor: one vLLM AsyncLLM
 
 @ray.remote(num_cpus=0)
 class Engine:
@@ -480,8 +429,7 @@ class Engine:
         self.paused, self.adding, self.open = False, 0, asyncio.Event()  # open: no refit under way
         self.open.set()
         self.refits, self.at_pause = {}, {}  # request id -> [(k, v)]: from output token k on, version v
-        # --vllm.max_lora_rank: the adapter new requests use (a LoRARequest; None: the loaded weights), the requests
-        # using each loaded adapter (by id), the last id given, and the directory of their files
+        # LoRA: the adapter new requests use (None: the loaded weights), users per loaded adapter id, last id, files
         self.adapter, self.users, self.adapter_ids, self.adapter_dir = None, {}, 0, None
 
     async def start(self, version: int) -> dict:
@@ -543,9 +491,7 @@ class Engine:
             raise RuntimeError(f"request {request_id}: vLLM expanded the images into other ids than the row's runs")
         out = final.outputs[0]
         ids = list(out.token_ids)
-        versions = [version] * len(ids)
-        for k, v in marks:
-            versions[k:] = [v] * (len(ids) - k)
+        versions = token_versions(version, marks, len(ids))
         if self.spans and marks:  # vLLM's own labels: the counted boundaries must agree with them
             labelled = versions_from_spans([(s.version, s.start, s.end) for s in out.weight_versions or []], len(ids))
             if labelled != versions:
@@ -654,243 +600,314 @@ class Engine:
             shutil.rmtree(self.adapter_dir)
 
 
-# --- the router
+# --- refit transports: buckets, the wire format, checks
 
-class ConstraintError(ValueError):
-    """vLLM refused a request's structured-output constraint (a schema it cannot compile): the asker's error."""
+async def send_bucket(gen: Generator, bucket: list, first: bool, last: bool,
+                      colocated: bool) -> tuple[tuple[list, float], str]:
+    """One bucket into every engine of `gen`, over refit_transport's choice; (engine 0's report, transport)."""
+    device = bucket[0][1].device
+    here = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None
+    transport = refit_transport(here, gen._gpus, colocated)
+    ipc = transport == "ipc"
+    need = packed_layout(bucket)[1] if ipc else 0
+    if ipc and (gen._ipc is None or gen._ipc[0].numel() < need):
+        # CUDA IPC through one buffer kept across buckets and refits: the workers open its handle once
+        from torch.multiprocessing.reductions import reduce_tensor
+        gen._ipc = None  # the old buffer goes before a bigger one is taken
+        buffer = torch.empty(max(need, gen._bucket_bytes), dtype=torch.uint8, device=device)
+        gen._ipc = (buffer, pickle.dumps(reduce_tensor(buffer)))
+    layout, flat = pack(bucket, gen._ipc[0] if ipc else None)
+    if transport == "bytes":
+        payload = flat.numpy().tobytes()
+    elif ipc:
+        torch.cuda.current_stream(device).synchronize()  # the bytes are in place before another process reads
+        payload = (gen._ipc[1], flat.numel())
+    else:
+        if gen._nccl is None:
+            await join_refit_group(gen, flat.device)
+        payload = flat.numel()
+    wire = ray.put((transport, layout, payload))
+    refs = [e.worker_rpc.remote("refit_bucket", wire, first, last) for e in gen._engines]
+    if transport == "nccl":  # the engines' workers wait in broadcast for these bytes
+        gen._nccl.broadcast(flat, src=0, stream=torch.cuda.current_stream(flat.device))
+    return [await gen._await(i, ref) for i, ref in enumerate(refs)][0], transport
 
 
-class EngineDied(RuntimeError):
-    """An engine actor or its vLLM engine is gone; agent.py re-raises it, so the loop stops instead of dropping
-    every later episode."""
+async def join_refit_group(gen: Generator, device: torch.device) -> None:
+    """This process (rank 0) and every engine worker form one NCCL group for refits."""
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+    from vllm.distributed.utils import StatelessProcessGroup
+    with socket.socket() as s:
+        s.bind(("", 0))
+        host, port = ray.util.get_node_ip_address(), s.getsockname()[1]
+    tp = gen.vllm.tensor_parallel_size
+    world = 1 + tp * len(gen._engines)
+    joins = [e.worker_rpc.remote("join_nccl", host, port, 1 + i * tp, world) for i, e in enumerate(gen._engines)]
+    group = await asyncio.to_thread(StatelessProcessGroup.create, host=host, port=port, rank=0, world_size=world)
+    gen._nccl = await asyncio.to_thread(PyNcclCommunicator, group, device=device)
+    for i, ref in enumerate(joins):
+        await gen._await(i, ref)
 
 
-def refit_report(start: float, worker_s: float, messages: int, nbytes: int, **extra) -> dict:
-    """What a refit (either kind) returns: its seconds, engine 0's worker seconds, the bytes sent, and "metrics",
-    the generator/refit_* metrics that launch.py logs with the step."""
-    refit_s = time.perf_counter() - start
-    return {"refit_s": refit_s, "worker_s": worker_s, "bytes": nbytes, **extra,
-            "metrics": {"generator/refit_s": refit_s, "generator/refit_worker_s": worker_s,
-                        "generator/refit_messages": messages, "generator/refit_bytes": nbytes}}
+def versions_from_spans(spans: list[tuple[str, int, int]], num_tokens: int) -> list[int]:
+    """Expand vLLM's (version, start, end) spans over the output tokens into one version per token."""
+    versions = [int(v) for v, start, end in spans for _ in range(start, end)]
+    if len(versions) != num_tokens:
+        raise RuntimeError(f"weight-version spans {spans} cover {len(versions)} tokens, the output has {num_tokens}")
+    return versions
 
 
-def engine_error(i: int, e: Exception) -> Exception:
-    """What a failed engine call raises: the caller's own ValueError, else an error naming the engine."""
-    if isinstance(e, ray.exceptions.RayTaskError) and isinstance(e.cause, ValueError):
-        return e.cause
-    if isinstance(e, ray.exceptions.RayTaskError) and type(e.cause).__name__ != "EngineDeadError":
-        return RuntimeError(f"engine {i} failed: {e.cause!r}")
-    return EngineDied(f"engine {i} died: {e}")
+def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list]:
+    """Group (name, tensor) pairs in order into lists of at most bucket_bytes (a bigger tensor goes alone)."""
+    bucket, size = [], 0
+    for name, tensor in named_tensors:
+        if bucket and size + tensor.nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += tensor.nbytes
+    if bucket:
+        yield bucket
 
 
-class Generator:
-    """Picklable router over the engine actors; pause, update_weights and resume reach every engine.
+def packed_layout(bucket: list[tuple[str, torch.Tensor]]) -> tuple[list, int]:
+    """(layout, bytes) of a packed bucket: layout rows are (name, dtype, shape, byte offset)."""
+    layout, size = [], 0
+    for name, tensor in bucket:
+        layout.append((name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), size))
+        size += -(-tensor.nbytes // 256) * 256  # each tensor starts 256-byte aligned: dtype views of it are legal
+    return layout, size
 
-    Needs `ray.init()` first; blocks until every engine has started. `actor_options` go to each engine actor's
-    `.options()` (launch.py's placement); by default an engine takes its GPUs if the cluster has any. `version` is
-    what this router last loaded; a copy held elsewhere reads versions off its completions."""
 
-    def __init__(self, model_path: str, vllm: VllmArgs, rollout: RolloutArgs, *, version: int = 0,
-                 actor_options: dict | None = None):
-        if not ray.is_initialized():
-            raise RuntimeError("Generator needs a running Ray: call ray.init() first")
-        self.vllm, self.rollout, self.version, self.id = vllm, rollout, version, uuid.uuid4().hex
-        self._shapes = checkpoint_shapes(model_path)
-        self._bucket_bytes = vllm.refit_bucket_mb * 2**20
-        gpus = vllm.tensor_parallel_size if ray.cluster_resources().get("GPU", 0) > 0 else 0
-        options = {"num_gpus": gpus, **(actor_options or {})}
-        self._engines = [Engine.options(**options).remote(model_path, vllm) for _ in range(vllm.num_engines)]
-        infos = []
-        for i, ref in enumerate([e.start.remote(version) for e in self._engines]):
-            try:
-                infos.append(ray.get(ref))  # blocks: start-up happens once, before any loop runs
-            except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
-                raise engine_error(i, e) from e
-        self._vocab_size, self.dtype = infos[0]["vocab_size"], infos[0]["dtype"]
-        self._gpus = [uuid for info in infos for uuid in info["gpus"]]  # each engine worker's GPU
-        self._next, self._nccl, self._ipc, self._timings, self.dead = 0, None, None, {}, None
+def pack(bucket: list[tuple[str, torch.Tensor]], buffer: torch.Tensor | None = None) -> tuple[list, torch.Tensor]:
+    """A bucket as (layout, one flat uint8 tensor on the bucket's device: the first bytes of `buffer` when
+    given). The bytes are the tensors' own: a refit never casts."""
+    layout, size = packed_layout(bucket)
+    flat = torch.empty(size, dtype=torch.uint8, device=bucket[0][1].device) if buffer is None else buffer[:size]
+    for (_, _, _, offset), (_, tensor) in zip(layout, bucket):
+        flat[offset:offset + tensor.nbytes].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+    return layout, flat
 
-    def __getstate__(self):  # an NCCL communicator and a CUDA IPC buffer belong to the process that made them
-        return {**self.__dict__, "_nccl": None, "_ipc": None}
 
-    @property
-    def serves_adapters(self) -> bool:
-        """Engines with --vllm.max_lora_rank load adapters (update_adapter, no pause), others full weights."""
-        return self.vllm.max_lora_rank > 0
+def unpack(layout: list, flat: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """Inverse of pack: views of flat with each tensor's dtype and shape (no copy)."""
+    for name, dtype, shape, offset in layout:
+        dtype = getattr(torch, dtype)
+        size = dtype.itemsize * (torch.Size(shape).numel())
+        yield name, flat[offset:offset + size].view(dtype).reshape(shape)
 
-    def with_rollout(self, rollout: RolloutArgs) -> "Generator":
-        """A router over the same engines that samples with other --rollout.* values (evaluation, tests)."""
-        copy = Generator.__new__(Generator)
-        copy.__dict__.update(self.__getstate__(), rollout=rollout)
-        return copy
 
-    async def _await(self, i: int, ref):
-        try:
-            return await ref
-        except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
-            error = engine_error(i, e)
-            if isinstance(error, EngineDied):
-                self.dead = error  # read by agent.py's run_group: an episode's own handling may have hidden it
-            raise error from e
+def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape, from the safetensors headers: the names a refit must use."""
+    from safetensors import safe_open
+    files = sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"model path {model_path!r} has no *.safetensors files: pass a local model directory")
+    shapes = {}
+    for f in files:
+        with safe_open(os.path.join(model_path, f), framework="pt") as st:
+            shapes.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
+    return shapes
 
-    async def _all(self, method: str, *args) -> list:
-        refs = [getattr(e, method).remote(*args) for e in self._engines]
-        return [await self._await(i, ref) for i, ref in enumerate(refs)]
 
-    # --- sampling
+def refit_transport(device_uuid: str | None, engine_gpus: list[str], colocated: bool) -> str:
+    """How a bucket on the trainer's device (its GPU's uuid; None on CPU) reaches the engines' GPUs: "bytes" from
+    CPU; "ipc" when colocated (--launch.colocate), which needs every engine on this GPU; "nccl" to other GPUs."""
+    if device_uuid is None:
+        return "bytes"
+    if colocated and set(engine_gpus) != {device_uuid}:
+        raise ValueError(f"--launch.colocate: the engines' GPUs {engine_gpus} are not the trainer's {device_uuid}, "
+                         "and CUDA IPC reaches only its own GPU; drop --launch.colocate to refit over NCCL")
+    if not colocated and device_uuid in engine_gpus:
+        raise ValueError(f"an engine shares the trainer's GPU {device_uuid}, and NCCL needs two: set --launch.colocate "
+                         "to refit over CUDA IPC")
+    return "ipc" if colocated else "nccl"
 
-    async def generate(self, prompt_ids: list[int], *, max_new_tokens: int | None = None,
-                       stop_token_ids: list[int] | None = None, seed: int | None = None,
-                       request_id: str | None = None, affinity: str | None = None,
-                       ignore_eos: bool = False, constraint: dict | None = None, images: list = ()) -> Completion:
-        """Sample one completion; requests sharing an affinity key (an episode id) go to one engine.
-        `constraint` (constrained decoding, see build_sampling_params) makes the sampler the behaviour policy.
-        `images` (a VLM): [(start, end, encoded image bytes)], prompt_ids[start:end] being each image's placeholder
-        run as the model's processor expands it; the engine checks that it expands them into the same ids."""
-        if not prompt_ids:
-            raise ValueError("generate: empty prompt (at least one token id is needed)")
-        # a float, str, None or bool would fail as a TypeError in `<` or in vLLM; numpy ints are sent as ints
-        for k, t in enumerate(prompt_ids):
-            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-                raise ValueError(f"generate: prompt_ids[{k}] is {t!r} ({type(t).__name__}), not an int token id")
-            if not 0 <= t < self._vocab_size:
-                raise ValueError(f"generate: prompt_ids[{k}] = {t} is outside the vocabulary [0, {self._vocab_size})")
-        if len(prompt_ids) >= self.vllm.max_model_len:
-            raise ValueError(f"generate: a prompt of {len(prompt_ids)} tokens leaves no room under "
-                             f"--vllm.max_model_len {self.vllm.max_model_len}")
-        if affinity is None:
-            i, self._next = self._next % len(self._engines), self._next + 1
-        else:
-            i = pick_engine(affinity, len(self._engines))
-        ref = self._engines[i].generate.remote(
-            [int(t) for t in prompt_ids], self.rollout, request_id or uuid.uuid4().hex, max_new_tokens=max_new_tokens,
-            stop_token_ids=stop_token_ids, seed=seed, ignore_eos=ignore_eos, constraint=constraint,
-            images=[(int(a), int(b), bytes(data)) for a, b, data in images])
-        return await self._await(i, ref)
 
-    # --- refit: pause, update_weights, resume
+def check_tensor(name: str, tensor: torch.Tensor, shapes: dict, dtype: str, seen: set) -> tuple[str, torch.Tensor]:
+    """Refuse a refit tensor the engine would misload: unknown or repeated name, other shape or dtype."""
+    if name not in shapes:
+        hint = " (the checkpoint ties it to the input embedding: leave it out)" if name == "lm_head.weight" else ""
+        raise ValueError(f"update_weights: unknown parameter {name!r}{hint}; names are the checkpoint's")
+    if name in seen:
+        raise ValueError(f"update_weights: parameter {name!r} given twice")
+    if type(tensor).__name__ == "DTensor":
+        raise ValueError(f"update_weights: {name!r} is a sharded DTensor; send tensor.full_tensor()")
+    if tuple(tensor.shape) != shapes[name]:
+        raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the engine's is {shapes[name]}")
+    if tensor.dtype != getattr(torch, dtype):
+        raise ValueError(f"update_weights: {name!r} is {tensor.dtype}, the engine runs {dtype}; cast in the "
+                         f"trainer's export or set --vllm.dtype (a refit never casts)")
+    seen.add(name)
+    return name, tensor.detach()
 
-    async def pause(self) -> None:
-        """Stop scheduling on every engine; in-flight requests are kept, not dropped."""
-        start = time.perf_counter()
-        await self._all("pause")
-        self._timings["generator/pause_s"] = time.perf_counter() - start
 
-    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *,
-                             colocated: bool = False, keep: Iterable[str] = ()) -> dict:
-        """Load every (checkpoint name, tensor) pair into the paused engines; tokens sampled next carry `version`.
+# --- images: a VLM's placeholder runs
 
-        Pairs may stream (a trainer's export): every checkpoint parameter exactly once, in the engine's dtype, except
-        those named in `keep` (frozen in the trainer: the engine keeps them as loaded). Buckets travel as
-        refit_transport picks for `colocated` (--launch.colocate). Returns refit_report's dict, with "applied" (per
-        bucket, the (name, dtype) list engine 0 loaded) and "transport" ("bytes" | "ipc" | "nccl")."""
-        if not all(await self._all("is_paused")):
-            raise ValueError("update_weights while the engines are running: call pause() first")
-        start, seen, applied, transport, worker_s, nbytes = time.perf_counter(), set(), [], None, 0.0, 0
-        buckets = iter_buckets((check_tensor(n, t, self._shapes, self.dtype, seen) for n, t in named_tensors),
-                               self._bucket_bytes)
-        bucket = next(buckets, None)
-        if bucket is None:
-            raise ValueError("update_weights: no tensors given")
-        while bucket is not None:
-            try:
-                following = next(buckets, None)
-            except ValueError:  # a bad tensor further on: close the load opened by earlier buckets, then raise
-                await self._load(bucket, not applied, True, colocated)
-                raise
-            (loaded, seconds), transport = await self._load(bucket, not applied, following is None, colocated)
-            applied.append(loaded)
-            worker_s += seconds
-            nbytes += sum(tensor.nbytes for _, tensor in bucket)
-            bucket = following
-        missing = sorted(set(self._shapes) - seen - set(keep))
-        if missing:
-            raise ValueError(f"update_weights: parameters {missing[:5]} (of {len(missing)}) were not given; the "
-                             f"engines hold a partial update: send every parameter before resume()")
-        await self._all("set_version", version)
-        self.version = version
-        return refit_report(start, worker_s, len(applied), nbytes, applied=applied, transport=transport)
+def contract_images(ids: list[int], images: list, image_id: int | None) -> list[int]:
+    """The engine's prompt for a row with images [(start, end, encoded image)]: each image's placeholder run
+    ids[start:end] (as the HF processor expands it) becomes the one image id vLLM expands again itself."""
+    if image_id is None:
+        raise ValueError("generate: images given, but the model's config.json names no image_token_id (not a VLM)")
+    out, at = [], 0
+    for k, (start, end, _) in enumerate(images):
+        if not at <= start < end <= len(ids) or image_id not in ids[start:end]:
+            raise ValueError(f"generate: images[{k}] spans ({start}, {end}), which is not an image's placeholder run "
+                             f"inside the {len(ids)}-token prompt, after the image before it")
+        out += ids[at:start] + [image_id]
+        at = end
+    out += ids[at:]
+    if out.count(image_id) != len(images):   # vLLM would put an image's run at such a stray id (a sampled one)
+        raise ValueError(f"generate: {out.count(image_id) - len(images)} image token id(s) {image_id} outside the "
+                         "images' spans; the engine would place an image there")
+    return out
 
-    async def update_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], config: dict,
-                             version: int) -> dict:
-        """Load a LoRA adapter (peft's lora_A / lora_B tensor names, in the engine's dtype; peft's adapter_config) into
-        every engine as `version`, with no pause: a request in flight keeps the adapter it started with, so all its
-        tokens carry its start version. It travels as bytes through Ray (it is small). Returns refit_report's dict."""
-        if not 0 < config["r"] <= self.vllm.max_lora_rank:
-            raise ValueError(f"update_adapter: an adapter of rank {config['r']}, engines with --vllm.max_lora_rank "
-                             f"{self.vllm.max_lora_rank}; set it to at least the adapter's rank")
-        start, tensors = time.perf_counter(), []
-        for name, tensor in named_tensors:
-            if not name.endswith((".lora_A.weight", ".lora_B.weight")) or tensor.dtype != getattr(torch, self.dtype):
-                raise ValueError(f"update_adapter: {name!r} ({tensor.dtype}) is not an adapter tensor (peft's "
-                                 f"lora_A / lora_B names) in the engine's dtype {self.dtype}")
-            tensors.append((name, tensor.detach().cpu()))
-        if not tensors:
-            raise ValueError("update_adapter: no tensors given")
-        layout, flat = pack(tensors)
-        worker_s = (await self._all("load_adapter", ray.put((layout, flat.numpy().tobytes(), config)), version))[0]
-        self.version = version
-        return refit_report(start, worker_s, 1, sum(tensor.nbytes for _, tensor in tensors))
 
-    async def _load(self, bucket: list, first: bool, last: bool, colocated: bool) -> tuple[tuple[list, float], str]:
-        """One bucket into every engine, over refit_transport's choice; (engine 0's report, transport)."""
-        device = bucket[0][1].device
-        here = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None
-        transport = refit_transport(here, self._gpus, colocated)
-        ipc = transport == "ipc"
-        need = packed_layout(bucket)[1] if ipc else 0
-        if ipc and (self._ipc is None or self._ipc[0].numel() < need):
-            # CUDA IPC through one buffer kept across buckets and refits: the workers open its handle once
-            from torch.multiprocessing.reductions import reduce_tensor
-            self._ipc = None  # the old buffer goes before a bigger one is taken
-            buffer = torch.empty(max(need, self._bucket_bytes), dtype=torch.uint8, device=device)
-            self._ipc = (buffer, pickle.dumps(reduce_tensor(buffer)))
-        layout, flat = pack(bucket, self._ipc[0] if ipc else None)
-        if transport == "bytes":
-            payload = flat.numpy().tobytes()
-        elif ipc:
-            torch.cuda.current_stream(device).synchronize()  # the bytes are in place before another process reads
-            payload = (self._ipc[1], flat.numel())
-        else:
-            if self._nccl is None:
-                await self._join_nccl(flat.device)
-            payload = flat.numel()
-        wire = ray.put((transport, layout, payload))
-        refs = [e.worker_rpc.remote("refit_bucket", wire, first, last) for e in self._engines]
-        if transport == "nccl":  # the engines' workers wait in broadcast for these bytes
-            self._nccl.broadcast(flat, src=0, stream=torch.cuda.current_stream(flat.device))
-        return [await self._await(i, ref) for i, ref in enumerate(refs)][0], transport
+def decode_image(data: bytes, where: str):
+    """An encoded image (PNG, JPEG, ...) as the RGB PIL image the engine's and the trainer's processors both read."""
+    from PIL import Image, UnidentifiedImageError
+    try:
+        return Image.open(io.BytesIO(data)).convert("RGB")
+    except (UnidentifiedImageError, OSError, TypeError) as e:
+        raise ValueError(f"{where}: not a decodable image ({e})") from None
 
-    async def _join_nccl(self, device: torch.device) -> None:
-        """This process (rank 0) and every engine worker form one NCCL group for refits."""
+
+# --- where flags reach vLLM
+
+def engine_dtype(model_path: str, dtype: str) -> str:
+    """--vllm.dtype, with auto meaning the checkpoint's own dtype (vLLM's auto would downcast fp32)."""
+    if dtype != "auto":
+        return dtype
+    config = json.load(open(os.path.join(model_path, "config.json")))
+    return config.get("dtype") or config.get("torch_dtype") or "float32"  # float32: transformers' default
+
+
+def build_engine_args(model_path: str, vllm: VllmArgs, *, cuda: bool):
+    """The one place where --vllm.* flags reach vLLM; refuses values this machine cannot honour."""
+    defaults = VllmArgs()
+    if not cuda and (vllm.tensor_parallel_size > 1 or vllm.enable_expert_parallel):
+        raise ValueError("--vllm.tensor_parallel_size > 1 / --vllm.enable_expert_parallel need GPUs; this engine "
+                         "runs on CPU: use --vllm.num_engines for more engines instead")
+    if not cuda and vllm.return_routed_experts:
+        raise ValueError("--vllm.return_routed_experts on a CPU engine: vLLM records experts only in its model "
+                         "runner V2, which needs Triton (GPU builds)")
+    if not cuda and vllm.batch_invariant:
+        raise ValueError("--vllm.batch_invariant on a CPU engine: vLLM's batch-invariant kernels are Triton kernels "
+                         "for CUDA GPUs (vLLM-CPU has none); drop the flag")
+    if not cuda and vllm.gpu_memory_utilization != defaults.gpu_memory_utilization:
+        raise ValueError("--vllm.gpu_memory_utilization on a CPU engine: size its KV cache with --vllm.kv_cache_gb")
+    if cuda and (vllm.kv_cache_gb != defaults.kv_cache_gb or vllm.cpu_threads != defaults.cpu_threads):
+        raise ValueError("--vllm.kv_cache_gb / --vllm.cpu_threads on a GPU engine: they size CPU engines; size "
+                         "its KV cache with --vllm.gpu_memory_utilization")
+    if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        raise ValueError("VLLM_CPU_KVCACHE_SPACE is set and would override --vllm.kv_cache_gb: unset it")
+    if not cuda:  # the worker runs in the engine-core process (one spawn fewer: start-up ~2x faster) with
+        # --vllm.cpu_threads threads; that process reads both variables when it starts.
+        os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(vllm.cpu_threads)})
+    if vllm.batch_invariant:  # read by vLLM's config and by the worker process it starts (one flag, one env var)
+        os.environ["VLLM_BATCH_INVARIANT"] = "1"
+    from vllm.config import StructuredOutputsConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs  # vLLM only where an engine runs: trainer.py imports this file
+    spec = {"method": "mtp", "num_speculative_tokens": vllm.num_speculative_tokens}
+    lora = {"enable_lora": True, "max_lora_rank": vllm.max_lora_rank, "max_loras": vllm.max_loras}
+    return AsyncEngineArgs(
+        model=model_path, max_model_len=vllm.max_model_len, seed=vllm.seed, enforce_eager=vllm.enforce_eager,
+        max_num_seqs=vllm.max_num_seqs, max_num_batched_tokens=vllm.max_num_batched_tokens,
+        dtype=engine_dtype(model_path, vllm.dtype),
+        enable_prefix_caching=vllm.enable_prefix_caching, tensor_parallel_size=vllm.tensor_parallel_size,
+        enable_expert_parallel=vllm.enable_expert_parallel, gpu_memory_utilization=vllm.gpu_memory_utilization,
+        kv_cache_memory_bytes=None if cuda else int(vllm.kv_cache_gb * 2**30),
+        speculative_config=spec if vllm.num_speculative_tokens > 0 else None,
+        enable_return_routed_experts=vllm.return_routed_experts,
+        logprobs_mode="processed_logprobs",   # the sampled token's log-prob after temperature
+        # constrained decoding writes compact JSON (an unbounded run of whitespace is legal JSON, and a weak policy
+        # samples one); vLLM's default backend, xgrammar
+        structured_outputs_config=StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True),
+        # ids in, ids out, but the tokenizer loads: constrained decoding compiles its grammar over the vocabulary
+        worker_extension_cls="generator.WeightLoader", disable_log_stats=True, **(lora if vllm.max_lora_rank else {}))
+
+
+def build_sampling_params(rollout: RolloutArgs, *, max_new_tokens: int | None, stop_token_ids: list[int] | None,
+                          seed: int | None, ignore_eos: bool, constraint: dict | None = None, banned: tuple = ()):
+    """The one place where --rollout.* flags reach vLLM. `constraint`: vLLM StructuredOutputsParams fields (json,
+    regex, structural_tag...); the processed log-probs are then those of the masked distribution sampled from.
+    `banned`: tokens never sampled (a VLM's image token), masked before the processed log-probs too."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+    return SamplingParams(
+        structured_outputs=StructuredOutputsParams(**constraint) if constraint else None,
+        temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k or 0,  # vLLM: 0 = off
+        max_tokens=rollout.max_new_tokens if max_new_tokens is None else max_new_tokens,
+        stop_token_ids=stop_token_ids, seed=seed, ignore_eos=ignore_eos, bad_words=list(banned) or None,
+        logprobs=0,                      # no alternatives: just the sampled token's own log-prob
+        detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+# --- inside the engine: the worker extension
+
+class WeightLoader:
+    """Mixed into each vLLM worker (`worker_extension_cls`); its methods run via `collective_rpc`."""
+
+    def device_uuid(self) -> str:
+        return str(torch.cuda.get_device_properties(self.device).uuid)
+
+    def join_nccl(self, host: str, port: int, rank_offset: int, world_size: int) -> None:
+        """Join the refit group whose rank 0 is the trainer process that sends the weights."""
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
         from vllm.distributed.utils import StatelessProcessGroup
-        with socket.socket() as s:
-            s.bind(("", 0))
-            host, port = ray.util.get_node_ip_address(), s.getsockname()[1]
-        tp = self.vllm.tensor_parallel_size
-        world = 1 + tp * len(self._engines)
-        joins = [e.worker_rpc.remote("join_nccl", host, port, 1 + i * tp, world) for i, e in enumerate(self._engines)]
-        group = await asyncio.to_thread(StatelessProcessGroup.create, host=host, port=port, rank=0, world_size=world)
-        self._nccl = await asyncio.to_thread(PyNcclCommunicator, group, device=device)
-        for i, ref in enumerate(joins):
-            await self._await(i, ref)
+        group = StatelessProcessGroup.create(host=host, port=port, rank=rank_offset + self.rank, world_size=world_size)
+        self.refit_nccl = PyNcclCommunicator(group, device=self.device)
 
-    async def resume(self) -> None:
-        """Let every engine schedule again; kept requests continue under the new weights."""
-        await self._all("resume")
+    def refit_bucket(self, wire: tuple, first: bool, last: bool) -> tuple[list[tuple[str, str]], float]:
+        """Load one packed bucket; returns the (name, dtype) of each tensor applied, and the seconds it took here.
 
-    # --- metrics and lifetime
+        wire is (transport, layout, payload): "bytes" carries the bucket itself (CPU trainer); "ipc" the CUDA IPC
+        handle of the trainer's refit buffer on this GPU and the bucket's size; "nccl" its size, broadcast next."""
+        start = time.perf_counter()
+        transport, layout, payload = wire
+        if transport == "bytes":
+            flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        elif transport == "ipc":
+            handle, size = payload
+            if getattr(self, "refit_ipc", (None,))[0] != handle:  # the trainer's buffer: opened once, kept open
+                self.refit_ipc = None  # close the old one first
+                rebuild, args = pickle.loads(handle)
+                args = list(args)
+                args[6] = self.device.index  # torch's rebuild_cuda_tensor: the storage's device, numbered as seen here
+                self.refit_ipc = (handle, rebuild(*args))
+            # a copy of our own: the trainer refills its buffer with the next bucket, and the layerwise reload
+            # may keep views of this one until a later bucket completes a layer
+            flat = self.refit_ipc[1][:size].clone()
+        else:
+            flat = torch.empty(payload, dtype=torch.uint8, device=self.device)
+            self.refit_nccl.broadcast(flat, src=0, stream=torch.cuda.current_stream())
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+        model = self.model_runner.get_model()
+        if first:  # unquantized dense weights on CUDA are used as loaded: copied in place. Others (MoE experts re-laid
+            # out for their kernel, quantized or CPU weights) go through vLLM's layerwise reload, opened on the first
+            # bucket and closed on the last: each layer is processed again once its weights are complete
+            self.refit_layerwise = (self.device.type != "cuda" or self.vllm_config.quant_config is not None
+                                    or any(hasattr(m, "w13_weight") for m in model.modules()))
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            if self.refit_layerwise and first:
+                initialize_layerwise_reload(model)
+            model.load_weights(unpack(layout, flat))
+            if self.refit_layerwise and last:
+                finalize_layerwise_reload(model, self.vllm_config.model_config)
+                if self.device.type == "cpu":
+                    repack_cpu_weights(model, tied=self.vllm_config.model_config.hf_config.tie_word_embeddings)
+        if flat.is_cuda:  # the copies are done before the trainer refills its buffer or frees its tensor
+            torch.cuda.synchronize(self.device)
+        return [(name, dtype) for name, dtype, _, _ in layout], time.perf_counter() - start
 
-    async def metrics(self) -> dict:
-        """Counters summed over engines (requests, tokens, seconds in requests), the last pause's seconds."""
-        total = {}
-        for counts in await self._all("metrics"):
-            for k, v in counts.items():
-                total[k] = total.get(k, 0) + v
-        return {**total, **self._timings, "generator/version": self.version}
 
-    async def shutdown(self) -> None:
-        await self._all("shutdown")
-        for e in self._engines:
-            ray.kill(e)
+def repack_cpu_weights(model: torch.nn.Module, *, tied: bool) -> None:
+    """vLLM 0.32's CPU build skips two prepacks on reload; redo them after every refit."""
+    head = getattr(model, "lm_head", None)
+    if tied and hasattr(head, "quant_method"):  # a tied lm_head keeps a packed copy of the old embedding
+        head.quant_method.process_weights_after_loading(head)
+    for layer in model.modules():  # MoE experts: a reload copies unpacked weights into the packed storage
+        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+        if kernel is not None:
+            kernel.fused_experts.process_weights_after_loading(layer)

@@ -17,6 +17,8 @@ across ranks (the trainer builds Denoms from its all-reduced counts).
 Research surface: a new surrogate is one function of (logp, old_logp, adv, mask) -> (per-token loss,
 clipped), one SURROGATES entry and one `elif` in compute_policy_loss; a new importance correction is one
 IS_LEVELS / IS_MODES branch there. Neither needs trainer.py: it hands this file the tensors and sums the loss.
+Reading order: LossArgs and Denoms, the surrogates, importance correction, versions, KL and aggregation, the
+other losses, then compute_policy_loss; below the banner `machinery: shape checks and masked means`.
 """
 import math
 from dataclasses import dataclass, field
@@ -123,23 +125,6 @@ class Denoms:
     num_tokens: float  # action tokens
     num_seqs: float  # rows with at least one action token
     num_prompts: float  # prompt groups with at least one action token
-
-
-# --- helpers: shape checks and masked means
-
-
-def check_shapes(mask: Tensor, **tensors: Tensor | None) -> None:
-    """Raise ValueError naming the first tensor whose shape is not mask's (B, T); None means not given."""
-    if mask.dtype != torch.bool or mask.ndim != 2:
-        raise ValueError(f"mask: expected a bool (B, T) tensor, got {mask.dtype} {tuple(mask.shape)}")
-    for name, x in tensors.items():
-        if x is not None and x.shape != mask.shape:
-            raise ValueError(f"{name}: expected shape {tuple(mask.shape)} like mask, got {tuple(x.shape)}")
-
-
-def masked_mean(x: Tensor, mask: Tensor) -> float:
-    """Mean of x over mask's True entries as a detached float (summed in float64); 0.0 when mask is empty."""
-    return float(torch.where(mask, x.detach().double(), 0.0).sum() / mask.sum().clamp(min=1))
 
 
 # --- policy surrogates: (logp, old_logp, adv, mask) -> per-token loss (B, T), clipped (B, T) bool
@@ -374,18 +359,7 @@ def compute_policy_loss(args: LossArgs, logp: Tensor, old_logp: Tensor, rollout_
                "loss/is_weight_mean": masked_mean(weight, kept), "loss/is_masked_frac": masked_mean(cut, kept)}
 
     # --- KL to the reference: always measured when a reference exists, in the loss when kl_coef > 0
-    if args.kl_ref == "rollout":
-        if ref_logp is not None:
-            raise ValueError("ref_logp: given, but --loss.kl_ref rollout uses rollout_logp; pass None or set "
-                             "--loss.kl_ref model")
-        reference = rollout_logp
-    elif args.kl_ref == "model":
-        if ref_logp is None and args.kl_coef > 0.0:
-            raise ValueError("ref_logp: --loss.kl_ref model with --loss.kl_coef > 0 needs the reference model's "
-                             "log-probs (B, T)")
-        reference = ref_logp
-    else:
-        raise ValueError(f"--loss.kl_ref {args.kl_ref!r}: unknown; choose one of {', '.join(KL_REFS)}")
+    reference = kl_reference(args, rollout_logp, ref_logp)
     if reference is not None:
         kl = kl_penalty(logp, reference, kept, estimator=args.kl_estimator)  # (B, T)
         metrics["loss/kl"] = masked_mean(kl, kept)
@@ -411,7 +385,40 @@ def compute_policy_loss(args: LossArgs, logp: Tensor, old_logp: Tensor, rollout_
     return loss, records
 
 
+def kl_reference(args: LossArgs, rollout_logp: Tensor, ref_logp: Tensor | None) -> Tensor | None:
+    """The log-probs (B, T) --loss.kl_ref names, or None when the frozen model's are not given and not needed."""
+    if args.kl_ref == "rollout":
+        if ref_logp is not None:
+            raise ValueError("ref_logp: given, but --loss.kl_ref rollout uses rollout_logp; pass None or set "
+                             "--loss.kl_ref model")
+        return rollout_logp
+    elif args.kl_ref == "model":
+        if ref_logp is None and args.kl_coef > 0.0:
+            raise ValueError("ref_logp: --loss.kl_ref model with --loss.kl_coef > 0 needs the reference model's "
+                             "log-probs (B, T)")
+        return ref_logp
+    else:
+        raise ValueError(f"--loss.kl_ref {args.kl_ref!r}: unknown; choose one of {', '.join(KL_REFS)}")
+
+
 def compute_value_loss(args: LossArgs, values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *,
                        denoms: Denoms) -> tuple[Tensor, dict[str, float]]:
     """The critic's loss () of one microbatch; the one reader of --loss.value_clip."""
     return value_loss(values, old_values, returns, mask, clip=args.value_clip, denoms=denoms)
+
+
+# === machinery: shape checks and masked means; read it when you change an input's shape or a metric
+
+
+def check_shapes(mask: Tensor, **tensors: Tensor | None) -> None:
+    """Raise ValueError naming the first tensor whose shape is not mask's (B, T); None means not given."""
+    if mask.dtype != torch.bool or mask.ndim != 2:
+        raise ValueError(f"mask: expected a bool (B, T) tensor, got {mask.dtype} {tuple(mask.shape)}")
+    for name, x in tensors.items():
+        if x is not None and x.shape != mask.shape:
+            raise ValueError(f"{name}: expected shape {tuple(mask.shape)} like mask, got {tuple(x.shape)}")
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> float:
+    """Mean of x over mask's True entries as a detached float (summed in float64); 0.0 when mask is empty."""
+    return float(torch.where(mask, x.detach().double(), 0.0).sum() / mask.sum().clamp(min=1))

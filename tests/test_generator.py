@@ -4,6 +4,7 @@ References are independent of the engine: a transformers forward of the same wei
 logits / T, log_softmax, gather) for log-probs, hand-derived numbers for everything else.
 """
 import asyncio
+import copy
 import functools
 import os
 import shutil
@@ -17,7 +18,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import generator
 from generator import (Completion, Generator, RolloutArgs, Segment, VllmArgs, build_engine_args, check_tensor,
-                       engine_dtype, iter_buckets, pack, pick_engine, refit_transport, unpack, versions_from_spans)
+                       engine_dtype, iter_buckets, pack, pick_engine, refit_transport, token_versions, unpack,
+                       versions_from_spans)
 
 run = asyncio.run
 PROMPT = [5, 17, 300, 42, 9, 77]
@@ -173,6 +175,12 @@ def test_pick_engine_is_crc32_so_every_process_agrees():
     assert {pick_engine(f"episode-{i}", 2) for i in range(100)} == {0, 1}
 
 
+def test_token_versions_switch_at_each_refit_mark():
+    # started under 3; refit to 4 after 2 output tokens, to 6 after 5: tokens 0-1 are 3, 2-4 are 4, 5-6 are 6
+    assert token_versions(3, [(2, 4), (5, 6)], 7) == [3, 3, 4, 4, 4, 6, 6]
+    assert token_versions(3, [], 2) == [3, 3] and token_versions(3, [(0, 4)], 2) == [4, 4]
+
+
 def test_versions_from_spans_expands_one_version_per_token():
     assert versions_from_spans([("3", 0, 2), ("4", 2, 5)], 5) == [3, 3, 4, 4, 4]
     assert versions_from_spans([], 0) == []
@@ -236,7 +244,8 @@ def test_check_tensor_refuses_unknown_repeated_reshaped_and_recast_parameters():
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprobs_match_teacher_forced_forward(tiny_generator, tiny_model, temperature):
-    gen = tiny_generator.with_rollout(RolloutArgs(temperature=temperature))
+    gen = copy.copy(tiny_generator)  # the same engine, sampling at another temperature
+    gen.rollout = RolloutArgs(temperature=temperature)
     c = run(gen.generate(PROMPT, max_new_tokens=32, seed=11, ignore_eos=True))
     assert len(c.token_ids) == len(c.logprobs) == 32 and c.finish_reason == "length"
     assert c.versions == [tiny_generator.version] * 32
@@ -400,7 +409,7 @@ def test_refit_broken_off_mid_stream_is_loud_and_a_full_resend_recovers(tiny_gen
 def test_dead_engine_raises_an_error_naming_it_instead_of_hanging(tiny_generator, tiny_model):
     dead = generator.Engine.remote(tiny_model, VllmArgs())
     ray.kill(dead)
-    router = tiny_generator.with_rollout(tiny_generator.rollout)
+    router = copy.copy(tiny_generator)
     router._engines = [dead]  # a router whose only engine has died
     with pytest.raises(RuntimeError, match="engine 0 died"):
         run(asyncio.wait_for(router.generate([5, 6]), timeout=120))

@@ -188,7 +188,7 @@ def test_engine_with_the_adapter_gives_the_trainers_logprobs(engine, trainer, ti
 
 
 def test_adapter_refit_moves_only_the_adapters_bytes(engine, trainer, tiny_model):
-    assert engine.version == trainer.version > 0, "needs the adapter refit of the test above"
+    trained(trainer)
     report = asyncio.run(trainer_refit(engine, trainer))
     c = AutoConfig.from_pretrained(tiny_model)
     h, q, kv, i = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, \
@@ -207,9 +207,16 @@ async def trainer_refit(engine, trainer) -> dict:
     return await asyncio.to_thread(trainer.refit, engine)
 
 
+def refitted(engine, trainer) -> int:
+    """The engine serving the trainer's trained adapter (one step, one refit if either is missing); its version."""
+    trained(trainer)
+    if engine.version != trainer.version:
+        asyncio.run(trainer_refit(engine, trainer))
+    return engine.version
+
+
 def test_a_request_in_flight_keeps_its_adapter_across_a_refit(engine, trainer, tiny_model):
-    v = engine.version
-    assert v == trainer.version > 0, "needs the adapter refit of the tests above"
+    v = refitted(engine, trainer)
     old = merged_by_hand(tiny_model, weights(trainer))
     trainer.train_step(segments(v, seed=10))
     new = merged_by_hand(tiny_model, weights(trainer))

@@ -645,13 +645,20 @@ def test_flag_owner_predicates_answer_for_the_other_files():
     assert [LossArgs(entropy_coef=c).needs_entropy_grad for c in (0.0, 0.01, -0.01)] == [False, True, True]
 
 
-def test_allowed_combinations_construct():
-    LossArgs()
-    LossArgs(surrogate="cispo", is_level="token", is_mode="trunc", clip_high=5.0)
-    LossArgs(surrogate="gspo", agg="seq_mean_token_mean")
-    LossArgs(is_level="seq", is_mode="mask")
-    for mode in IS_MODES:  # geo's weight is one number per row, which any mode can bound
-        LossArgs(is_level="geo", is_mode=mode)
+@pytest.mark.parametrize("flags, expected", [
+    (dict(), -1.5),
+    (dict(surrogate="cispo", is_level="token", is_mode="trunc", clip_high=5.0), 2 * LN2),
+    (dict(surrogate="gspo", agg="seq_mean_token_mean"), -1.5),
+    (dict(is_level="seq", is_mode="mask"), -1.5),
+    *[(dict(is_level="geo", is_mode=mode), -1.5) for mode in IS_MODES],  # geo's weight is one number per row
+])
+def test_allowed_combinations_construct_and_give_the_on_policy_loss(flags, expected):
+    # On policy (logp = old = rollout) every ratio and IS weight is 1, in every level and mode. One row, A = (2, 1):
+    # ppo and gspo lose -A = (-2, -1), token mean and row mean both -1.5; cispo loses -1 * A * logp with
+    # logp = (ln 1/2, ln 1/4) = (-ln2, -2 ln2), so (2 ln2, 2 ln2), mean 2 ln2.
+    logp = leaf([[-LN2, -2 * LN2]])
+    loss, _ = policy_loss(LossArgs(**flags), logp, logp.detach(), t([[2.0, 1.0]]), torch.ones(1, 2, dtype=torch.bool))
+    assert close(loss, expected)
 
 
 def test_bad_shapes_raise_naming_the_argument():
