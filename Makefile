@@ -32,7 +32,7 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(PY) -m ruff check --quiet .
-	$(PY) -m pytest -q -p no:cacheprovider --durations=20 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider --durations=60 $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	@failed=""; for f in tests/bench_*.py; do echo "== $$f"; $(PY) $$f || failed="$$failed $$f"; done; \
