@@ -26,7 +26,8 @@ from trainer import CkptArgs, FsdpArgs, TrainArgs, TrainerRank, check_args
 
 def run_rank(rank: int, world_size: int, model_path: str, port: int, out: str) -> None:
     """One rank of a group of world_size tensor-parallel ranks: log-probs, one train step, log-probs after it;
-    each rank writes what it saw (its gradients gathered whole; log-probs come back on rank 0) to out.<rank>."""
+    each rank writes what it saw (its gradients gathered whole, their norm; log-probs come back on rank 0) to
+    out.<rank>."""
     r = TrainerRank(rank, world_size, model_path, TrainArgs(lr=1e-3, world_size=world_size, grad_clip=None),
                     FsdpArgs(tp_size=world_size), CkptArgs(), LossArgs(), EstimatorArgs(), 1.0)
     r.setup("127.0.0.1", port)
@@ -36,9 +37,10 @@ def run_rank(rank: int, world_size: int, model_path: str, port: int, out: str) -
         lambda *_: grads.update({n: full(p.grad) for n, p in r.model.named_parameters()}))
     segments = make_segments()
     before = r.logprobs(segments, None)
-    r.train_step(segments)
+    records, _ = r.train_step(segments)
     after = r.logprobs(segments, None)
-    torch.save({"before": before, "after": after, "grads": grads}, f"{out}.{rank}")
+    norm = next(m["train/grad_norm"] for _, m in records if "train/grad_norm" in m)
+    torch.save({"before": before, "after": after, "grads": grads, "grad_norm": norm}, f"{out}.{rank}")
     r.shutdown()
 
 
@@ -78,6 +80,7 @@ def test_two_tensor_parallel_ranks_give_one_ranks_logprobs_and_gradients(model, 
     for a, b in zip(one["before"] + one["after"], two[0]["before"] + two[0]["after"]):
         assert float((a - b).abs().max()) <= 1e-5
     for tp in two:  # every rank: a replicated weight whose gradient differed between ranks would differ here
+        assert tp["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)  # what --train.grad_clip clips by
         assert one["grads"].keys() == tp["grads"].keys()
         for name, g in one["grads"].items():
             assert float((g - tp["grads"][name]).abs().max()) <= 1e-5 * max(1.0, float(g.abs().max())), name
