@@ -1075,6 +1075,11 @@ class TrainerGroup:
             raise ValueError(f"--fsdp.ep_size {ep}: expert parallelism needs a Qwen3-MoE policy whose expert count "
                              f"it divides, and no critic (a transformers class); {model_path} is {config.model_type} "
                              f"with {getattr(config, 'num_experts', 0)} experts; set another ep_size")
+        if fsdp.tp_size > 1 and config.model_type == "qwen3_moe":
+            raise ValueError(f"--fsdp.tp_size {fsdp.tp_size} with a Qwen3-MoE policy ({model_path}): NeMo AutoModel "
+                             "0.7.0's MoE class refuses its own TP plan ('Custom MoE tensor-parallel plan patterns "
+                             "must each match at least one concrete module'); set --fsdp.tp_size 1 (--fsdp.ep_size "
+                             "splits the experts)")
         if train.freeze_vision and not self.vlm:
             raise ValueError(f"--train.freeze_vision: {model_path} has no vision_config (not a VLM); leave it off")
         if not temperature > 0.0:

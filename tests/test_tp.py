@@ -21,7 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from estimators import EstimatorArgs
 from losses import LossArgs
-from trainer import CkptArgs, FsdpArgs, TrainArgs, TrainerRank, check_args
+from trainer import CkptArgs, FsdpArgs, TrainArgs, TrainerGroup, TrainerRank, check_args
 
 
 def run_rank(rank: int, world_size: int, model_path: str, port: int, out: str) -> None:
@@ -63,9 +63,12 @@ def tiny_llama_model(tmp_path_factory) -> str:
     return path
 
 
-def test_tensor_parallel_size_must_divide_world_size():
+def test_tensor_parallelism_is_refused_where_it_cannot_run(tiny_moe_model):
     with pytest.raises(ValueError, match="--fsdp.tp_size 2 with --train.world_size 3: .* divides world_size"):
         check_args(TrainArgs(world_size=3), FsdpArgs(tp_size=2), LossArgs(), EstimatorArgs(), cuda=False)
+    with pytest.raises(ValueError, match="--fsdp.tp_size 2 with a Qwen3-MoE policy .* set --fsdp.tp_size 1"):
+        TrainerGroup(tiny_moe_model, TrainArgs(world_size=2), FsdpArgs(tp_size=2), CkptArgs(), LossArgs(),
+                     EstimatorArgs(), temperature=1.0, gpus_per_rank=0)
 
 
 @pytest.mark.slow
