@@ -14,8 +14,8 @@ Qwen3-MoE trains as NeMo's own MoE class (--fsdp.ep_size shards its experts), ev
 forward, the gate still getting gradient. --train.lora_rank: NeMo AutoModel's LoRA on --train.lora_targets, the rest
 frozen (no gradient, no AdamW state, not in checkpoints); a refit sends the adapter to engines that serve LoRA, else
 the merged weights. Not here: sampling and the refit transport (generator.py), advantage and loss math
-(estimators.py, losses.py), the loop (launch.py). Refused with a message: context parallelism, expert
-parallelism off Qwen3-MoE, routing replay on a dense model or on a batch with no routed_experts.
+(estimators.py, losses.py), the loop (launch.py). Refused with a message: context parallelism, tensor parallelism
+on Qwen3-MoE, expert parallelism off it, routing replay on a dense model or on a batch with no routed_experts.
 """
 import asyncio
 import functools

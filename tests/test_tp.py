@@ -1,20 +1,21 @@
-"""--fsdp.tp_size on CPU gloo: two tensor-parallel ranks compute the log-probs and gradients of one rank.
+"""--fsdp.tp_size on CPU gloo: two tensor-parallel ranks export, score and step as one rank does.
 
-Each group is TrainerRank itself in processes spawned by torch.multiprocessing (one process group per group, as
-the Ray actors form it): one rank, and two ranks with --fsdp.tp_size 2, where NeMo AutoModel's plan splits every
-layer's heads (q/k/v columns, o_proj rows), MLP columns and the vocabulary of the embedding and the logits. Both
-run the same on-policy train step on the same rows; an optimizer step pre-hook records every gradient as AdamW
-sees it (after the trainer's own reductions, no clipping). Models: tiny_chars_model (Qwen3: its q_norm/k_norm
-stay whole while each rank normalizes only its own heads) and a Llama of the same size (no q/k norm, untied
-lm_head). Measured on 2 cores: max |diff| 4.8e-7 in log-probs, 5.2e-6 in gradients (the embedding's, whose entries
-reach 9.0); without the trainer's sum of q_norm/k_norm's partial gradients those differ by 0.21 (of 0.26).
-One model's two groups take ~30 s.
+Each group is TrainerRank itself in processes spawned by torch.multiprocessing (one process group each, as the Ray
+actors form it): one rank, and two ranks with --fsdp.tp_size 2, where NeMo AutoModel's plan splits every layer's
+heads (q/k/v columns, o_proj rows), MLP columns and the vocabulary of the embedding and the logits. Both run the
+same on-policy train step on the same rows; an optimizer step pre-hook records every gradient as AdamW sees it
+(after the trainer's own reductions, no clipping). Models: tiny_chars_model (Qwen3: its q_norm/k_norm stay whole
+while each rank normalizes only its own heads) and a Llama of the same size (no q/k norm, untied lm_head).
+Measured on 2 cores: log-probs before and after the step within 1.4e-6, gradients within 1.5e-7, gradient norms
+within 1.2e-7 relative. With NeMo 0.7.0's plan alone (no sum of q_norm/k_norm's partial gradients) each rank keeps
+its own heads' share and the log-probs after the step differ by 2.1e-4. One model: 30-45 s, 60-95 s under load.
 """
 import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from safetensors.torch import load_file
 from test_trainer import VOCAB, make_segments
 from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -25,7 +26,7 @@ from trainer import CkptArgs, FsdpArgs, TrainArgs, TrainerGroup, TrainerRank, ch
 
 
 def run_rank(rank: int, world_size: int, model_path: str, port: int, out: str) -> None:
-    """One rank of a group of world_size tensor-parallel ranks: log-probs, one train step, log-probs after it;
+    """One rank of a group of world_size tensor-parallel ranks: its export, log-probs, one train step, log-probs;
     each rank writes what it saw (its gradients gathered whole, their norm; log-probs come back on rank 0) to
     out.<rank>."""
     r = TrainerRank(rank, world_size, model_path, TrainArgs(lr=1e-3, world_size=world_size, grad_clip=None),
@@ -36,11 +37,14 @@ def run_rank(rank: int, world_size: int, model_path: str, port: int, out: str) -
     r.optimizer.register_step_pre_hook(
         lambda *_: grads.update({n: full(p.grad) for n, p in r.model.named_parameters()}))
     segments = make_segments()
+    # what a refit sends, copied before the step (an unsplit weight's full tensor is the parameter itself)
+    weights = {name: full.clone() for name, full in r.full_params(list(r.model.named_parameters()))}
     before = r.logprobs(segments, None)
     records, _ = r.train_step(segments)
     after = r.logprobs(segments, None)
     norm = next(m["train/grad_norm"] for _, m in records if "train/grad_norm" in m)
-    torch.save({"before": before, "after": after, "grads": grads, "grad_norm": norm}, f"{out}.{rank}")
+    torch.save({"weights": weights, "before": before, "after": after, "grads": grads, "grad_norm": norm},
+               f"{out}.{rank}")
     r.shutdown()
 
 
@@ -82,7 +86,10 @@ def test_two_tensor_parallel_ranks_give_one_ranks_logprobs_and_gradients(model, 
     # rank 0's log-probs: the forward after the step runs both ranks' heads, each normalized with its rank's q_norm
     for a, b in zip(one["before"] + one["after"], two[0]["before"] + two[0]["after"]):
         assert float((a - b).abs().max()) <= 1e-5
+    on_disk = load_file(f"{path}/model.safetensors")
     for tp in two:  # every rank: a replicated weight whose gradient differed between ranks would differ here
+        assert tp["weights"].keys() == on_disk.keys()  # the export gathers each split weight whole, once
+        assert all(torch.equal(tp["weights"][name], tensor) for name, tensor in on_disk.items())
         assert tp["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)  # what --train.grad_clip clips by
         assert one["grads"].keys() == tp["grads"].keys()
         for name, g in one["grads"].items():
