@@ -14,8 +14,8 @@ Qwen3-MoE trains as NeMo's own MoE class (--fsdp.ep_size shards its experts), ev
 forward, the gate still getting gradient. --train.lora_rank: NeMo AutoModel's LoRA on --train.lora_targets, the rest
 frozen (no gradient, no AdamW state, not in checkpoints); a refit sends the adapter to engines that serve LoRA, else
 the merged weights. Not here: sampling and the refit transport (generator.py), advantage and loss math
-(estimators.py, losses.py), the loop (launch.py). Refused with a message: tensor and context parallelism, expert
-parallelism off Qwen3-MoE, routing replay on a dense model or on a batch with no routed_experts.
+(estimators.py, losses.py), the loop (launch.py). Refused with a message: context parallelism, tensor parallelism
+on Qwen3-MoE, expert parallelism off it, routing replay on a dense model or on a batch with no routed_experts.
 """
 import asyncio
 import functools
@@ -122,8 +122,9 @@ class TrainArgs:
 
 @dataclass
 class FsdpArgs:
-    tp_size: int = field(default=1, metadata={"help": "tensor-parallel ranks (unsupported: wrong q_norm/k_norm grads)"})
-    cp_size: int = field(default=1, metadata={"help": "context-parallel ranks (unsupported: needs sharded sequences)"})
+    tp_size: int = field(default=1, metadata={"help": "tensor-parallel ranks (NeMo AutoModel's plan: heads, MLP and "
+                                                      "vocab split); must divide world_size"})
+    cp_size: int = field(default=1, metadata={"help": "context-parallel ranks (refused: CP attention is CUDA-only)"})
     ep_size: int = field(default=1, metadata={"help": "expert-parallel ranks (Qwen3-MoE); must divide world_size"})
     offload: str = field(default="none", metadata={
         "help": "optimizer: FSDP2 CPUOffloadPolicy: params, grads, AdamW in host memory (GPU)", "choices": OFFLOADS})
@@ -139,13 +140,11 @@ class FsdpArgs:
                              f"choose from {OFFLOADS} / {PARAM_DTYPES}")
         if min(self.tp_size, self.cp_size, self.ep_size) < 1:
             raise ValueError("--fsdp.tp_size, --fsdp.cp_size, --fsdp.ep_size must be >= 1")
-        if self.tp_size > 1:
-            raise ValueError("--fsdp.tp_size > 1: with NeMo AutoModel 0.7.0's TP plan, HF Qwen3's q_norm/k_norm "
-                             "weights get gradients from their own heads only (measured: they leave the world-size-1 "
-                             "step by a full lr); set 1")
         if self.cp_size > 1:
-            raise ValueError("--fsdp.cp_size > 1: context parallelism needs sequence-sharded inputs, "
-                             "which trainer.py does not build yet; set 1")
+            raise ValueError("--fsdp.cp_size > 1: torch's context-parallel attention splits only the CUDA SDPA "
+                             "kernels (on CPU gloo: 'Operator aten._scaled_dot_product_flash_attention_for_cpu.default"
+                             " does not have a sharding strategy registered'), so it has never run here, and "
+                             "trainer.py does not build sequence-sharded inputs; set 1")
 
 
 @dataclass
@@ -174,6 +173,9 @@ def check_args(train: TrainArgs, fsdp: FsdpArgs, loss: LossArgs, estimator: Esti
     if not cuda and fsdp.offload != "none":
         raise ValueError("--fsdp.offload optimizer on CPU: the weights already live in host memory; "
                          "set --fsdp.offload none")
+    if train.world_size % fsdp.tp_size:
+        raise ValueError(f"--fsdp.tp_size {fsdp.tp_size} with --train.world_size {train.world_size}: tensor-parallel "
+                         "groups split the ranks evenly; set a tp_size that divides world_size")
     if train.world_size % fsdp.ep_size:
         raise ValueError(f"--fsdp.ep_size {fsdp.ep_size} with --train.world_size {train.world_size}: expert-parallel "
                          "groups split the ranks evenly; set an ep_size that divides world_size")
@@ -721,7 +723,10 @@ class TrainerRank:
             ids = torch.cat([pad(ids), pad(run)])  # (B + 1, width): right padding leaves the rows' logits as they are
         self.replay = x.get("routed")  # read by replayed_ids in this forward and in its checkpoint recompute
         with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.autocast(model)):
-            logits = model(input_ids=ids, use_cache=False, **images).logits[:B, :T]  # (B, T, V)
+            logits = model(input_ids=ids, use_cache=False, **images).logits
+        if isinstance(logits, DTensor):  # --fsdp.tp_size: NeMo's plan shards the logits over the vocabulary
+            logits = logits.full_tensor()
+        logits = logits[:B, :T]  # (B, T, V)
         if self.image_id is not None:   # a VLM: the engine never samples its image id (banned), nor does the policy
             logits[..., self.image_id] = -1e4   # out of the softmax; -inf would make the entropy's 0 * log 0 NaN
         return token_logprobs(logits, x["ids"], temperature, entropy=entropy, entropy_grad=self.loss.needs_entropy_grad,
@@ -826,6 +831,10 @@ class TrainerRank:
     def optimizer_step(self, model, optimizer, base_lr: float, scaler: LossScale) -> tuple[float, float]:
         """Clip model's gradients, take one AdamW step at the scheduled lr; -> (gradient norm before clipping, lr).
         The gradients are of the loss x scaler.scale; a float16 step whose gradient is not finite is skipped."""
+        from nemo_automodel.components.distributed.tp_replicas import synchronize_tp_replica_gradients
+        # --fsdp.tp_size: NeMo's plan keeps Qwen3's q_norm/k_norm whole while each rank normalizes only its own heads,
+        # marking them for a sum of the ranks' partial gradients that its recipes (not parallelize_model) take here
+        synchronize_tp_replica_gradients([model], self.dist_setup.mesh_context.device_mesh)
         grad_norm = clip_grad_norm(list(model.parameters()), self.train.grad_clip, scaler.scale)
         lr = lr_at(self.optimizer_steps, lr=base_lr, warmup_steps=self.train.warmup_steps, schedule=self.train.schedule,
                    total_steps=self.train.total_steps)
@@ -1077,6 +1086,11 @@ class TrainerGroup:
             raise ValueError(f"--fsdp.ep_size {ep}: expert parallelism needs a Qwen3-MoE policy whose expert count "
                              f"it divides, and no critic (a transformers class); {model_path} is {config.model_type} "
                              f"with {getattr(config, 'num_experts', 0)} experts; set another ep_size")
+        if fsdp.tp_size > 1 and config.model_type == "qwen3_moe":
+            raise ValueError(f"--fsdp.tp_size {fsdp.tp_size} with a Qwen3-MoE policy ({model_path}): NeMo AutoModel "
+                             "0.7.0's MoE class refuses its own TP plan ('Custom MoE tensor-parallel plan patterns "
+                             "must each match at least one concrete module'); set --fsdp.tp_size 1 (--fsdp.ep_size "
+                             "splits the experts)")
         if train.freeze_vision and not self.vlm:
             raise ValueError(f"--train.freeze_vision: {model_path} has no vision_config (not a VLM); leave it off")
         if not temperature > 0.0:
