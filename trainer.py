@@ -1050,11 +1050,12 @@ class TrainerRank:
 class TrainerGroup:
     """--train.world_size TrainerRank actors forming one process group, driven from this process. colocated: the
     refit's engines share this trainer's GPU (--launch.colocate; generator.py picks CUDA IPC over NCCL by it).
-    batch_invariant: the engines' --vllm.batch_invariant, whose kernels the ranks then run too."""
+    batch_invariant: the engines' --vllm.batch_invariant, whose kernels the ranks then run too. rank_options: each
+    rank's Ray actor options (launch.py's --launch.placement puts it on a node)."""
 
     def __init__(self, model_path: str, train: TrainArgs, fsdp: FsdpArgs, ckpt: CkptArgs, loss: LossArgs,
                  estimator: EstimatorArgs, *, temperature: float, gpus_per_rank: float | None = None,
-                 colocated: bool = False, batch_invariant: bool = False):
+                 colocated: bool = False, batch_invariant: bool = False, rank_options: list[dict] | None = None):
         gpus = (1.0 if torch.cuda.is_available() else 0.0) if gpus_per_rank is None else gpus_per_rank
         check_args(train, fsdp, loss, estimator, cuda=gpus > 0)
         if batch_invariant and gpus == 0:
@@ -1076,8 +1077,9 @@ class TrainerGroup:
         if ckpt.hf_merged and not train.lora_rank:
             raise ValueError("--ckpt.hf_merged with --train.lora_rank 0: there is no adapter to merge; drop it")
         actor_class = ray.remote(num_cpus=0, num_gpus=gpus)(TrainerRank)
-        self.actors = [actor_class.remote(r, train.world_size, model_path, train, fsdp, ckpt, loss, estimator,
-                                          temperature) for r in range(train.world_size)]
+        self.actors = [actor_class.options(**(rank_options[r] if rank_options else {})).remote(
+            r, train.world_size, model_path, train, fsdp, ckpt, loss, estimator, temperature)
+            for r in range(train.world_size)]
         try:
             addr, port = ray.get(self.actors[0].address.remote())
             if batch_invariant:  # before setup: vLLM's cuBLAS settings (env) hold only before a rank's first matmul
