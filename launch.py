@@ -45,7 +45,7 @@ class LaunchArgs:
     ray_address: str | None = field(default=None, metadata={"help": "Ray cluster to join; None starts a local one"})
     placement: tuple[str, ...] = field(default=(), metadata={
         "help": "Ray custom resources, one per node (`ray start --resources`): trainer rank i and agent worker i go on "
-                "node i mod N, the engines on the first; empty: Ray's default scheduler (the driver's node first)"})
+                "node i mod N, the engines on the first; empty: Ray's default scheduler places them"})
     tensorboard: bool = field(default=False, metadata={"help": "also write TensorBoard events to out_dir/tb"})
     wandb_project: str | None = field(default=None, metadata={"help": "also log to this W&B project (needs wandb)"})
     seed: int = field(default=0, metadata={"help": "seed of data order and sampling"})

@@ -170,6 +170,15 @@ def test_resume_with_rank_0_on_the_other_node_trains_every_prompt_exactly_once(c
 
 
 @pytest.mark.slow
+def test_a_placement_no_node_offers_is_refused_before_any_actor_starts(cluster, tiny_model, tmp_path):
+    proc, trained = start(tmp_path, flags(tiny_model, str(tmp_path / "run"), cluster["address"],
+                                          "--launch.placement", "node_a", "node_c"))
+    assert proc.wait(timeout=120) != 0
+    trained.close()
+    assert "--launch.placement node_c: no node of the Ray cluster has that resource" in output(tmp_path)
+
+
+@pytest.mark.slow
 def test_losing_the_worker_node_mid_step_ends_the_run_naming_the_node_and_the_actor(cluster, tiny_model, tmp_path):
     # last in this file: the cluster keeps only its head afterwards
     argv = flags(tiny_model, str(tmp_path / "run"), cluster["address"], "--launch.placement", "node_a", "node_b",
