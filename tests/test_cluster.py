@@ -2,14 +2,15 @@
 resource node_a) and a worker raylet joined with `ray start --address` (node_b), each in its own process group and
 temp dir. Every run is a real `python launch.py --launch.ray_address ...` (test_faults.py's runner, which reports
 each step's trained group ids on a pipe); this test process never joins a Ray itself, so the session's local Ray
-(conftest's ray_local) is left alone. Where each actor sat is read back from Ray's own state API.
+(conftest's ray_local) is left alone. Where each actor sat is read back from Ray's GCS (its node and actor tables).
 
-Measured on the shared 2-core machine (4 passed in 380 s, one cluster for the module): cluster start 20-35 s; the
+Measured on the shared 2-core machine (4 passed in 283-380 s, one cluster for the module): cluster start 20-35 s; the
 two-node run (2 steps, world size 2, one engine, 2 workers) 120 s; the resume on swapped nodes 119 s; the refused
 placement 27 s; the node loss 86 s, of which 5 s from killing node_b to launch.py's exit naming rank 1 and its node.
 """
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -48,6 +49,7 @@ def start_node(temp_dir: str, resource: str, *args: str) -> int:
     proc = subprocess.Popen([RAY, "start", *args, "--temp-dir", temp_dir, "--resources", json.dumps({resource: 100}),
                              "--num-cpus", "1", "--object-store-memory", str(100 * 2**20), "--disable-usage-stats",
                              "--dashboard-agent-listen-port", str(free_port())],
+                            # else this `ray start` refused launch.py's driver (InvalidAuthToken): no token auth
                             env={**os.environ, "RAY_AUTH_MODE": "disabled"}, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = proc.communicate(timeout=120)[0]
@@ -87,6 +89,7 @@ def cluster():
     finally:
         for pgid in groups.values():
             kill_node(pgid)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def flags(model: str, out: str, address: str, *extra: str) -> list[str]:
