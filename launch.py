@@ -619,7 +619,8 @@ def run_sft(cfg: dict) -> dict:
     template = ChatTemplate(launch.model, append_roles=())   # a VLM's expands an example's images
     segments = sft_batch(examples, template.tokenizer, template=template)
     trainer = TrainerGroup(launch.model, train, cfg["fsdp"], cfg["ckpt"], cfg["loss"], cfg["estimator"],
-                           temperature=cfg["rollout"].temperature)
+                           temperature=cfg["rollout"].temperature,
+                           rank_options=[node_options(launch.placement, r) for r in range(train.world_size)])
     log = MetricsLog(cfg)
     order, metrics = random.Random(launch.seed).sample(range(len(segments)), len(segments)), {}
     for step in range(trainer.step, launch.steps):
