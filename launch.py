@@ -43,6 +43,9 @@ class LaunchArgs:
     out_dir: str = field(default="runs/default", metadata={"help": "metrics.jsonl, reward.png and checkpoints go here"})
     steps: int = field(default=20, metadata={"help": "optimizer steps to run"})
     ray_address: str | None = field(default=None, metadata={"help": "Ray cluster to join; None starts a local one"})
+    placement: tuple[str, ...] = field(default=(), metadata={
+        "help": "Ray custom resources, one per node (`ray start --resources`): trainer rank i and agent worker i go on "
+                "node i mod N, the engines on the first; empty: Ray's default scheduler places them"})
     tensorboard: bool = field(default=False, metadata={"help": "also write TensorBoard events to out_dir/tb"})
     wandb_project: str | None = field(default=None, metadata={"help": "also log to this W&B project (needs wandb)"})
     seed: int = field(default=0, metadata={"help": "seed of data order and sampling"})
@@ -465,6 +468,16 @@ def gpu_shares(launch: LaunchArgs, train: TrainArgs, vllm: VllmArgs) -> tuple[di
     return None, (1.0 if gpus else None)  # by the cluster, not this driver: it may have no GPU
 
 
+def node_options(placement: tuple[str, ...], i: int) -> dict:
+    """Ray options that put actor i of a kind on node i mod N of --launch.placement, checked against the cluster."""
+    if not placement:
+        return {}
+    if missing := [name for name in placement if name not in ray.cluster_resources()]:
+        raise ValueError(f"--launch.placement {' '.join(missing)}: no node of the Ray cluster has that resource; start "
+                         f"each node with `ray start --resources '{{\"NAME\": 100}}'`, or drop the flag")
+    return {"resources": {placement[i % len(placement)]: 1}}
+
+
 def probe_segments(prompts: list[list[int]], outs: list, images: list[list]) -> list[Segment]:
     """The probe's rows: each prompt and the Completion sampled after it, with the routing the engine recorded
     (--vllm.return_routed_experts), so that --train.routing_replay's recompute replays it as in a train step."""
@@ -511,15 +524,17 @@ async def run_rl(cfg: dict) -> dict:
     rows = load_rows(data.path, "train")
     held_out = load_rows(data.path, "test") if cfg["eval"].every else []
     engine_gpus, rank_gpus = gpu_shares(launch, train, cfg["vllm"])
-    generator = Generator(launch.model, cfg["vllm"], rollout, actor_options=engine_gpus)  # first: it sizes its KV cache
+    generator = Generator(launch.model, cfg["vllm"], rollout,  # first: it sizes its KV cache
+                          actor_options={**(engine_gpus or {}), **node_options(launch.placement, 0)})
     trainer = TrainerGroup(launch.model, train, cfg["fsdp"], cfg["ckpt"], cfg["loss"], cfg["estimator"],
                            temperature=rollout.temperature, gpus_per_rank=rank_gpus, colocated=launch.colocate,
-                           batch_invariant=cfg["vllm"].batch_invariant)
+                           batch_invariant=cfg["vllm"].batch_invariant,
+                           rank_options=[node_options(launch.placement, r) for r in range(train.world_size)])
     if trainer.version != generator.version:  # resumed: the engines start from the checkpoint's weights
         await refit(generator, trainer)
     worker_class = ray.remote(num_cpus=0)(AgentWorker)
-    workers = [worker_class.remote(cfg["agent"], cfg["chat"], generator, launch.model)
-               for _ in range(launch.workers)]
+    workers = [worker_class.options(**node_options(launch.placement, i)).remote(
+        cfg["agent"], cfg["chat"], generator, launch.model) for i in range(launch.workers)]
     await asyncio.gather(*(w.start.remote() for w in workers))
     queue = GroupQueue(workers, rows, launch.samples_per_prompt, trainer.data_position or {"epoch": 0, "index": 0},
                        launch.seed, groups=(launch.steps - trainer.step) * launch.batch_prompts)
@@ -604,7 +619,8 @@ def run_sft(cfg: dict) -> dict:
     template = ChatTemplate(launch.model, append_roles=())   # a VLM's expands an example's images
     segments = sft_batch(examples, template.tokenizer, template=template)
     trainer = TrainerGroup(launch.model, train, cfg["fsdp"], cfg["ckpt"], cfg["loss"], cfg["estimator"],
-                           temperature=cfg["rollout"].temperature)
+                           temperature=cfg["rollout"].temperature,
+                           rank_options=[node_options(launch.placement, r) for r in range(train.world_size)])
     log = MetricsLog(cfg)
     order, metrics = random.Random(launch.seed).sample(range(len(segments)), len(segments)), {}
     for step in range(trainer.step, launch.steps):

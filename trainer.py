@@ -54,6 +54,7 @@ SCHEDULES = ("constant", "cosine")
 OFFLOADS = ("none", "optimizer")
 PARAM_DTYPES = ("float32", "bfloat16", "float16")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # attention + MLP
+PEER_DEATH_S = 30.0  # Ray sees a killed rank's socket close at once, a vanished node after 5 x 3 s health checks
 PEFT_PREFIX = "base_model.model."  # peft's names for a LoRA model's tensors: this + the module's own name
 WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt)$|.*\.safetensors\.index\.json$")  # not copied into an HF export
 
@@ -559,8 +560,8 @@ class TrainerRank:
             from vllm.model_executor.determinism.batch_invariant import enable_batch_invariant_mode
         enable_batch_invariant_mode()
 
-    def setup(self, master_addr: str, master_port: int) -> None:
-        """Join the process group, load and shard the models, build the optimizers."""
+    def setup(self, master_addr: str, master_port: int) -> str:
+        """Join the process group, load and shard the models, build the optimizers; returns this rank's Ray node."""
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
         if self.cuda:
@@ -615,6 +616,7 @@ class TrainerRank:
         if self.train.critic_lr is not None:
             self.critic = self.build(AutoModelForTokenClassification, num_labels=1)
             self.critic_optimizer = adamw(self.critic.parameters())
+        return ray.get_runtime_context().get_node_id()
 
     def build(self, auto_class, lora: bool = False, **kwargs) -> torch.nn.Module:
         """Load model_path in float32 (master weights) and shard it with NeMo AutoModel's FSDP2 parallelizer. Qwen3-MoE
@@ -1070,11 +1072,12 @@ class TrainerRank:
 class TrainerGroup:
     """--train.world_size TrainerRank actors forming one process group, driven from this process. colocated: the
     refit's engines share this trainer's GPU (--launch.colocate; generator.py picks CUDA IPC over NCCL by it).
-    batch_invariant: the engines' --vllm.batch_invariant, whose kernels the ranks then run too."""
+    batch_invariant: the engines' --vllm.batch_invariant, whose kernels the ranks then run too. rank_options: each
+    rank's Ray actor options (launch.py's --launch.placement puts it on a node)."""
 
     def __init__(self, model_path: str, train: TrainArgs, fsdp: FsdpArgs, ckpt: CkptArgs, loss: LossArgs,
                  estimator: EstimatorArgs, *, temperature: float, gpus_per_rank: float | None = None,
-                 colocated: bool = False, batch_invariant: bool = False):
+                 colocated: bool = False, batch_invariant: bool = False, rank_options: list[dict] | None = None):
         gpus = (1.0 if torch.cuda.is_available() else 0.0) if gpus_per_rank is None else gpus_per_rank
         check_args(train, fsdp, loss, estimator, cuda=gpus > 0)
         if batch_invariant and gpus == 0:
@@ -1101,13 +1104,15 @@ class TrainerGroup:
         if ckpt.hf_merged and not train.lora_rank:
             raise ValueError("--ckpt.hf_merged with --train.lora_rank 0: there is no adapter to merge; drop it")
         actor_class = ray.remote(num_cpus=0, num_gpus=gpus)(TrainerRank)
-        self.actors = [actor_class.remote(r, train.world_size, model_path, train, fsdp, ckpt, loss, estimator,
-                                          temperature) for r in range(train.world_size)]
+        self.actors = [actor_class.options(**(rank_options[r] if rank_options else {})).remote(
+            r, train.world_size, model_path, train, fsdp, ckpt, loss, estimator, temperature)
+            for r in range(train.world_size)]
+        self.nodes = ["(starting)"] * train.world_size  # each rank's Ray node id once set up: an error names it
         try:
             addr, port = ray.get(self.actors[0].address.remote())
             if batch_invariant:  # before setup: vLLM's cuBLAS settings (env) hold only before a rank's first matmul
                 self.call("enable_batch_invariance")
-            self.call("setup", addr, port)
+            self.nodes = self.call("setup", addr, port)
         except Exception:  # a rank that failed to start leaves the others waiting in the rendezvous
             for a in self.actors:
                 ray.kill(a)
@@ -1123,15 +1128,21 @@ class TrainerGroup:
 
     def call(self, method: str, *args) -> list:
         """method(*args) on every rank, their results in rank order. A dead rank raises at once, naming it: the
-        others may be waiting for it in a collective, and will never answer."""
+        others may be waiting for it in a collective, and will never answer. A rank whose collective broke first
+        (a peer's node was lost: gloo's "connection closed") waits up to PEER_DEATH_S for Ray to name that peer."""
         refs = [getattr(a, method).remote(*args) for a in self.actors]
-        waiting = list(refs)
+        waiting, failed = list(refs), None
         while waiting:
-            done, waiting = ray.wait(waiting, num_returns=1)
+            done, waiting = ray.wait(waiting, num_returns=1, timeout=PEER_DEATH_S if failed else None)
+            if not done:  # no rank died: the first failure is the cause
+                raise failed
             try:
                 ray.get(done[0])
             except ray.exceptions.RayActorError as e:
-                raise RuntimeError(f"trainer rank {refs.index(done[0])} died in {method}: {e}") from e
+                r = refs.index(done[0])
+                raise RuntimeError(f"trainer rank {r} on Ray node {self.nodes[r]} died in {method}: {e}") from e
+            except ray.exceptions.RayTaskError as e:
+                failed = failed or e
         return ray.get(refs)
 
     def run_step(self, method: str, segments: list[Segment], data_position: dict | None) -> dict[str, float]:
