@@ -33,11 +33,12 @@ wait_until() {  # wait_until WHAT COMMAND...: poll COMMAND until it succeeds; fa
     sleep 1
   done
 }
-all_joined() { [ "$("$RAY" status --address "$addr" | grep -c '^ 1 node_')" -ge "${#nodes[@]}" ]; }
+# A try that hangs (no GCS yet) counts as a no after 20 s, so the deadline and the exit check still apply.
+all_joined() { [ "$(timeout 20 "$RAY" status --address "$addr" | grep -c '^ 1 node_')" -ge "${#nodes[@]}" ]; }
 
 ray_pids=()
 start_ray "$head" --head --node-ip-address="$head_ip" --port="${RAY_PORT:-6379}"
-wait_until "no Ray head answers at $addr" "$RAY" health-check --address "$addr"
+wait_until "no Ray head answers at $addr" timeout 20 "$RAY" health-check --address "$addr"
 for node in "${nodes[@]:1}"; do start_ray "$node" --address="$addr"; done
 wait_until "fewer than ${#nodes[@]} Ray nodes joined $addr" all_joined
 bash "$RECIPE" --launch.ray_address "$addr" "$@"
