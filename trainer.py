@@ -17,8 +17,8 @@ the merged weights. Not here: sampling and the refit transport (generator.py), a
 (estimators.py, losses.py), the loop (launch.py). Refused with a message: context parallelism, tensor parallelism
 on Qwen3-MoE, expert parallelism off it, routing replay on a dense model or on a batch with no routed_experts.
 Reading order: the flags, the pure functions (collate, plan_step, token_logprobs, lr_at, merge_metrics), TrainerRank
-(its train_step), TrainerGroup; below the banner `machinery: model loading, refit and HF export, checkpoint files,
-Ray ranks`, what serves NeMo AutoModel, transformers, vLLM, CUDA and Ray.
+and its train_step; below the banner `machinery: model loading, refit and HF export, checkpoint files, Ray ranks`:
+TrainerGroup (the driver of the rank actors), input checks, loading (NeMo AutoModel, a VLM, LoRA), refit, checkpoints.
 """
 import asyncio
 import functools
