@@ -955,10 +955,7 @@ def setup_policy_extras(rank: TrainerRank) -> None:
     config = AutoConfig.from_pretrained(rank.model_path)
     rank.processor = AutoProcessor.from_pretrained(rank.model_path) if hasattr(config, "vision_config") else None
     rank.image_id = getattr(config, "image_token_id", None)
-    # FSDP shards each vision layer as its own unit, so with several ranks every rank runs the tower in every
-    # forward (else one rank's vision all-gather meets another's text one): a forward without an image gets one
-    # more row, a blank image's run, whose logits are dropped (policy_logprobs).
-    rank.blank = None
+    rank.blank = None  # a VLM on several ranks: a blank image's run and inputs (add_blank_row says why)
     if rank.processor is not None and rank.dp_size > 1:
         from PIL import Image
         blank = Image.new("RGB", (64, 64))   # any size: the processor resizes it
@@ -994,8 +991,9 @@ def image_inputs(rank: TrainerRank, images: list) -> dict[str, torch.Tensor]:
 
 
 def add_blank_row(rank: TrainerRank, ids: torch.Tensor, images: dict) -> tuple[torch.Tensor, dict]:
-    """A VLM on several ranks: a forward without images gets one more row, the blank image's run, so that every rank
-    runs the vision tower (setup_policy_extras); policy_logprobs drops its logits."""
+    """A VLM on several ranks: FSDP shards each vision layer as its own unit, so every rank runs the tower in every
+    forward (else one rank's vision all-gather meets another's text one): a forward without an image gets one more
+    row, a blank image's run (setup_policy_extras), whose logits policy_logprobs drops."""
     if images or rank.blank is None:
         return ids, images
     run, images = rank.blank
@@ -1244,8 +1242,8 @@ def save_checkpoint(rank: TrainerRank, root: str, step: int, data_position: dict
                            "world_size": rank.world_size, "data_position": data_position,
                            "loss_scale": [rank.scaler.scale, rank.scaler.good_steps, rank.scaler.skipped]}, f)
     except CheckpointException as e:  # DCP raises it on every rank when one rank's write failed
-        rank, (cause, _) = next(iter(e.failures.items()))
-        failure = f"{type(cause).__name__}: {cause} on rank {rank}"
+        failed, (cause, _) = next(iter(e.failures.items()))
+        failure = f"{type(cause).__name__}: {cause} on rank {failed}"
     except OSError as e:
         failure = f"{type(e).__name__}: {e} on rank {rank.rank}"
     failures = [None] * rank.world_size
