@@ -493,10 +493,7 @@ class TrainerRank:
     def optimizer_step(self, model, optimizer, base_lr: float, scaler: "LossScale") -> tuple[float, float]:
         """Clip model's gradients, take one AdamW step at the scheduled lr; -> (gradient norm before clipping, lr).
         The gradients are of the loss x scaler.scale; a float16 step whose gradient is not finite is skipped."""
-        from nemo_automodel.components.distributed.tp_replicas import synchronize_tp_replica_gradients
-        # --fsdp.tp_size: NeMo's plan keeps Qwen3's q_norm/k_norm whole while each rank normalizes only its own heads,
-        # marking them for a sum of the ranks' partial gradients that its recipes (not parallelize_model) take here
-        synchronize_tp_replica_gradients([model], self.dist_setup.mesh_context.device_mesh)
+        reduce_parallel_grads(self, model)  # --fsdp.tp_size, --fsdp.ep_size: NeMo's gradients made whole
         grad_norm = clip_grad_norm(list(model.parameters()), self.train.grad_clip, scaler.scale)
         lr = lr_at(self.optimizer_steps, lr=base_lr, warmup_steps=self.train.warmup_steps, schedule=self.train.schedule,
                    total_steps=self.train.total_steps)
@@ -510,10 +507,6 @@ class TrainerRank:
     def policy_step(self, step_loss: torch.Tensor) -> dict[str, float]:
         """End the policy's optimizer step: sum its loss over ranks, clip, AdamW, advance the lr schedule."""
         dist.all_reduce(step_loss, group=self.dp_group)
-        if self.fsdp.ep_size > 1:  # experts sum every ep rank's tokens, and FSDP averages them over dp / ep_size
-            for name, p in self.model.named_parameters():  # ranks, not dp: ep_size x the scale of the others
-                if ".experts." in name and p.grad is not None:
-                    p.grad.div_(self.fsdp.ep_size)
         grad_norm, lr = self.optimizer_step(self.model, self.optimizer, self.train.lr, self.scaler)
         self.optimizer_steps += 1
         peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.cuda else 0.0  # since the rank started
@@ -981,6 +974,19 @@ def install_replay(rank: TrainerRank, model) -> tuple[int, int, int]:
     for layer, gate in enumerate(gates):  # a gate routes by router_replay.apply(its live top-k ids)
         gate.router_replay = types.SimpleNamespace(apply=functools.partial(rank.replayed_ids, layer))
     return len(gates), gates[0].topk, gates[0].n_experts
+
+
+def reduce_parallel_grads(rank: TrainerRank, model) -> None:
+    """Gradients that NeMo's parallel plans leave partial or scaled, made as one rank's would be (expert parallelism
+    is the policy's alone: a critic with --fsdp.ep_size is refused)."""
+    if rank.fsdp.ep_size > 1:  # experts sum every ep rank's tokens, and FSDP averages them over dp / ep_size
+        for name, p in model.named_parameters():  # ranks, not dp: ep_size x the scale of the others
+            if ".experts." in name and p.grad is not None:
+                p.grad.div_(rank.fsdp.ep_size)
+    from nemo_automodel.components.distributed.tp_replicas import synchronize_tp_replica_gradients
+    # --fsdp.tp_size: NeMo's plan keeps Qwen3's q_norm/k_norm whole while each rank normalizes only its own heads,
+    # marking them for a sum of the ranks' partial gradients that its recipes (not parallelize_model) take here
+    synchronize_tp_replica_gradients([model], rank.dist_setup.mesh_context.device_mesh)
 
 
 def image_inputs(rank: TrainerRank, images: list) -> dict[str, torch.Tensor]:
