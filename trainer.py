@@ -493,7 +493,8 @@ class TrainerRank:
     def optimizer_step(self, model, optimizer, base_lr: float, scaler: "LossScale") -> tuple[float, float]:
         """Clip model's gradients, take one AdamW step at the scheduled lr; -> (gradient norm before clipping, lr).
         The gradients are of the loss x scaler.scale; a float16 step whose gradient is not finite is skipped."""
-        reduce_parallel_grads(self, model)  # --fsdp.tp_size, --fsdp.ep_size: NeMo's gradients made whole
+        if self.fsdp.tp_size > 1 or self.fsdp.ep_size > 1:  # NeMo's parallel plans leave these gradients partial
+            reduce_parallel_grads(self, model)
         grad_norm = clip_grad_norm(list(model.parameters()), self.train.grad_clip, scaler.scale)
         lr = lr_at(self.optimizer_steps, lr=base_lr, warmup_steps=self.train.warmup_steps, schedule=self.train.schedule,
                    total_steps=self.train.total_steps)
@@ -983,10 +984,11 @@ def reduce_parallel_grads(rank: TrainerRank, model) -> None:
         for name, p in model.named_parameters():  # ranks, not dp: ep_size x the scale of the others
             if ".experts." in name and p.grad is not None:
                 p.grad.div_(rank.fsdp.ep_size)
-    from nemo_automodel.components.distributed.tp_replicas import synchronize_tp_replica_gradients
-    # --fsdp.tp_size: NeMo's plan keeps Qwen3's q_norm/k_norm whole while each rank normalizes only its own heads,
-    # marking them for a sum of the ranks' partial gradients that its recipes (not parallelize_model) take here
-    synchronize_tp_replica_gradients([model], rank.dist_setup.mesh_context.device_mesh)
+    if rank.fsdp.tp_size > 1:  # NeMo's plan keeps Qwen3's q_norm/k_norm whole while each rank normalizes only its
+        # own heads, marking them for a sum of the ranks' partial gradients that its recipes (not parallelize_model)
+        # take here
+        from nemo_automodel.components.distributed.tp_replicas import synchronize_tp_replica_gradients
+        synchronize_tp_replica_gradients([model], rank.dist_setup.mesh_context.device_mesh)
 
 
 def image_inputs(rank: TrainerRank, images: list) -> dict[str, torch.Tensor]:

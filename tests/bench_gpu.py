@@ -136,6 +136,9 @@ def bench_logprobs(seq: int = 16384, vocab: int = 151936, repeats: int = 5) -> d
 # --- trainer: ours vs plain transformers, one 16,384-token sequence per step
 
 def bench_trainer(model: str, seq: int = 16384, warmup: int = 2, steps: int = 5) -> dict:
+    """H200, 2026-12-03, two leases: ours 24,883 and 24,459 tokens/s, plain 23,769 and 29,919 (1.05x, then 0.82x);
+    peak 27.5 GiB ours, 70.9 plain. Ours held steady between the two; the baseline moved 26%, so one lease's ratio
+    is not enough to name a regression. On 11-30 and 12-01 the ratio was 1.28-1.30x."""
     from transformers import AutoModelForCausalLM
 
     from estimators import EstimatorArgs
@@ -760,10 +763,23 @@ def precision_models(only: str | None = None) -> list[tuple[str, str, str]]:
 
 
 def bench_precision(only: str | None = None) -> dict:
-    """H200, 2026-12-03, precision_smollm2 (a 250 s call): bf16 only: step-0 vllm_kl 0.0017, mismatch_abs 0.0362
-    (max 0.408, k3 0.0016, 99.7% of tokens differ), mean over 3 steps 0.0366 (max 0.619), engine 1,949 and trainer
-    23,726 tokens/s. The fp16 mode started next and had not reported when the call's 250 s ran out (~110 s in);
-    batch-invariant did not run."""
+    """H200, 2026-12-03 (vLLM 0.26.0; 8 x 8 episodes x <= 64 tokens, lr 0, 3 steps; a 500 s and a 433 s call):
+    | model, mode                  | vllm_kl step 0 | mean abs dlogp | max    | k3     | engine tok/s | trainer tok/s |
+    | SmolLM2-135M bf16            | 0.0023         | 0.0367         | 0.408  | 1.7e-3 | 1,794        | 18,921        |
+    | SmolLM2-135M fp16            | 6.8e-5         | 0.0046         | 0.056  | 2.6e-5 | 2,200        | 20,518        |
+    | SmolLM2-135M bf16 batch-inv. | 0.0016         | 0.0364         | 0.423  | 1.6e-3 | 1,508        | 11,768        |
+    | 0.6B shape bf16              | -4.3e-5        | 0.0070         | 0.039  | 4.0e-5 | 2,121        | 18,853        |
+    | 0.6B shape fp16              | -2.4e-5        | 0.00086        | 0.0039 | 6.1e-7 | 1,973        | 18,958        |
+    | 0.6B shape bf16 batch-inv.   | 1.5e-4         | 0.0070         | 0.033  | 4.1e-5 | 1,561        | 15,197        |
+    fp16 cuts the gap 8x on both models (0.125x, 0.123x), at bf16's speed, loss scale 2^16, no step skipped. vLLM's
+    batch-invariant kernels on both sides do not close it, and cost 0.84x / 0.74x engine and 0.62x / 0.81x trainer
+    tokens/s (few steps: tokens/s here are coarse). Layer by layer (precision_layers, one sequence): the embedding
+    is equal; on SmolLM2 the first op that differs is layer 0's input RMSNorm, because the trainer's residual
+    stream is fp32 (autocast over fp32 masters keeps embeddings, residual adds and norms in fp32) where vLLM's is
+    bf16; on the 0.6B shape the norms match (k_norm in 1 element of 32,768, by one bf16 ulp) and the first real
+    difference is attention (o_proj's input differs in 56% of elements): vLLM's batch-invariant attention backend
+    against torch SDPA in the trainer. Bitwise needs the trainer's forward in pure bf16 (bf16 residual stream, vLLM's
+    norm order) and vLLM's attention kernel in the trainer, neither of which this mode does yet."""
     out = {}
     for name, model, agent in precision_models(only):
         res = {}

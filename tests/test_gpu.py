@@ -309,16 +309,18 @@ def test_loop_colocated_on_one_gpu_with_lr_0_keeps_mismatch_flat(gpu_model, ray_
 
 
 @pytest.mark.parametrize("mode, flags, bound", [
-    ("bf16", ("--vllm.dtype", "bfloat16"), 0.006),  # H200 2026-12-03: 0.0027-0.0030 over the 4 steps
-    ("fp16", ("--fsdp.param_dtype", "float16", "--vllm.dtype", "float16"), 0.02),
+    ("bf16", ("--vllm.dtype", "bfloat16"), 0.006),  # H200 2026-12-03: 0.0026-0.0030 over the 4 steps
+    ("fp16", ("--fsdp.param_dtype", "float16", "--vllm.dtype", "float16"), 0.0008),  # 0.00030-0.00033
+    # not bitwise yet (bench_gpu.py bench_precision says why): bf16's gap, 0.0027-0.0030
     ("bf16_batch_invariant", ("--vllm.dtype", "bfloat16", "--vllm.batch_invariant", "--no-fsdp.compile_logprobs"),
-     0.02),
+     0.006),
 ])
 def test_precision_mode_keeps_the_rollout_trainer_gap_within_its_bound(gpu_model, ray_local, tmp_path, mode, flags,
                                                                        bound):
     """Each mode's mean |delta log p| at lr 0 (the loaded weights every step, refit in the engine's dtype) stays
-    under the bound its bench measured (tests/bench_gpu.py precision); bounds start at the bf16 noise of the module
-    docstring. fp16 scales its loss: 2^16 at the start, no step skipped on these small gradients."""
+    under about twice what it measured on the H200 (8 x 4 episodes of 8 tokens, 0.6B shape; the comments above), so
+    a change that widens a mode's gap fails. fp16's gap is a tenth of bf16's, as in tests/bench_gpu.py precision.
+    fp16 scales its loss: 2^16 at the start, no step skipped on these small gradients."""
     import json
     out = loop(gpu_model, str(tmp_path), "--launch.colocate", "--train.lr", "0", *flags)
     rows = [json.loads(line) for line in open(os.path.join(out["out_dir"], "metrics.jsonl"))]
