@@ -191,7 +191,8 @@ def collate(segments: list[Segment], moe: tuple[int, int, int] | None = None, vl
              "rewards": torch.tensor([float(seg.reward) for seg in segments]),  # (B,)
              "group_ids": torch.tensor([group_index[seg.group_id] for seg in segments]),  # (B,)
              "episode_ids": torch.tensor([episode_index[seg.episode_id] for seg in segments]),  # (B,)
-             "lengths": torch.tensor([len(seg.token_ids) for seg in segments])}  # (B,)
+             "lengths": torch.tensor([len(seg.token_ids) for seg in segments]),  # (B,)
+             "truncated": torch.tensor([seg.truncated for seg in segments])}  # (B,) bool
     if moe is not None:  # --train.routing_replay
         batch["routed"] = torch.from_numpy(collate_routing(segments, T, *moe))  # (B, T, layers, top_k)
     if vlm:
@@ -445,7 +446,8 @@ class TrainerRank:
         # --- advantages over the whole batch (estimators.py); gae turns the critic's values into returns
         batch["adv"], returns, metrics = compute_advantages(self.estimator, batch["rewards"],
                                                             batch["group_ids"], batch["episode_ids"], mask,
-                                                            values=batch.get("values"), kl=kl)
+                                                            values=batch.get("values"), kl=kl,
+                                                            truncated=batch["truncated"])
         if returns is not None:
             batch["returns"] = returns
         records.append((1.0, metrics))
