@@ -2,21 +2,23 @@
 
 Shapes: B rows (segments), T tokens, P prompt groups, E unique episodes in the batch.
 Contract: compute_advantages(args, rewards (B,), group_ids (B,), episode_ids (B,), mask (B, T),
-values=(B, T), kl=(B, T)) -> (advantages (B, T), returns (B, T) for gae else None, metrics).
+values=(B, T), kl=(B, T), truncated=(B,)) -> (advantages (B, T), returns (B, T) for gae else None, metrics).
 Advantages are exactly 0 where mask is False. Group estimators count each episode once (its
 segments share one reward) and broadcast its scalar advantage to every action token of every
 segment. Token-level estimators (reinforce, gae) work per row and treat non-action tokens (prompt,
 tool output, template glue) as transparent: sums skip them and carry across them. Inputs carry no
 gradient (advantages and returns are constants of the step); bad input raises ValueError naming it.
-Not here: policy or value losses (losses.py), the KL estimate itself (the caller passes it), reward
-shaping beyond the KL term, and length or token-count normalisation (the loss's aggregation owns it).
+Not here: policy or value losses (losses.py), the KL estimate itself (the caller passes it), and length or
+token-count normalisation (the loss's aggregation owns it).
 
 Research surface: a new estimator is one pure function here, one ESTIMATORS entry and one `elif` in
 compute_advantages (README, "Adding an advantage estimator"); it needs no edit of trainer.py or launch.py.
-Reading order: EstimatorArgs, the group helpers, the estimators, compute_advantages; below the banner
-`machinery: input checks, packed token scans`: the checks, and the scans by which reinforce and gae skip
+A reward-shaping term from rollout facts (action lengths, truncation) is one branch of shape_rewards.
+Reading order: EstimatorArgs, the group helpers, the estimators, shape_rewards, compute_advantages; below the
+banner `machinery: input checks, packed token scans`: the checks, and the scans by which reinforce and gae skip
 non-action tokens.
 """
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +36,8 @@ class EstimatorArgs:
     std_eps: float = field(default=1e-6, metadata={"help": "added to every std we divide by (grpo std, whitening)"})
     whiten: bool = field(default=True, metadata={"help": "whiten over the batch (reinforce, reinforce_baseline, gae)"})
     kl_coef: float = field(default=0.0, metadata={"help": "weight of the -kl reward per action token (reinforce, gae)"})
+    truncated_reward: float | None = field(default=None, metadata={
+        "help": "reward of an episode cut off at max tokens or max context, in place of its own; unset: its own"})
 
     def __post_init__(self):
         if self.name not in ESTIMATORS:
@@ -53,6 +57,8 @@ class EstimatorArgs:
         if self.gamma < 1.0 and self.name not in ("reinforce", "gae"):
             raise ValueError(f"--estimator.gamma with --estimator.name {self.name}: it gives one advantage per "
                              "episode, so nothing is discounted; set --estimator.gamma 1 or use reinforce or gae")
+        if self.truncated_reward is not None and not math.isfinite(self.truncated_reward):
+            raise ValueError(f"--estimator.truncated_reward {self.truncated_reward}: must be a finite number")
         if self.lam < 1.0 and self.name != "gae":
             raise ValueError(f"--estimator.lam with --estimator.name {self.name}: lambda only exists in gae; "
                              "set --estimator.lam 1 or --estimator.name gae")
@@ -185,14 +191,28 @@ def batch_baseline(rewards: Tensor, episode_ids: Tensor, mask: Tensor) -> Tensor
     return dr_grpo(rewards, torch.zeros_like(episode_ids), episode_ids, mask)  # one group holding every episode
 
 
-# --- dispatch: the one place that reads EstimatorArgs
+# --- reward shaping from rollout facts, then the dispatch: the one place that reads EstimatorArgs
+
+def shape_rewards(args: EstimatorArgs, rewards: Tensor, episode_ids: Tensor, mask: Tensor, truncated: Tensor) -> Tensor:
+    """The home of reward shaping from what the rollout did, before any estimator reads the rewards: rewards (B,),
+    episode ids (B,), mask (B, T) (its row sums are the action lengths), truncated (B,) bool (the row hit max tokens
+    or max context). Every row of one episode must get one reward: a term applies per episode."""
+    if args.truncated_reward is not None:  # any truncated row marks its whole episode
+        _, row_episode = torch.unique(episode_ids, return_inverse=True)  # (B,)
+        cut = rewards.new_zeros(int(row_episode.max()) + 1).index_add_(0, row_episode, truncated.to(rewards.dtype))
+        rewards = torch.where(cut[row_episode] > 0, args.truncated_reward, rewards)  # (B,)
+    return rewards
 
 
 def compute_advantages(args: EstimatorArgs, rewards: Tensor, group_ids: Tensor, episode_ids: Tensor, mask: Tensor, *,
-                       values: Tensor | None = None, kl: Tensor | None = None
+                       values: Tensor | None = None, kl: Tensor | None = None, truncated: Tensor | None = None
                        ) -> tuple[Tensor, Tensor | None, dict[str, float]]:
-    """-> (advantages (B, T), returns (B, T) for gae else None, metrics {key: float}). The estimator validates."""
+    """-> (advantages (B, T), returns (B, T) for gae else None, metrics {key: float}). The estimator validates.
+    truncated (B,) bool: which rows hit max tokens or max context (none when not given)."""
     returns = None
+    if len(rewards):
+        truncated = torch.zeros(rewards.shape, dtype=torch.bool) if truncated is None else truncated
+        rewards = shape_rewards(args, rewards, episode_ids, mask, truncated)
     if args.name == "reinforce":
         adv = reinforce(rewards, mask, kl=kl, kl_coef=args.kl_coef, gamma=args.gamma, whiten=args.whiten,
                         std_eps=args.std_eps)
@@ -223,6 +243,7 @@ def compute_advantages(args: EstimatorArgs, rewards: Tensor, group_ids: Tensor, 
         "estimator/adv_max": kept.max().item(),
         "estimator/adv_min": kept.min().item(),
         "estimator/zero_adv_groups": (live == 0).float().mean().item(),  # GRPO collapse: groups with no signal
+        "estimator/reward_mean": rewards.mean().item() if len(rewards) else 0.0,  # after shaping
     }
     if returns is not None:
         metrics["estimator/returns_mean"] = returns[mask].mean().item() if mask.any() else 0.0

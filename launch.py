@@ -11,9 +11,13 @@ on-policy: sampling waits for the refit. Every step writes a line to metrics.jso
 W&B when asked), audits that each trained token is the id, log-prob and version the generator returned, and
 checkpoints when due. `--launch.mode sft` trains the same actor on chat data instead. Not here: the math
 (estimators.py, losses.py, trainer.py) and the token capture (generator.py, chat_server.py).
+Reading order: the flags, audit, rollout_metrics, refit, probe_mismatch, evaluate, run_rl (the loop, as its stages),
+run_sft, main; below the banner `machinery: the parser, the queue, set-up and teardown, placement, sinks`: the
+parser and the rules across files, GroupQueue, run_rl's set-up, teardown and clock, Ray placement, files, sinks.
 """
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -105,6 +109,185 @@ SECTIONS = {"launch": LaunchArgs, "data": DataArgs, "eval": EvalArgs, "agent": A
             "loss": LossArgs, "estimator": EstimatorArgs}
 
 
+# --- the loop: audit, metrics, refit, probe, eval; run_rl's stages
+
+
+def audit(segments: list) -> None:
+    """Raise unless every row holds, at each action token, exactly the id, log-prob and version recorded where
+    its segment was built (info["sampled"], generator.sampled_record), naming the row and the first position
+    that differs. An unchanged row costs one comparison of tuples."""
+    for s in segments:
+        where, sampled = f"segment {s.info.get('segment', 0)} of episode {s.episode_id!r}", s.info.get("sampled")
+        if sampled is None:
+            raise RuntimeError(f"audit: {where} carries no record of its sampled tokens (info['sampled']); stopping")
+        trained = tuple(tuple(compress(row, s.action_mask)) for row in (s.token_ids, s.logprobs, s.versions))
+        if trained == sampled:
+            continue
+        positions = [t for t, m in enumerate(s.action_mask) if m]
+        k, got, want = next((k, a, b) for k, (a, b) in enumerate(zip_longest(zip(*trained), zip(*sampled))) if a != b)
+        at = f"token {positions[k]}" if k < len(positions) else "the end (an action token is missing)"
+        raise RuntimeError(f"audit: {where} at {at} differs from what the generator returned: (id, log-prob, "
+                           f"version) {got} is trained, {want} was sampled; stopping")
+
+
+def check_constrained(metrics: dict, importance_correction: bool) -> None:
+    """Constrained decoding samples from a masked distribution: without an importance correction, stop."""
+    if metrics["rollout/constrained_tokens"] and not importance_correction:
+        raise ValueError("an agent asked for constrained decoding (tool_choice required or named, a JSON format): "
+                         "its tokens were sampled from the masked distribution, so the trainer's log-probs are "
+                         "not the behaviour policy's; set --loss.is_level token (or seq, geo), or refuse such "
+                         "requests with --chat.refuse_constrained")
+
+
+def rollout_metrics(segments: list, version: int, lag_bins: int) -> dict:
+    """The trained batch: reward over episodes (each counted once), action tokens, the token staleness histogram."""
+    rewards = list({s.episode_id: s.reward for s in segments}.values())
+    mean = sum(rewards) / len(rewards)
+    lags = [version - v for s in segments for v, m in zip(s.versions, s.action_mask) if m]
+    out = {"rollout/trained_reward_mean": mean,
+           "rollout/trained_reward_std": (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5,
+           "rollout/episodes": float(len(rewards)), "rollout/segments": float(len(segments)),
+           "rollout/segments_per_episode": len(segments) / len(rewards),  # > 1: compactions, rewrites, sub-agents
+           "rollout/action_tokens": float(len(lags)),
+           "rollout/constrained_tokens": float(sum(e - b for s in segments for b, e in s.info.get("constrained", ()))),
+           "rollout/truncated_frac": sum(s.truncated for s in segments) / len(segments),
+           "rollout/mixed_version_rows": float(sum(len({v for v in s.versions if v >= 0}) > 1 for s in segments))}
+    for k in range(lag_bins + 1):  # rollout/lag_0 .. lag_K: share of action tokens sampled k versions ago
+        out[f"rollout/lag_{k}"] = sum(lag == k for lag in lags) / max(len(lags), 1)
+    out["rollout/lag_older"] = sum(lag > lag_bins for lag in lags) / max(len(lags), 1)  # partial rollouts only
+    return out
+
+
+async def refit(generator: Generator, trainer: TrainerGroup) -> dict:
+    """Pause every engine (requests kept), load the trainer's weights (rank 0 sends them), resume; returns the
+    generator/refit_* metrics. Engines that serve LoRA load the adapter unpaused: a request in flight keeps the
+    adapter it started with."""
+    if not generator.serves_adapters:
+        await generator.pause()
+    report = await asyncio.to_thread(trainer.refit, generator)
+    if not generator.serves_adapters:
+        await generator.resume()
+    return report["metrics"]
+
+
+async def probe_mismatch(generator: Generator, trainer: TrainerGroup, segments: list,
+                         count: int = 8, tokens: int = 32) -> dict:
+    """Forward consistency for a step whose batch held no token of the trainer's version (asynchronous
+    steps, where every token lags): sample a few short continuations of the batch's prompts at once with
+    the weights just refit, and compare those sampling log-probs with the trainer's recompute."""
+    prompts = [s.token_ids[:s.action_mask.index(True)] for s in segments[:count]]
+    images = [[i for i in s.images if i[1] <= len(p)] for s, p in zip(segments, prompts)]   # a VLM's prompt images
+    tokens = min(tokens, generator.rollout.max_new_tokens)
+    outs = await asyncio.gather(*(generator.generate(p, max_new_tokens=tokens, affinity="probe", images=i)
+                                  for p, i in zip(prompts, images)))
+    probes = probe_segments(prompts, outs, images)
+    recomputed = await asyncio.to_thread(trainer.logprobs, probes)
+    pad = lambda rows: torch.nn.utils.rnn.pad_sequence([torch.as_tensor(r) for r in rows], batch_first=True)  # (B, T)
+    return mismatch_metrics(pad([p.logprobs for p in probes]), pad(recomputed), pad([p.action_mask for p in probes]))
+
+
+async def evaluate(workers: list, rows: list[dict], count: int) -> dict:
+    """One sample for each of the first `count` held-out rows under the current weights; not trained. The mean
+    counts each episode once (however many segments it has), and a failed one (dropped) as reward 0."""
+    results = await asyncio.gather(*(workers[i % len(workers)].run_group.remote(row, f"eval{i}", 1)
+                                     for i, row in enumerate(rows[:count])))
+    rewards = [r for out in results for r in {s.episode_id: s.reward for s in out["segments"]}.values()]
+    failed = sum(n for out in results for n in out["dropped"].values())
+    episodes = len(rewards) + failed
+    return {"eval/reward_mean": sum(rewards) / max(episodes, 1), "eval/episodes": float(episodes),
+            "eval/failed_episodes": float(failed)}
+
+
+async def run_rl(cfg: dict) -> dict:
+    """The RL loop. Research surface: the order of rollout, audit, train, refit and eval below is the algorithm's
+    schedule (what to sample while training, when to refit); the math lives in estimators.py and losses.py, and a
+    change to the schedule should need no edit of the token capture (generator.py, chat_server.py, agent.py)."""
+    launch, data, ev = cfg["launch"], cfg["data"], cfg["eval"]
+    run = await start_rl(cfg)  # engines, trainer ranks, agent workers, the queue, the log, the baseline eval (below)
+    generator, trainer, queue, clock, metrics = run.generator, run.trainer, run.queue, Clock(), {}
+    for step in range(trainer.step, launch.steps):
+        # --- rollout: a batch of finished groups (the trainer idles while it waits)
+        clock.start()
+        groups = await queue.next_batch(launch.batch_prompts, capacity=run.capacity, filter_range=data.filter_range,
+                                        min_version=trainer.version - launch.max_staleness,
+                                        max_filtered=data.max_filtered_batches * launch.batch_prompts,
+                                        partial=launch.partial_rollout)
+        segments = [s for g in groups for s in g["segments"]]
+        clock.waited(len(queue.tasks) + queue.done.qsize())  # groups sampling or finished, beyond this batch
+        # --- audit: every trained token is the id, log-prob and version the generator returned (else it raises)
+        audit(segments)
+        metrics = rollout_metrics(segments, trainer.version, launch.max_staleness)
+        check_constrained(metrics, cfg["loss"].importance_correction)
+        metrics["rollout/group_s"] = sorted(g["seconds"] for g in groups)[len(groups) // 2]  # median launch-to-finish
+        # --- train one step (in a thread: finished groups keep arriving meanwhile)
+        with clock.phase("train"):
+            metrics.update(await asyncio.to_thread(trainer.train_step, segments,
+                                                   data_position=queue.checkpoint_position()))
+        # --- refit: without partial rollouts, in-flight groups finish on the old weights first
+        with clock.phase("drain"):
+            if not launch.partial_rollout:
+                await queue.drain()
+        with clock.phase("refit"):
+            metrics.update(await refit(generator, trainer))
+        probe = None
+        if "loss/vllm_kl" not in metrics:  # mismatch is measured every step, K > 0 included
+            probe = asyncio.create_task(probe_mismatch(generator, trainer, segments))
+            await asyncio.sleep(0)  # it submits its requests now, ahead of the next groups: it never waits behind them
+        if step + 1 < launch.steps:
+            queue.fill(run.capacity)  # the engines sample the next groups while the probe, eval and logging run
+            clock.filled = time.perf_counter()
+        if probe is not None:
+            metrics.update(await probe)
+        # --- eval, log
+        if ev.every and (step + 1) % ev.every == 0:
+            metrics.update(await evaluate(run.workers, run.held_out, ev.prompts))
+        metrics.update(await end_step(run, clock, metrics["rollout/action_tokens"]))  # baseline, timings, counters
+        run.log.log(step, metrics)
+    return await stop_rl(run, metrics)
+
+
+def run_sft(cfg: dict) -> dict:
+    """Token NLL on the assistant turns of chat examples (--data.path: JSONL of messages, or rows("sft"))."""
+    launch, train = cfg["launch"], cfg["train"]
+    examples = load_rows(cfg["data"].path, "sft")
+    template = ChatTemplate(launch.model, append_roles=())   # a VLM's expands an example's images
+    segments = sft_batch(examples, template.tokenizer, template=template)
+    trainer = TrainerGroup(launch.model, train, cfg["fsdp"], cfg["ckpt"], cfg["loss"], cfg["estimator"],
+                           temperature=cfg["rollout"].temperature,
+                           rank_options=[node_options(launch.placement, r) for r in range(train.world_size)])
+    log = MetricsLog(cfg)
+    order, metrics = random.Random(launch.seed).sample(range(len(segments)), len(segments)), {}
+    for step in range(trainer.step, launch.steps):
+        start = step * launch.batch_prompts
+        batch = [segments[order[(start + i) % len(order)]] for i in range(launch.batch_prompts)]
+        metrics = trainer.sft_step(batch, data_position={"index": start + launch.batch_prompts})
+        log.log(step, metrics)
+    hf = os.path.join(launch.out_dir, "hf")
+    trainer.export_hf(hf)
+    path = trainer.final_checkpoint({"index": launch.steps * launch.batch_prompts})
+    trainer.shutdown()
+    return {"metrics": metrics, "checkpoint": path, "hf": hf, "out_dir": launch.out_dir}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    cfg = parse_args(argv)
+    ray.init(address=cfg["launch"].ray_address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        out = run_sft(cfg) if cfg["launch"].mode == "sft" else asyncio.run(run_rl(cfg))
+    finally:
+        ray.shutdown()
+    print(f"metrics: {os.path.join(out['out_dir'], 'metrics.jsonl')}")
+    for key in ("hf", "checkpoint"):
+        if out.get(key):
+            print(f"{key}: {out[key]}")
+    if cfg["launch"].mode == "rl":
+        print(f"plot: {os.path.join(out['out_dir'], 'reward.png')}")
+    return out
+
+
+# === machinery: the parser, the queue, set-up and teardown, placement, sinks; read it when you change one of them
+
+
 # --- flags: one parser composed from the dataclasses
 
 
@@ -188,76 +371,7 @@ def check_cross_flags(cfg: dict) -> None:
                          "(recipes/tiny_model.py builds one)")
 
 
-# --- data
-
-
-def load_rows(path: str, split: str) -> list[dict]:
-    """Rows of a split: a .py file's rows(split), or a JSONL / parquet file (the same rows for every split)."""
-    if path.endswith(".py"):
-        return load_module(path, "rows", "--data.path").rows(split)
-    if path.endswith(".jsonl"):
-        with open(path) as f:
-            return [json.loads(line) for line in f if line.strip()]
-    if path.endswith(".parquet"):
-        import datasets  # heavy; only parquet needs it
-        return list(datasets.load_dataset("parquet", data_files=path, split="train"))
-    raise ValueError(f"--data.path {path}: expected a .py, .jsonl or .parquet file")
-
-
-# --- metrics: metrics.jsonl always, TensorBoard and W&B when asked, a progress line, reward.png
-
-
-class MetricsLog:
-    def __init__(self, cfg: dict):
-        launch = cfg["launch"]
-        os.makedirs(launch.out_dir, exist_ok=True)
-        self.file = open(os.path.join(launch.out_dir, "metrics.jsonl"), "a")
-        self.rows, self.start, self.total = [], time.time(), launch.steps
-        self.tb = self.wandb = None
-        if launch.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(os.path.join(launch.out_dir, "tb"))
-        if launch.wandb_project:
-            import wandb  # optional dependency: asked for by --launch.wandb_project
-            config = {p: dataclasses.asdict(a) for p, a in cfg.items()}  # the logged config is the parsed one
-            self.wandb = wandb.init(project=launch.wandb_project, config=config)
-
-    def log(self, step: int, metrics: dict) -> None:
-        row = {"step": step, "time": time.time() - self.start, **metrics}
-        self.rows.append(row)
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
-        if self.tb:
-            for k, v in metrics.items():
-                self.tb.add_scalar(k, v, step)
-        if self.wandb:
-            self.wandb.log(metrics, step=step)
-        done = step + 1
-        eta = (time.time() - self.start) / max(len(self.rows), 1) * (self.total - done)
-        bar = "#" * int(20 * done / self.total)
-        shown = (f"reward {metrics['rollout/reward_mean']:.3f}" if "rollout/reward_mean" in metrics
-                 else f"nll {metrics.get('loss/sft_nll', float('nan')):.3f}")
-        tok_s = metrics.get("launch/tokens_per_s", metrics.get("train/tokens_per_s", 0.0))
-        print(f"\rstep {done:>4}/{self.total} [{bar:<20}] {shown} tok/s {tok_s:7.1f} eta {eta:5.0f}s",
-              end="\n" if done == self.total else "", flush=True)
-
-    def plot(self, path: str) -> None:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-        for ax, key in ((top, "rollout/reward_mean"), (top, "eval/reward_mean"), (bottom, "loss/vllm_kl"),
-                        (bottom, "loss/mismatch_k3")):
-            pts = [(r["step"], r[key]) for r in self.rows if key in r]
-            if pts:
-                ax.plot(*zip(*pts), label=key)
-        top.set_ylabel("reward"), bottom.set_ylabel("rollout vs trainer"), bottom.set_xlabel("step")
-        top.legend(), bottom.legend()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-
-
-# --- the loop
+# --- the queue: prompt groups in flight on the agent workers, admitted into batches, and the data position
 
 
 class GroupQueue:
@@ -388,41 +502,92 @@ class GroupQueue:
         return out
 
 
-def audit(segments: list) -> None:
-    """Raise unless every row holds, at each action token, exactly the id, log-prob and version recorded where
-    its segment was built (info["sampled"], generator.sampled_record), naming the row and the first position
-    that differs. An unchanged row costs one comparison of tuples."""
-    for s in segments:
-        where, sampled = f"segment {s.info.get('segment', 0)} of episode {s.episode_id!r}", s.info.get("sampled")
-        if sampled is None:
-            raise RuntimeError(f"audit: {where} carries no record of its sampled tokens (info['sampled']); stopping")
-        trained = tuple(tuple(compress(row, s.action_mask)) for row in (s.token_ids, s.logprobs, s.versions))
-        if trained == sampled:
-            continue
-        positions = [t for t, m in enumerate(s.action_mask) if m]
-        k, got, want = next((k, a, b) for k, (a, b) in enumerate(zip_longest(zip(*trained), zip(*sampled))) if a != b)
-        at = f"token {positions[k]}" if k < len(positions) else "the end (an action token is missing)"
-        raise RuntimeError(f"audit: {where} at {at} differs from what the generator returned: (id, log-prob, "
-                           f"version) {got} is trained, {want} was sampled; stopping")
+# --- run_rl's set-up, teardown and clock; Ray placement
 
 
-def rollout_metrics(segments: list, version: int, lag_bins: int) -> dict:
-    """The trained batch: reward over episodes (each counted once), action tokens, the token staleness histogram."""
-    rewards = list({s.episode_id: s.reward for s in segments}.values())
-    mean = sum(rewards) / len(rewards)
-    lags = [version - v for s in segments for v, m in zip(s.versions, s.action_mask) if m]
-    out = {"rollout/trained_reward_mean": mean,
-           "rollout/trained_reward_std": (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5,
-           "rollout/episodes": float(len(rewards)), "rollout/segments": float(len(segments)),
-           "rollout/segments_per_episode": len(segments) / len(rewards),  # > 1: compactions, rewrites, sub-agents
-           "rollout/action_tokens": float(len(lags)),
-           "rollout/constrained_tokens": float(sum(e - b for s in segments for b, e in s.info.get("constrained", ()))),
-           "rollout/truncated_frac": sum(s.truncated for s in segments) / len(segments),
-           "rollout/mixed_version_rows": float(sum(len({v for v in s.versions if v >= 0}) > 1 for s in segments))}
-    for k in range(lag_bins + 1):  # rollout/lag_0 .. lag_K: share of action tokens sampled k versions ago
-        out[f"rollout/lag_{k}"] = sum(lag == k for lag in lags) / max(len(lags), 1)
-    out["rollout/lag_older"] = sum(lag > lag_bins for lag in lags) / max(len(lags), 1)  # partial rollouts only
-    return out
+async def start_rl(cfg: dict) -> types.SimpleNamespace:
+    """run_rl's set-up: the engines, the trainer ranks (resumed: the engines get their weights), the agent workers,
+    the queue at the data position, the metrics log, and the baseline eval of the loaded weights (--eval.before)."""
+    launch, data, train, rollout = cfg["launch"], cfg["data"], cfg["train"], cfg["rollout"]
+    rows = load_rows(data.path, "train")
+    held_out = load_rows(data.path, "test") if cfg["eval"].every else []
+    engine_gpus, rank_gpus = gpu_shares(launch, train, cfg["vllm"])
+    generator = Generator(launch.model, cfg["vllm"], rollout,  # first: it sizes its KV cache
+                          actor_options={**(engine_gpus or {}), **node_options(launch.placement, 0)})
+    trainer = TrainerGroup(launch.model, train, cfg["fsdp"], cfg["ckpt"], cfg["loss"], cfg["estimator"],
+                           temperature=rollout.temperature, gpus_per_rank=rank_gpus, colocated=launch.colocate,
+                           batch_invariant=cfg["vllm"].batch_invariant,
+                           rank_options=[node_options(launch.placement, r) for r in range(train.world_size)])
+    if trainer.version != generator.version:  # resumed: the engines start from the checkpoint's weights
+        await refit(generator, trainer)
+    worker_class = ray.remote(num_cpus=0)(AgentWorker)
+    workers = [worker_class.options(**node_options(launch.placement, i)).remote(
+        cfg["agent"], cfg["chat"], generator, launch.model) for i in range(launch.workers)]
+    await asyncio.gather(*(w.start.remote() for w in workers))
+    queue = GroupQueue(workers, rows, launch.samples_per_prompt, trainer.data_position or {"epoch": 0, "index": 0},
+                       launch.seed, groups=(launch.steps - trainer.step) * launch.batch_prompts)
+    log = MetricsLog(cfg)
+    # K=0: nothing is sampled while training; with partial rollouts --launch.in_flight may keep more groups going
+    capacity = launch.in_flight or launch.batch_prompts * (launch.max_staleness + 1)
+    before = {}
+    if cfg["eval"].every and cfg["eval"].before and trainer.step == 0:  # the baseline every later eval compares with
+        baseline = await evaluate(workers, held_out, cfg["eval"].prompts)
+        before = {"eval/before_reward_mean": baseline["eval/reward_mean"]}
+    return types.SimpleNamespace(generator=generator, trainer=trainer, workers=workers, queue=queue, log=log,
+                                 held_out=held_out, capacity=capacity, before=before, out_dir=launch.out_dir)
+
+
+async def end_step(run: types.SimpleNamespace, clock: "Clock", action_tokens: float) -> dict:
+    """A step's last metrics: the baseline eval's (first step only), the clock's, the queue's, and the engines' and
+    chat servers' counters."""
+    counters = {**(await run.generator.metrics()),
+                **chat_counters(await asyncio.gather(*(w.metrics.remote() for w in run.workers)))}
+    before, run.before = run.before, {}
+    return {**before, **clock.metrics(action_tokens), **run.queue.step_metrics(), **counters}
+
+
+async def stop_rl(run: types.SimpleNamespace, metrics: dict) -> dict:
+    """run_rl's teardown: the reward plot and the final checkpoint, then the workers, engines and ranks end."""
+    run.log.plot(os.path.join(run.out_dir, "reward.png"))
+    path = run.trainer.final_checkpoint(run.queue.checkpoint_position())
+    await run.queue.drain()
+    for w in run.workers:
+        await w.stop.remote()
+    await run.generator.shutdown()
+    run.trainer.shutdown()
+    return {"metrics": metrics, "checkpoint": path, "out_dir": run.out_dir, "errors": run.queue.errors}
+
+
+class Clock:
+    """run_rl's timings: when the step started and its rollout wait ended, its phases' seconds (train, drain,
+    refit), and when the engines were last given groups after a refit."""
+
+    def __init__(self):
+        self.filled = time.perf_counter()
+
+    def start(self) -> None:
+        self.t0, self.seconds = time.perf_counter(), {}
+
+    def waited(self, in_flight: int) -> None:
+        now = time.perf_counter()
+        self.wait_s, self.since_refit_s, self.in_flight = now - self.t0, now - self.filled, in_flight
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        start = time.perf_counter()
+        yield
+        self.seconds[name] = time.perf_counter() - start
+
+    def metrics(self, action_tokens: float) -> dict:
+        step_s = time.perf_counter() - self.t0  # the whole cycle: the next step starts now
+        train_s, drain_s, refit_s = self.seconds["train"], self.seconds["drain"], self.seconds["refit"]
+        return {"launch/step_s": step_s,
+                "launch/rollout_wait_s": self.wait_s,
+                "launch/since_refit_s": self.since_refit_s,  # K=0: the whole rollout phase
+                "launch/groups_in_flight": float(self.in_flight),
+                "launch/train_s": train_s, "launch/drain_s": drain_s, "launch/refit_s": refit_s,
+                "launch/trainer_idle_s": self.wait_s + drain_s + refit_s,  # waiting on groups and engines
+                "launch/tokens_per_s": action_tokens / step_s}
 
 
 CHAT_WORST = ("chat/overhead_ms_p50", "chat/overhead_ms_p99")  # percentiles do not add: the slowest worker's
@@ -435,18 +600,6 @@ def chat_counters(per_worker: list[dict]) -> dict:
         for k, v in metrics.items():
             out[k] = max(out.get(k, v), v) if k in CHAT_WORST else out.get(k, 0) + v
     return out
-
-
-async def refit(generator: Generator, trainer: TrainerGroup) -> dict:
-    """Pause every engine (requests kept), load the trainer's weights (rank 0 sends them), resume; returns the
-    generator/refit_* metrics. Engines that serve LoRA load the adapter unpaused: a request in flight keeps the
-    adapter it started with."""
-    if not generator.serves_adapters:
-        await generator.pause()
-    report = await asyncio.to_thread(trainer.refit, generator)
-    if not generator.serves_adapters:
-        await generator.resume()
-    return report["metrics"]
 
 
 def gpu_shares(launch: LaunchArgs, train: TrainArgs, vllm: VllmArgs) -> tuple[dict | None, float | None]:
@@ -488,167 +641,70 @@ def probe_segments(prompts: list[list[int]], outs: list, images: list[list]) -> 
             for p, o, i in zip(prompts, outs, images)]
 
 
-async def probe_mismatch(generator: Generator, trainer: TrainerGroup, segments: list,
-                         count: int = 8, tokens: int = 32) -> dict:
-    """Forward consistency for a step whose batch held no token of the trainer's version (asynchronous
-    steps, where every token lags): sample a few short continuations of the batch's prompts at once with
-    the weights just refit, and compare those sampling log-probs with the trainer's recompute."""
-    prompts = [s.token_ids[:s.action_mask.index(True)] for s in segments[:count]]
-    images = [[i for i in s.images if i[1] <= len(p)] for s, p in zip(segments, prompts)]   # a VLM's prompt images
-    tokens = min(tokens, generator.rollout.max_new_tokens)
-    outs = await asyncio.gather(*(generator.generate(p, max_new_tokens=tokens, affinity="probe", images=i)
-                                  for p, i in zip(prompts, images)))
-    probes = probe_segments(prompts, outs, images)
-    recomputed = await asyncio.to_thread(trainer.logprobs, probes)
-    pad = lambda rows: torch.nn.utils.rnn.pad_sequence([torch.as_tensor(r) for r in rows], batch_first=True)  # (B, T)
-    return mismatch_metrics(pad([p.logprobs for p in probes]), pad(recomputed), pad([p.action_mask for p in probes]))
+# --- data and metrics: rows from files; metrics.jsonl always, TensorBoard and W&B when asked, a progress line, a plot
 
 
-async def evaluate(workers: list, rows: list[dict], count: int) -> dict:
-    """One sample for each of the first `count` held-out rows under the current weights; not trained. The mean
-    counts each episode once (however many segments it has), and a failed one (dropped) as reward 0."""
-    results = await asyncio.gather(*(workers[i % len(workers)].run_group.remote(row, f"eval{i}", 1)
-                                     for i, row in enumerate(rows[:count])))
-    rewards = [r for out in results for r in {s.episode_id: s.reward for s in out["segments"]}.values()]
-    failed = sum(n for out in results for n in out["dropped"].values())
-    episodes = len(rewards) + failed
-    return {"eval/reward_mean": sum(rewards) / max(episodes, 1), "eval/episodes": float(episodes),
-            "eval/failed_episodes": float(failed)}
+def load_rows(path: str, split: str) -> list[dict]:
+    """Rows of a split: a .py file's rows(split), or a JSONL / parquet file (the same rows for every split)."""
+    if path.endswith(".py"):
+        return load_module(path, "rows", "--data.path").rows(split)
+    if path.endswith(".jsonl"):
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    if path.endswith(".parquet"):
+        import datasets  # heavy; only parquet needs it
+        return list(datasets.load_dataset("parquet", data_files=path, split="train"))
+    raise ValueError(f"--data.path {path}: expected a .py, .jsonl or .parquet file")
 
 
-async def run_rl(cfg: dict) -> dict:
-    """The RL loop. Research surface: the order of rollout, audit, train, refit and eval below is the algorithm's
-    schedule (what to sample while training, when to refit); the math lives in estimators.py and losses.py, and a
-    change to the schedule should need no edit of the token capture (generator.py, chat_server.py, agent.py)."""
-    launch, data, train, rollout = cfg["launch"], cfg["data"], cfg["train"], cfg["rollout"]
-    rows = load_rows(data.path, "train")
-    held_out = load_rows(data.path, "test") if cfg["eval"].every else []
-    engine_gpus, rank_gpus = gpu_shares(launch, train, cfg["vllm"])
-    generator = Generator(launch.model, cfg["vllm"], rollout,  # first: it sizes its KV cache
-                          actor_options={**(engine_gpus or {}), **node_options(launch.placement, 0)})
-    trainer = TrainerGroup(launch.model, train, cfg["fsdp"], cfg["ckpt"], cfg["loss"], cfg["estimator"],
-                           temperature=rollout.temperature, gpus_per_rank=rank_gpus, colocated=launch.colocate,
-                           batch_invariant=cfg["vllm"].batch_invariant,
-                           rank_options=[node_options(launch.placement, r) for r in range(train.world_size)])
-    if trainer.version != generator.version:  # resumed: the engines start from the checkpoint's weights
-        await refit(generator, trainer)
-    worker_class = ray.remote(num_cpus=0)(AgentWorker)
-    workers = [worker_class.options(**node_options(launch.placement, i)).remote(
-        cfg["agent"], cfg["chat"], generator, launch.model) for i in range(launch.workers)]
-    await asyncio.gather(*(w.start.remote() for w in workers))
-    queue = GroupQueue(workers, rows, launch.samples_per_prompt, trainer.data_position or {"epoch": 0, "index": 0},
-                       launch.seed, groups=(launch.steps - trainer.step) * launch.batch_prompts)
-    log = MetricsLog(cfg)
-    # K=0: nothing is sampled while training; with partial rollouts --launch.in_flight may keep more groups going
-    capacity = launch.in_flight or launch.batch_prompts * (launch.max_staleness + 1)
-    metrics, before = {}, {}
-    if cfg["eval"].every and cfg["eval"].before and trainer.step == 0:  # the baseline every later eval compares with
-        baseline = await evaluate(workers, held_out, cfg["eval"].prompts)
-        before = {"eval/before_reward_mean": baseline["eval/reward_mean"]}
-    filled = time.perf_counter()  # when the engines were last given groups after a refit
-    for step in range(trainer.step, launch.steps):
-        # --- rollout: a batch of finished groups (the trainer idles while it waits)
-        t0 = time.perf_counter()
-        groups = await queue.next_batch(launch.batch_prompts, capacity=capacity, filter_range=data.filter_range,
-                                        min_version=trainer.version - launch.max_staleness,
-                                        max_filtered=data.max_filtered_batches * launch.batch_prompts,
-                                        partial=launch.partial_rollout)
-        segments = [s for g in groups for s in g["segments"]]
-        wait_s, since_refit_s = time.perf_counter() - t0, time.perf_counter() - filled
-        in_flight = len(queue.tasks) + queue.done.qsize()  # groups sampling or finished, beyond this batch
-        # --- audit: every trained token is the id, log-prob and version the generator returned (else it raises)
-        audit(segments)
-        metrics = rollout_metrics(segments, trainer.version, launch.max_staleness)
-        if metrics["rollout/constrained_tokens"] and not cfg["loss"].importance_correction:
-            raise ValueError("an agent asked for constrained decoding (tool_choice required or named, a JSON format): "
-                             "its tokens were sampled from the masked distribution, so the trainer's log-probs are "
-                             "not the behaviour policy's; set --loss.is_level token (or seq, geo), or refuse such "
-                             "requests with --chat.refuse_constrained")
-        metrics["rollout/group_s"] = sorted(g["seconds"] for g in groups)[len(groups) // 2]  # median launch-to-finish
-        # --- train one step (in a thread: finished groups keep arriving meanwhile)
-        t1 = time.perf_counter()
-        metrics.update(await asyncio.to_thread(trainer.train_step, segments, data_position=queue.checkpoint_position()))
-        train_s = time.perf_counter() - t1
-        # --- refit: without partial rollouts, in-flight groups finish on the old weights first
-        t2 = time.perf_counter()
-        if not launch.partial_rollout:
-            await queue.drain()
-        t3 = time.perf_counter()
-        metrics.update(await refit(generator, trainer))
-        drain_s, refit_s = t3 - t2, time.perf_counter() - t3
-        probe = None
-        if "loss/vllm_kl" not in metrics:  # mismatch is measured every step, K > 0 included
-            probe = asyncio.create_task(probe_mismatch(generator, trainer, segments))
-            await asyncio.sleep(0)  # it submits its requests now, ahead of the next groups: it never waits behind them
-        if step + 1 < launch.steps:
-            queue.fill(capacity)  # the engines sample the next groups while the probe, eval and logging run
-            filled = time.perf_counter()
-        if probe is not None:
-            metrics.update(await probe)
-        # --- eval, log
-        if cfg["eval"].every and (step + 1) % cfg["eval"].every == 0:
-            metrics.update(await evaluate(workers, held_out, cfg["eval"].prompts))
-        metrics.update(before)  # the first step's row also holds the baseline
-        before = {}
-        counters = {**(await generator.metrics()),
-                    **chat_counters(await asyncio.gather(*(w.metrics.remote() for w in workers)))}
-        step_s = time.perf_counter() - t0  # the whole cycle: the next step starts now
-        metrics.update({"launch/step_s": step_s,
-                        "launch/rollout_wait_s": wait_s,
-                        "launch/since_refit_s": since_refit_s,  # K=0: the whole rollout phase
-                        "launch/groups_in_flight": float(in_flight),
-                        "launch/train_s": train_s, "launch/drain_s": drain_s, "launch/refit_s": refit_s,
-                        "launch/trainer_idle_s": wait_s + drain_s + refit_s,  # waiting on groups and engines
-                        "launch/tokens_per_s": metrics["rollout/action_tokens"] / step_s,
-                        **queue.step_metrics(), **counters})
-        log.log(step, metrics)
-    log.plot(os.path.join(launch.out_dir, "reward.png"))
-    path = trainer.final_checkpoint(queue.checkpoint_position())
-    await queue.drain()
-    for w in workers:
-        await w.stop.remote()
-    await generator.shutdown()
-    trainer.shutdown()
-    return {"metrics": metrics, "checkpoint": path, "out_dir": launch.out_dir, "errors": queue.errors}
+class MetricsLog:
+    def __init__(self, cfg: dict):
+        launch = cfg["launch"]
+        os.makedirs(launch.out_dir, exist_ok=True)
+        self.file = open(os.path.join(launch.out_dir, "metrics.jsonl"), "a")
+        self.rows, self.start, self.total = [], time.time(), launch.steps
+        self.tb = self.wandb = None
+        if launch.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(os.path.join(launch.out_dir, "tb"))
+        if launch.wandb_project:
+            import wandb  # optional dependency: asked for by --launch.wandb_project
+            config = {p: dataclasses.asdict(a) for p, a in cfg.items()}  # the logged config is the parsed one
+            self.wandb = wandb.init(project=launch.wandb_project, config=config)
 
+    def log(self, step: int, metrics: dict) -> None:
+        row = {"step": step, "time": time.time() - self.start, **metrics}
+        self.rows.append(row)
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        if self.tb:
+            for k, v in metrics.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb:
+            self.wandb.log(metrics, step=step)
+        done = step + 1
+        eta = (time.time() - self.start) / max(len(self.rows), 1) * (self.total - done)
+        bar = "#" * int(20 * done / self.total)
+        shown = (f"reward {metrics['rollout/reward_mean']:.3f}" if "rollout/reward_mean" in metrics
+                 else f"nll {metrics.get('loss/sft_nll', float('nan')):.3f}")
+        tok_s = metrics.get("launch/tokens_per_s", metrics.get("train/tokens_per_s", 0.0))
+        print(f"\rstep {done:>4}/{self.total} [{bar:<20}] {shown} tok/s {tok_s:7.1f} eta {eta:5.0f}s",
+              end="\n" if done == self.total else "", flush=True)
 
-def run_sft(cfg: dict) -> dict:
-    """Token NLL on the assistant turns of chat examples (--data.path: JSONL of messages, or rows("sft"))."""
-    launch, train = cfg["launch"], cfg["train"]
-    examples = load_rows(cfg["data"].path, "sft")
-    template = ChatTemplate(launch.model, append_roles=())   # a VLM's expands an example's images
-    segments = sft_batch(examples, template.tokenizer, template=template)
-    trainer = TrainerGroup(launch.model, train, cfg["fsdp"], cfg["ckpt"], cfg["loss"], cfg["estimator"],
-                           temperature=cfg["rollout"].temperature,
-                           rank_options=[node_options(launch.placement, r) for r in range(train.world_size)])
-    log = MetricsLog(cfg)
-    order, metrics = random.Random(launch.seed).sample(range(len(segments)), len(segments)), {}
-    for step in range(trainer.step, launch.steps):
-        start = step * launch.batch_prompts
-        batch = [segments[order[(start + i) % len(order)]] for i in range(launch.batch_prompts)]
-        metrics = trainer.sft_step(batch, data_position={"index": start + launch.batch_prompts})
-        log.log(step, metrics)
-    hf = os.path.join(launch.out_dir, "hf")
-    trainer.export_hf(hf)
-    path = trainer.final_checkpoint({"index": launch.steps * launch.batch_prompts})
-    trainer.shutdown()
-    return {"metrics": metrics, "checkpoint": path, "hf": hf, "out_dir": launch.out_dir}
-
-
-def main(argv: list[str] | None = None) -> dict:
-    cfg = parse_args(argv)
-    ray.init(address=cfg["launch"].ray_address, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    try:
-        out = run_sft(cfg) if cfg["launch"].mode == "sft" else asyncio.run(run_rl(cfg))
-    finally:
-        ray.shutdown()
-    print(f"metrics: {os.path.join(out['out_dir'], 'metrics.jsonl')}")
-    for key in ("hf", "checkpoint"):
-        if out.get(key):
-            print(f"{key}: {out[key]}")
-    if cfg["launch"].mode == "rl":
-        print(f"plot: {os.path.join(out['out_dir'], 'reward.png')}")
-    return out
+    def plot(self, path: str) -> None:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+        for ax, key in ((top, "rollout/reward_mean"), (top, "eval/reward_mean"), (bottom, "loss/vllm_kl"),
+                        (bottom, "loss/mismatch_k3")):
+            pts = [(r["step"], r[key]) for r in self.rows if key in r]
+            if pts:
+                ax.plot(*zip(*pts), label=key)
+        top.set_ylabel("reward"), bottom.set_ylabel("rollout vs trainer"), bottom.set_xlabel("step")
+        top.legend(), bottom.legend()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
 
 
 if __name__ == "__main__":

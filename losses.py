@@ -12,7 +12,7 @@ count-weighted means over microbatches and ranks give the full-batch values (tra
 Nothing leaks from masked positions: every input goes through torch.where before any exp, so -inf
 or NaN there gives exactly zero gradient; log-ratios are clamped to +-20 before exp.
 Not here: log-probs and entropy from logits (trainer.py), advantages (estimators.py), reductions
-across ranks (the trainer builds Denoms from its all-reduced counts).
+across ranks (step_denoms needs none: every rank holds the whole batch).
 
 Research surface: a new surrogate is one function of (logp, old_logp, adv, mask) -> (per-token loss,
 clipped), one SURROGATES entry and one `elif` in compute_policy_loss; a new importance correction is one
@@ -125,6 +125,15 @@ class Denoms:
     num_tokens: float  # action tokens
     num_seqs: float  # rows with at least one action token
     num_prompts: float  # prompt groups with at least one action token
+
+
+def step_denoms(mask: Tensor, group_ids: Tensor) -> tuple[Denoms, Tensor]:
+    """An optimizer step's Denoms from its rows' action mask (B, T) and prompt-group index (B,), and the action tokens
+    of each group index (P,), which agg prompt_mean_token_mean divides a row by (as group_tokens[group_ids])."""
+    live = mask.any(1)  # (B,) rows with an action token
+    denoms = Denoms(num_tokens=float(mask.sum()), num_seqs=float(live.sum()),
+                    num_prompts=float(len(set(group_ids[live].tolist()))))
+    return denoms, torch.zeros(int(group_ids.max()) + 1).index_add_(0, group_ids, mask.sum(1).float())  # (P,)
 
 
 # --- policy surrogates: (logp, old_logp, adv, mask) -> per-token loss (B, T), clipped (B, T) bool

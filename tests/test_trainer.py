@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from estimators import EstimatorArgs
 from generator import Segment
 from losses import LossArgs
-from trainer import (CkptArgs, FsdpArgs, TrainArgs, TrainerGroup, check_args, lr_at, pad_frac, plan_step, sft_batch,
-                     token_logprobs)
+from trainer import (CkptArgs, FsdpArgs, TrainArgs, TrainerGroup, check_args, collate, lr_at, pad_frac, plan_step,
+                     sft_batch, token_logprobs)
 
 VOCAB = 72  # tiny_chars_model
 
@@ -91,6 +91,13 @@ def ws1_after_one_step(ws1):
 
 
 # --- pure functions
+
+def test_collate_carries_each_rows_truncation_for_reward_shaping():
+    # estimators.shape_rewards reads it (--estimator.truncated_reward): rows 1 and 4 were cut off
+    segments = make_segments()
+    for i in (1, 4):
+        segments[i].truncated = True
+    assert collate(segments)["truncated"].tolist() == [i in (1, 4) for i in range(9)]  # 3 groups x 3
 
 
 def test_microbatch_plan_bounds_padded_tokens_and_gives_every_rank_the_same_count():
