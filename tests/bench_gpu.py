@@ -803,12 +803,12 @@ def bench_precision(only: str | None = None) -> dict:
     return out
 
 
-def bench_precision_runs(steps: int = 20) -> dict:
+def bench_precision_runs(modes: list[str], steps: int = 20) -> dict:
     """20 SmolLM2 steps per precision mode (K=0, lr 2e-5, 8 x 8 episodes a step): held-out reward on 200 test pairs
-    before and after, and the mismatch of the last step."""
+    before and after, and the mismatch of the last step. Each mode is reported as it ends."""
     import launch
     ((name, model, agent),), res = precision_models("smollm2"), {}
-    for mode in PRECISIONS:
+    for mode in modes:
         out_dir = os.path.join(ROOT, "runs", f"bench_precision_runs_{mode}")
         shutil.rmtree(out_dir, ignore_errors=True)
         argv = precision_argv(model, agent, out_dir, mode, "--launch.steps", str(steps), "--train.lr", "2e-5",
@@ -820,7 +820,8 @@ def bench_precision_runs(steps: int = 20) -> dict:
                      "mismatch_abs_last": rows[-1]["loss/mismatch_abs"],
                      "skipped_steps": rows[-1].get("train/skipped_steps"),
                      "curve": [(r["step"] + 1, round(r["rollout/reward_mean"], 3)) for r in rows]}
-    return report("precision_runs", **res, model=name, steps=steps)
+        report(f"precision_runs_{mode}", **res[mode], model=name, steps=steps)
+    return res
 
 
 # module names vLLM and transformers share -> the op they stand for; a projection's input too (".input": the attention
@@ -921,9 +922,9 @@ def main() -> None:
     import ray
     sections = sys.argv[1:] or ["logprobs", "trainer", "generator", "refit", "loop1", "loop2", "smollm2", "smollm2_k1",
                                 "longtail", "moe", "vlm", "lora", "lora_smollm2", "precision"]
-    model = model_dir() if set(sections) - {"logprobs", "smollm2", "smollm2_k1", "moe", "vlm", "lora_smollm2",
-                                            "precision", "precision_smollm2", "precision_qwen3_0_6b",
-                                            "precision_runs", "peer", "peer_k1"} else None
+    own_model = {"logprobs", "smollm2", "smollm2_k1", "moe", "vlm", "lora_smollm2", "precision", "precision_smollm2",
+                 "precision_qwen3_0_6b", "peer", "peer_k1"}  # the rest use the random 0.6B shape
+    model = model_dir() if any(s not in own_model and not s.startswith("precision_runs") for s in sections) else None
     ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     for s in sections:
         print(f"== {s}", flush=True)
@@ -972,8 +973,8 @@ def main() -> None:
             bench_lora(smollm2_dir(), "smollm2", "--vllm.dtype", "bfloat16")  # its directory is fp32
         elif s in ("precision", "precision_smollm2", "precision_qwen3_0_6b"):  # both models, or one
             bench_precision(s.removeprefix("precision").removeprefix("_") or None)
-        elif s == "precision_runs":
-            bench_precision_runs()
+        elif s.startswith("precision_runs"):  # all modes, or one: precision_runs_fp16
+            bench_precision_runs([s.removeprefix("precision_runs_")] if s != "precision_runs" else list(PRECISIONS))
     ray.shutdown()
 
 
