@@ -2,7 +2,9 @@
 
 `Segment` is the data contract (one training row of T tokens); `Completion` is one engine answer (T sampled tokens).
 `Generator` is a picklable router over `--vllm.num_engines` Ray actors, each driving one in-process vLLM `AsyncLLM`;
-an episode's requests (`affinity`) share one engine. Log-probs are vLLM's processed ones (logits / temperature).
+an episode's requests (`affinity`) share one engine, and the requests of one event-loop turn (a group's episodes
+starting together) reach it in one Ray call, each answer streamed back as it ends. Log-probs are vLLM's processed
+ones (logits / temperature).
     c = await gen.generate(prompt_ids, affinity=episode_id)   # c.token_ids, c.logprobs, c.versions: (T,)
     await gen.pause(); await gen.update_weights(named_tensors, version=7); await gen.resume()
 A refit keeps in-flight requests (pause in keep mode, KV recomputed): tokens emitted before the pause carry the old
