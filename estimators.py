@@ -193,14 +193,13 @@ def batch_baseline(rewards: Tensor, episode_ids: Tensor, mask: Tensor) -> Tensor
 
 # --- reward shaping from rollout facts, then the dispatch: the one place that reads EstimatorArgs
 
-def shape_rewards(args: EstimatorArgs, rewards: Tensor, episode_ids: Tensor, mask: Tensor, truncated: Tensor) -> Tensor:
+def shape_rewards(args: EstimatorArgs, rewards: Tensor, episode_ids: Tensor, mask: Tensor,
+                  truncated: Tensor | None) -> Tensor:
     """The home of reward shaping from what the rollout did, before any estimator reads the rewards: rewards (B,),
     episode ids (B,), mask (B, T) (its row sums are the action lengths), truncated (B,) bool (the row hit max tokens
-    or max context). Every row of one episode must get one reward: a term applies per episode."""
-    if args.truncated_reward is not None:  # any truncated row marks its whole episode
-        _, row_episode = torch.unique(episode_ids, return_inverse=True)  # (B,)
-        cut = rewards.new_zeros(int(row_episode.max()) + 1).index_add_(0, row_episode, truncated.to(rewards.dtype))
-        rewards = torch.where(cut[row_episode] > 0, args.truncated_reward, rewards)  # (B,)
+    or max context; None: none did). Every row of one episode must get one reward: a term applies per episode."""
+    if args.truncated_reward is not None and truncated is not None:  # a truncated row marks its whole episode
+        rewards = torch.where(torch.isin(episode_ids, episode_ids[truncated]), args.truncated_reward, rewards)  # (B,)
     return rewards
 
 
@@ -210,9 +209,7 @@ def compute_advantages(args: EstimatorArgs, rewards: Tensor, group_ids: Tensor, 
     """-> (advantages (B, T), returns (B, T) for gae else None, metrics {key: float}). The estimator validates.
     truncated (B,) bool: which rows hit max tokens or max context (none when not given)."""
     returns = None
-    if len(rewards):
-        truncated = torch.zeros(rewards.shape, dtype=torch.bool) if truncated is None else truncated
-        rewards = shape_rewards(args, rewards, episode_ids, mask, truncated)
+    rewards = shape_rewards(args, rewards, episode_ids, mask, truncated)
     if args.name == "reinforce":
         adv = reinforce(rewards, mask, kl=kl, kl_coef=args.kl_coef, gamma=args.gamma, whiten=args.whiten,
                         std_eps=args.std_eps)

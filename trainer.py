@@ -495,8 +495,7 @@ class TrainerRank:
     def optimizer_step(self, model, optimizer, base_lr: float, scaler: "LossScale") -> tuple[float, float]:
         """Clip model's gradients, take one AdamW step at the scheduled lr; -> (gradient norm before clipping, lr).
         The gradients are of the loss x scaler.scale; a float16 step whose gradient is not finite is skipped."""
-        if self.fsdp.tp_size > 1 or self.fsdp.ep_size > 1:  # NeMo's parallel plans leave these gradients partial
-            reduce_parallel_grads(self, model)
+        reduce_parallel_grads(self, model)  # --fsdp.tp_size, --fsdp.ep_size: NeMo's plans leave gradients partial
         grad_norm = clip_grad_norm(list(model.parameters()), self.train.grad_clip, scaler.scale)
         lr = lr_at(self.optimizer_steps, lr=base_lr, warmup_steps=self.train.warmup_steps, schedule=self.train.schedule,
                    total_steps=self.train.total_steps)
