@@ -2,7 +2,9 @@
 
 `Segment` is the data contract (one training row of T tokens); `Completion` is one engine answer (T sampled tokens).
 `Generator` is a picklable router over `--vllm.num_engines` Ray actors, each driving one in-process vLLM `AsyncLLM`;
-an episode's requests (`affinity`) share one engine. Log-probs are vLLM's processed ones (logits / temperature).
+an episode's requests (`affinity`) share one engine, and the requests of one event-loop turn (a group's episodes
+starting together) reach it in one Ray call, each answer streamed back as it ends. Log-probs are vLLM's processed
+ones (logits / temperature).
     c = await gen.generate(prompt_ids, affinity=episode_id)   # c.token_ids, c.logprobs, c.versions: (T,)
     await gen.pause(); await gen.update_weights(named_tensors, version=7); await gen.resume()
 A refit keeps in-flight requests (pause in keep mode, KV recomputed): tokens emitted before the pause carry the old
@@ -247,9 +249,10 @@ class Generator:
         self._vocab_size, self.dtype = infos[0]["vocab_size"], infos[0]["dtype"]
         self._gpus = [uuid for info in infos for uuid in info["gpus"]]  # each engine worker's GPU
         self._next, self._nccl, self._ipc, self._timings, self.dead = 0, None, None, {}, None
+        self._pending, self._drains = {}, set()  # engine -> requests of this event-loop turn; streams being read
 
-    def __getstate__(self):  # an NCCL communicator and a CUDA IPC buffer belong to the process that made them
-        return {**self.__dict__, "_nccl": None, "_ipc": None}
+    def __getstate__(self):  # an NCCL communicator, a CUDA IPC buffer and futures belong to the process that made them
+        return {**self.__dict__, "_nccl": None, "_ipc": None, "_pending": {}, "_drains": set()}
 
     @property
     def serves_adapters(self) -> bool:
@@ -284,11 +287,10 @@ class Generator:
             i, self._next = self._next % len(self._engines), self._next + 1
         else:
             i = pick_engine(affinity, len(self._engines))
-        ref = self._engines[i].generate.remote(
-            [int(t) for t in prompt_ids], self.rollout, request_id or uuid.uuid4().hex, max_new_tokens=max_new_tokens,
-            stop_token_ids=stop_token_ids, seed=seed, ignore_eos=ignore_eos, constraint=constraint,
-            images=[(int(a), int(b), bytes(data)) for a, b, data in images])
-        return await self._await(i, ref)
+        request = ([int(t) for t in prompt_ids], request_id or uuid.uuid4().hex,
+                   dict(max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, seed=seed, ignore_eos=ignore_eos,
+                        constraint=constraint, images=[(int(a), int(b), bytes(data)) for a, b, data in images]))
+        return await send_request(self, i, request)  # one Ray call carries every request of this event-loop turn
 
     # --- refit: pause, update_weights, resume
 
@@ -394,6 +396,55 @@ def engine_error(i: int, e: Exception) -> Exception:
     return EngineDied(f"engine {i} died: {e}")
 
 
+async def send_request(gen: Generator, i: int, request: tuple) -> Completion:
+    """Engine i's answer to one request. The requests made in one turn of this event loop (a group's episodes
+    starting together) go in one Ray call, Engine.generate_many, whose answers stream back as each finishes."""
+    loop = asyncio.get_running_loop()
+    future, pending = loop.create_future(), gen._pending.setdefault(i, [])
+    if not pending:
+        loop.call_soon(flush_requests, gen, i)
+    pending.append((request, future))
+    return await future
+
+
+def flush_requests(gen: Generator, i: int) -> None:
+    batch = gen._pending.pop(i)
+    stream = gen._engines[i].generate_many.remote(gen.rollout, [request for request, _ in batch])
+    task = asyncio.ensure_future(drain_answers(gen, i, stream, [future for _, future in batch]))
+    gen._drains.add(task)  # held until it ends: the loop keeps only weak references to tasks
+    task.add_done_callback(gen._drains.discard)
+
+
+async def drain_answers(gen: Generator, i: int, stream, futures: list[asyncio.Future]) -> None:
+    """Each streamed answer to its asker; the call's own failure (a dead engine) to every asker still waiting."""
+    try:
+        async for ref in stream:
+            k, completion, error = await ref
+            if futures[k].done():  # the asker was cancelled
+                continue
+            if error is None:
+                futures[k].set_result(completion)
+            elif isinstance(error, ValueError):
+                futures[k].set_exception(error)
+            else:
+                futures[k].set_exception(answer_error(gen, i, *error))
+    except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
+        error = engine_error(i, e)
+        if isinstance(error, EngineDied):
+            gen.dead = error  # read by agent.py's run_group: an episode's own handling may have hidden it
+        for future in futures:
+            if not future.done():
+                future.set_exception(error)
+
+
+def answer_error(gen: Generator, i: int, name: str, text: str) -> Exception:
+    """One request's failure inside a working call: vLLM's engine died under it, or the request failed."""
+    if name != "EngineDeadError":
+        return RuntimeError(f"engine {i} failed: {text}")
+    gen.dead = EngineDied(f"engine {i} died: {text}")
+    return gen.dead
+
+
 def refit_report(start: float, worker_s: float, messages: int, nbytes: int, **extra) -> dict:
     """What a refit (either kind) returns, with "metrics": the generator/refit_* metrics launch.py logs."""
     refit_s = time.perf_counter() - start
@@ -426,6 +477,7 @@ class Engine:
     def __init__(self, model_path: str, vllm: VllmArgs):
         self.model_path, self.vllm, self.llm, self.banned = model_path, vllm, None, ()
         self.requests, self.tokens, self.prompt_tokens, self.request_s, self.checked = 0, 0, 0, 0.0, 0
+        self.calls = 0  # generate_many calls: requests / calls is how many requests a Ray call carried
         self.paused, self.adding, self.open = False, 0, asyncio.Event()  # open: no refit under way
         self.open.set()
         self.refits, self.at_pause = {}, {}  # request id -> [(k, v)]: from output token k on, version v
@@ -504,6 +556,23 @@ class Engine:
         self.request_s += time.perf_counter() - start
         return Completion(token_ids=ids, logprobs=[lp[t].logprob for lp, t in zip(out.logprobs or [], ids)],
                           versions=versions, finish_reason=out.finish_reason, routed_experts=out.routed_experts)
+
+    async def generate_many(self, rollout: RolloutArgs, requests: list[tuple[list[int], str, dict]]):
+        """Each (prompt ids, request id, generate's keywords) as generate runs it, in one Ray call; yields (k, the
+        k-th request's Completion, None) or (k, None, its error) as each finishes: a ValueError is the asker's and
+        travels as itself, any other error as (type name, repr) (not every exception pickles)."""
+        self.calls += 1
+
+        async def one(k: int, request: tuple) -> tuple:
+            prompt_ids, request_id, kw = request
+            try:
+                return k, await self.generate(prompt_ids, rollout, request_id, **kw), None
+            except ValueError as e:
+                return k, None, e
+            except Exception as e:  # reported to its asker; the others go on
+                return k, None, (type(e).__name__, repr(e))
+        for done in asyncio.as_completed([one(k, request) for k, request in enumerate(requests)]):
+            yield await done
 
     async def pause(self) -> None:
         self.open.clear()
@@ -592,7 +661,8 @@ class Engine:
     async def metrics(self) -> dict:
         return {"generator/requests": self.requests, "generator/tokens": self.tokens,
                 "generator/prompt_tokens": self.prompt_tokens, "generator/request_s": self.request_s,
-                "generator/boundaries_checked": self.checked, "generator/adapters_loaded": len(self.users)}
+                "generator/boundaries_checked": self.checked, "generator/adapters_loaded": len(self.users),
+                "generator/ray_calls": self.calls}
 
     async def shutdown(self) -> None:
         self.llm.shutdown()

@@ -435,6 +435,38 @@ def test_metrics_count_requests_and_tokens(tiny_generator):
     assert after["generator/version"] == tiny_generator.version
 
 
+def test_requests_of_one_event_loop_turn_share_one_ray_call_and_each_answer_comes_back_as_it_ends(tiny_generator):
+    # 8 requests made together (as a group's episodes start) travel in 1 generate_many call; the 1-token one answers
+    # while the 48-token ones still sample (one engine step against 48); a request made afterwards is a 2nd call
+    async def main():
+        before = await tiny_generator.metrics()
+        short = asyncio.ensure_future(tiny_generator.generate([5, 6], max_new_tokens=1, ignore_eos=True))
+        long = [asyncio.ensure_future(tiny_generator.generate([5, 6, i], max_new_tokens=48, ignore_eos=True))
+                for i in range(7)]
+        done, _ = await asyncio.wait([short, *long], return_when=asyncio.FIRST_COMPLETED)
+        assert done == {short} and not any(task.done() for task in long)
+        answers = await asyncio.gather(*long)
+        after_group = await tiny_generator.metrics()
+        await tiny_generator.generate([7], max_new_tokens=2)
+        return before, after_group, await tiny_generator.metrics(), short.result(), answers
+    before, group, after, short, answers = run(main())
+    assert group["generator/ray_calls"] - before["generator/ray_calls"] == 1
+    assert group["generator/requests"] - before["generator/requests"] == 8
+    assert after["generator/ray_calls"] - group["generator/ray_calls"] == 1
+    assert len(short.token_ids) == 1 and [len(c.token_ids) for c in answers] == [48] * 7
+
+
+def test_a_refused_request_fails_alone_in_its_ray_call(tiny_generator):
+    # the engine refuses images for a text model (a ValueError: the asker's); its neighbour in the call samples
+    async def main():
+        bad = tiny_generator.generate([5, 6, 7], images=[(0, 2, b"png")], max_new_tokens=2)
+        good = tiny_generator.generate([5, 6, 7], max_new_tokens=3, ignore_eos=True)
+        return await asyncio.gather(bad, good, return_exceptions=True)
+    bad, good = run(main())
+    assert isinstance(bad, ValueError) and "not a VLM" in str(bad)
+    assert len(good.token_ids) == 3
+
+
 # --- mixture of experts: its own engine (vLLM's CPU reload skips the experts' repacking)
 
 @pytest.fixture(scope="module")
