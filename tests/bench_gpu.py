@@ -194,6 +194,10 @@ def bench_trainer(model: str, seq: int = 16384, warmup: int = 2, steps: int = 5)
 # --- generator: ours vs raw vLLM; then refit timings
 
 async def bench_generator(model: str, n: int = 256, new: int = 256, rounds: int = 6) -> dict:
+    """Generator.generate vs AsyncLLM in this process, 256 prompts x 256 tokens, 6 paired rounds, one engine each.
+    H200, 2026-12-04, two calls back to back: one Ray call per request 0.970x (19,515 vs 20,331 tokens/s); the
+    requests of one event-loop turn in one Ray call 1.131x (24,432 vs 21,601), every round above raw. Not profiled:
+    generate_many adds all of a turn's requests before the engine steps, where raw's gather adds them one by one."""
     import ray
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -805,7 +809,10 @@ def bench_precision(only: str | None = None) -> dict:
 
 def bench_precision_runs(modes: list[str], steps: int = 20) -> dict:
     """20 SmolLM2 steps per precision mode (K=0, lr 2e-5, 8 x 8 episodes a step): held-out reward on 200 test pairs
-    before and after, and the mismatch of the last step. Each mode is reported as it ends."""
+    before and after, and the mismatch of the last step. Each mode is reported as it ends.
+    H200, 2026-12-04 (one run each): held-out bf16 0.46 -> 0.86, fp16 0.46 -> 0.835, bf16 batch-invariant 0.445 ->
+    0.885; last step's mean |dlogp| 0.038 / 0.0035 / 0.041; fp16 skipped no step. All three learn alike in 20 steps;
+    one seed each cannot rank them. Device time: ~190 s a mode, engine start included."""
     import launch
     ((name, model, agent),), res = precision_models("smollm2"), {}
     for mode in modes:
