@@ -245,7 +245,7 @@ class Generator:
             try:
                 infos.append(ray.get(ref))  # blocks: start-up happens once, before any loop runs
             except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
-                raise engine_error(i, e) from e
+                raise engine_error(self, i, e) from e
         self._vocab_size, self.dtype = infos[0]["vocab_size"], infos[0]["dtype"]
         self._gpus = [uuid for info in infos for uuid in info["gpus"]]  # each engine worker's GPU
         self._next, self._nccl, self._ipc, self._timings, self.dead = 0, None, None, {}, None
@@ -263,10 +263,7 @@ class Generator:
         try:
             return await ref
         except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
-            error = engine_error(i, e)
-            if isinstance(error, EngineDied):
-                self.dead = error  # read by agent.py's run_group: an episode's own handling may have hidden it
-            raise error from e
+            raise engine_error(self, i, e) from e
 
     async def _all(self, method: str, *args) -> list:
         refs = [getattr(e, method).remote(*args) for e in self._engines]
@@ -387,13 +384,13 @@ class EngineDied(RuntimeError):
     """An engine actor or its vLLM engine is gone; agent.py re-raises it: the loop stops, no episode is dropped."""
 
 
-def engine_error(i: int, e: Exception) -> Exception:
-    """What a failed engine call raises: the caller's own ValueError, else an error naming the engine."""
+def engine_error(gen: Generator, i: int, e: Exception) -> Exception:
+    """What a failed engine call raises: the caller's own ValueError, else answer_error's error naming the engine."""
     if isinstance(e, ray.exceptions.RayTaskError) and isinstance(e.cause, ValueError):
         return e.cause
     if isinstance(e, ray.exceptions.RayTaskError) and type(e.cause).__name__ != "EngineDeadError":
         return RuntimeError(f"engine {i} failed: {e.cause!r}")
-    return EngineDied(f"engine {i} died: {e}")
+    return answer_error(gen, i, "EngineDeadError", str(e))
 
 
 async def send_request(gen: Generator, i: int, request: tuple) -> Completion:
@@ -424,21 +421,18 @@ async def drain_answers(gen: Generator, i: int, stream, futures: list[asyncio.Fu
                 continue
             if error is None:
                 futures[k].set_result(completion)
-            elif isinstance(error, ValueError):
-                futures[k].set_exception(error)
-            else:
-                futures[k].set_exception(answer_error(gen, i, *error))
+            else:  # a ValueError is the asker's own
+                futures[k].set_exception(error if isinstance(error, ValueError) else answer_error(gen, i, *error))
     except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
-        error = engine_error(i, e)
-        if isinstance(error, EngineDied):
-            gen.dead = error  # read by agent.py's run_group: an episode's own handling may have hidden it
+        error = engine_error(gen, i, e)
         for future in futures:
             if not future.done():
                 future.set_exception(error)
 
 
 def answer_error(gen: Generator, i: int, name: str, text: str) -> Exception:
-    """One request's failure inside a working call: vLLM's engine died under it, or the request failed."""
+    """One request's failure: it failed, or vLLM's engine died under it (kept in gen.dead: agent.py's run_group reads
+    it, as an episode's own handling may have hidden it)."""
     if name != "EngineDeadError":
         return RuntimeError(f"engine {i} failed: {text}")
     gen.dead = EngineDied(f"engine {i} died: {text}")
