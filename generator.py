@@ -396,26 +396,21 @@ def engine_error(gen: Generator, i: int, e: Exception) -> Exception:
 async def send_request(gen: Generator, i: int, request: tuple) -> Completion:
     """Engine i's answer to one request. The requests made in one turn of this event loop (a group's episodes
     starting together) go in one Ray call, Engine.generate_many, whose answers stream back as each finishes."""
-    loop = asyncio.get_running_loop()
-    future, pending = loop.create_future(), gen._pending.setdefault(i, [])
-    if not pending:
-        loop.call_soon(flush_requests, gen, i)
+    future, pending = asyncio.get_running_loop().create_future(), gen._pending.setdefault(i, [])
+    if not pending:  # the call's task first runs on the loop's next turn, once this turn's requests are in
+        task = asyncio.ensure_future(drain_answers(gen, i))
+        gen._drains.add(task)  # held until it ends: the loop keeps only weak references to tasks
+        task.add_done_callback(gen._drains.discard)
     pending.append((request, future))
     return await future
 
 
-def flush_requests(gen: Generator, i: int) -> None:
+async def drain_answers(gen: Generator, i: int) -> None:
+    """Send engine i this turn's requests; each answer to its asker, the call's own failure to every asker left."""
     batch = gen._pending.pop(i)
-    stream = gen._engines[i].generate_many.remote(gen.rollout, [request for request, _ in batch])
-    task = asyncio.ensure_future(drain_answers(gen, i, stream, [future for _, future in batch]))
-    gen._drains.add(task)  # held until it ends: the loop keeps only weak references to tasks
-    task.add_done_callback(gen._drains.discard)
-
-
-async def drain_answers(gen: Generator, i: int, stream, futures: list[asyncio.Future]) -> None:
-    """Each streamed answer to its asker; the call's own failure (a dead engine) to every asker still waiting."""
+    futures = [future for _, future in batch]
     try:
-        async for ref in stream:
+        async for ref in gen._engines[i].generate_many.remote(gen.rollout, [request for request, _ in batch]):
             k, completion, error = await ref
             if futures[k].done():  # the asker was cancelled
                 continue
