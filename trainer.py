@@ -476,8 +476,7 @@ class TrainerRank:
             value_loss, value_metrics = compute_value_loss(self.loss, v, x["values"], x["returns"], x["mask"],
                                                            denoms=denoms)
             (value_loss * self.dp_size * self.critic_scaler.scale).backward()
-            value_mean = (v.detach() * x["mask"]).sum() / x["mask"].sum().clamp(min=1)
-            value_metrics["train/value_mean"] = float(value_mean)
+            value_metrics["train/value_mean"] = float((v.detach() * x["mask"]).sum() / x["mask"].sum().clamp(min=1))
             records.append((float(x["mask"].sum()), value_metrics))
         grad_norm, _ = self.optimizer_step(self.critic, self.critic_optimizer, self.train.critic_lr, self.critic_scaler)
         return records + [(1.0, {"train/critic_grad_norm": grad_norm})]
@@ -840,8 +839,7 @@ def sft_batch(examples: list[dict], tokenizer, *, end_token: str = "<|im_end|>",
 
 
 def enable_batch_invariant_kernels() -> None:
-    """--vllm.batch_invariant: this rank's matmuls, log-softmax and mean run vLLM's batch-invariant kernels, the
-    ones its engines run (the same vLLM installation's torch overrides)."""
+    """--vllm.batch_invariant: this rank's matmuls, log-softmax and mean run the kernels its engines run (vLLM's)."""
     os.environ["VLLM_BATCH_INVARIANT"] = "1"
     try:  # vLLM 0.26 (the GPU's); later versions moved the module to model_executor.determinism
         from vllm.model_executor.layers.batch_invariant import enable_batch_invariant_mode
@@ -942,8 +940,7 @@ def setup_policy_extras(rank: TrainerRank) -> None:
 
 
 def install_replay(rank: TrainerRank, model) -> tuple[int, int, int]:
-    """Point every MoE gate of model (NeMo's Qwen3-MoE class) at replayed_ids; -> (MoE layers, top_k, experts),
-    the shape collate checks each segment's routed_experts against."""
+    """Point every MoE gate of model (NeMo's Qwen3-MoE class) at replayed_ids; -> (MoE layers, top_k, experts)."""
     from nemo_automodel.components.moe.layers import Gate
     gates = [m for m in model.modules() if isinstance(m, Gate)]  # in layer order
     if not gates:
@@ -961,16 +958,14 @@ def reduce_parallel_grads(rank: TrainerRank, model) -> None:
         for name, p in model.named_parameters():  # ranks, not dp: ep_size x the scale of the others
             if ".experts." in name and p.grad is not None:
                 p.grad.div_(rank.fsdp.ep_size)
-    if rank.fsdp.tp_size > 1:  # NeMo's plan keeps Qwen3's q_norm/k_norm whole while each rank normalizes only its
-        # own heads, marking them for a sum of the ranks' partial gradients that its recipes (not parallelize_model)
-        # take here
+    if rank.fsdp.tp_size > 1:  # NeMo's plan keeps Qwen3's q_norm/k_norm whole while each rank normalizes its own
+        # heads: its recipes (not parallelize_model) sum the ranks' partial gradients, so we do it here
         from nemo_automodel.components.distributed.tp_replicas import synchronize_tp_replica_gradients
         synchronize_tp_replica_gradients([model], rank.dist_setup.mesh_context.device_mesh)
 
 
 def image_inputs(rank: TrainerRank, images: list) -> dict[str, torch.Tensor]:
-    """A VLM's inputs for decoded images as its processor computes them (pixel_values, and what else it returns:
-    Idefics3's pixel_attention_mask, ...), on this rank's device."""
+    """A VLM's inputs for decoded images, all its processor returns (pixel_values, ...), on this rank's device."""
     inputs = rank.processor.image_processor(images=images, return_tensors="pt")
     return {k: v.to(rank.device) for k, v in inputs.items()}
 
@@ -988,9 +983,8 @@ def add_blank_row(rank: TrainerRank, ids: torch.Tensor, images: dict) -> tuple[t
 
 
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None, scale: float = 1.0) -> float:
-    """Global L2 norm over all ranks of the gradients of a loss multiplied by scale (LossScale), divided out here in
-    the clip's own pass; scale them down to max_norm when above it. Gradients are grouped by device mesh (a DTensor
-    norm reduces over its own mesh only) and each group reduced once."""
+    """Global L2 norm over all ranks of the gradients of loss x scale (LossScale), the scale divided out in the clip's
+    own pass, clipped to max_norm. Grouped by device mesh: a DTensor norm reduces over its own mesh only."""
     groups = {}
     for p in params:
         if p.grad is not None:
@@ -1118,11 +1112,10 @@ def export_bucket_of(rank: TrainerRank, index: int, bucket_mb: float,
 
 
 def refit_from(rank: TrainerRank, generator, colocated: bool) -> dict | None:
-    """Every rank gathers each full parameter in turn; rank 0 streams them, cast to the engine's dtype and on its
-    own device, to the generator. The one choice between the two refits: engines that serve LoRA
-    (--vllm.max_lora_rank) get the adapter alone (update_adapter, no pause needed); others every trained weight,
-    a LoRA merged into its base weights (update_weights, paused). Rank 0 keeps its first router copy: that copy
-    holds the NCCL group a refit to other GPUs opens once."""
+    """Every rank gathers each full parameter in turn; rank 0 streams them, in the engine's dtype, to the generator:
+    engines that serve LoRA (--vllm.max_lora_rank) get the adapter alone (update_adapter, no pause needed), others
+    every trained weight, a LoRA merged in (update_weights, paused). Rank 0 keeps its first router copy: it holds the
+    NCCL group a refit to other GPUs opens once."""
     if rank.router is None or rank.router.id != generator.id:
         rank.router = generator
     dtype, params = getattr(torch, generator.dtype), list(rank.model.named_parameters())
@@ -1145,8 +1138,7 @@ def refit_from(rank: TrainerRank, generator, colocated: bool) -> dict | None:
 
 
 def hf_params(rank: TrainerRank, adapter: bool):
-    """(checkpoint name, full tensor) pairs of peft's adapter alone (adapter), else of every policy weight, a LoRA
-    adapter merged into its base weights."""
+    """(checkpoint name, full tensor) of peft's adapter alone (adapter), else of every weight, a LoRA merged in."""
     if adapter:
         trained = [(n, p) for n, p in rank.model.named_parameters() if p.requires_grad]
         return ((PEFT_PREFIX + name, full) for name, full in full_params(rank, trained))
@@ -1156,8 +1148,7 @@ def hf_params(rank: TrainerRank, adapter: bool):
 
 def write_hf_dir(rank: TrainerRank, path: str, merged: bool | None = None) -> None:
     """An HF model directory: one safetensors file of the full weights, and model_path's other files. With LoRA,
-    peft's adapter directory instead (adapter_model.safetensors, adapter_config.json), unless merged (default
-    --ckpt.hf_merged): then the full weights with the adapter merged in."""
+    peft's adapter directory, unless merged (default --ckpt.hf_merged): then the full weights, the adapter merged in."""
     adapter = bool(rank.adapted) and not (rank.ckpt.hf_merged if merged is None else merged)
     tensors = {name: full.to("cpu", copy=True) for name, full in hf_params(rank, adapter)
                if rank.rank == 0}  # every rank joins each gather; only rank 0 copies to host
