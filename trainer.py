@@ -2,23 +2,18 @@
 
 Shapes: B rows (segments), T tokens (the longest row of the batch or microbatch), V vocabulary.
 Contract: TrainerGroup(model_path, train, fsdp, ckpt, loss, estimator, temperature=...) starts --train.world_size Ray
-actors, one rank each, in one process group (gloo on CPU, NCCL on GPU). train_step(segments) -> metrics runs one RL
-step; sft_step(segments) trains token NLL on the action tokens; logprobs(segments) -> [(T,)] recomputes log-probs of
-logits / temperature; export_weights(bucket_mb) yields lists of (checkpoint name, tensor); refit(generator) loads the
-current weights into a paused Generator straight from rank 0 (on GPU they never leave it); save/load/--ckpt.resume use
-torch.distributed.checkpoint. Every rank receives the whole batch and derives the same plan, advantages and loss
-denominators from it; besides the model's own collectives, ranks only all-reduce the no-grad pass's per-row results
-(a gather) and each step's loss (a metric).
-Qwen3-MoE trains as NeMo's own MoE class (--fsdp.ep_size shards its experts), every other model as its HF class;
---train.routing_replay replays each segment's recorded routed_experts (T, layers, top_k; -1 = live top-k) in the
-forward, the gate still getting gradient. --train.lora_rank: NeMo AutoModel's LoRA on --train.lora_targets, the rest
-frozen (no gradient, no AdamW state, not in checkpoints); a refit sends the adapter to engines that serve LoRA, else
-the merged weights. Not here: sampling and the refit transport (generator.py), advantage and loss math
-(estimators.py, losses.py), the loop (launch.py). Refused with a message: context parallelism, tensor parallelism
-on Qwen3-MoE, expert parallelism off it, routing replay on a dense model or on a batch with no routed_experts.
-Reading order: the flags, the pure functions (collate, plan_step, token_logprobs, lr_at, merge_metrics), TrainerRank
-and its train_step; below the banner `machinery: model loading, refit and HF export, checkpoint files, Ray ranks`:
-TrainerGroup (the driver of the rank actors), input checks, loading (NeMo AutoModel, a VLM, LoRA), refit, checkpoints.
+actors, one rank each, in one process group (gloo on CPU, NCCL on GPU). train_step(segments) -> metrics: one RL step;
+sft_step(segments): token NLL on the action tokens; logprobs(segments) -> [(T,)] under logits / temperature;
+refit(generator) loads the current weights into a paused Generator from rank 0 (on GPU they never leave it);
+save/load/--ckpt.resume use torch.distributed.checkpoint. Every rank receives the whole batch and derives the same
+plan, advantages and loss denominators; besides the model's own collectives, ranks only all-reduce the no-grad
+pass's rows (a gather) and each step's loss (a metric).
+Qwen3-MoE trains as NeMo's MoE class (--fsdp.ep_size shards its experts, --train.routing_replay replays recorded
+routed_experts), every other model as its HF class; --train.lora_rank trains NeMo AutoModel's LoRA, the rest frozen.
+Not here: sampling and the refit transport (generator.py), advantage and loss math (estimators.py, losses.py), the
+loop (launch.py). Refused: context parallelism, TP on Qwen3-MoE, EP or routing replay off it.
+Reading order: the flags, the pure functions, TrainerRank and its train_step; below the banner: TrainerGroup (the
+driver), input checks, loading (NeMo AutoModel, a VLM, LoRA), refit and HF export, checkpoints.
 """
 import asyncio
 import functools
@@ -234,8 +229,7 @@ def plan_step(lengths: list[int], *, minibatches: int, dp_size: int, max_tokens:
 
 
 def pad_frac(lengths: list[int], plan: list) -> float:
-    """Share of the positions a step's forwards compute (a microbatch: its rows x its longest row) that are padding;
-    the empty microbatches of short ranks (one masked token each) are left out."""
+    """Share of padding in a step's forwards (a microbatch computes rows x longest row), empty microbatches left out."""
     micros = [micro for minibatch in plan for rank in minibatch for micro in rank if micro]
     positions = sum(len(micro) * max(lengths[i] for i in micro) for micro in micros)
     return 1.0 - sum(lengths[i] for micro in micros for i in micro) / positions
@@ -287,9 +281,8 @@ EXTREMES = {"estimator/adv_max": max, "estimator/adv_min": min, "loss/mismatch_m
 
 
 def merge_metrics(records: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
-    """Weighted mean of each key over (weight, metrics) records from every rank, except the EXTREMES, which take
-    their max or min. A weight is the count its record's means are over (1 for per-step records), so the merge
-    equals the full batch's value; a key whose records all count 0 is 0, as a mean over nothing is in losses.py."""
+    """Each key's mean over every rank's (weight, metrics) records, weighted by the count a record's means are over
+    (1 per step): the full batch's value; EXTREMES take their max or min; an all-count-0 key is 0, as in losses.py."""
     out, weights = {}, {}
     for weight, metrics in records:
         for key, value in metrics.items():
@@ -367,9 +360,8 @@ class TrainerRank:
         return x
 
     def policy_logprobs(self, model, x: dict, temperature: float, *, entropy: bool = False):
-        """(B, T) log-probs of a microbatch's ids under model's logits / temperature, and (B, T) entropy when asked;
-        with --train.routing_replay, the policy's MoE layers replay x["routed"] (B, T, layers, top_k); a VLM sees
-        x["images"] (microbatch), and a microbatch without images the blank row (add_blank_row)."""
+        """(B, T) log-probs of x["ids"] under model's logits / temperature, and (B, T) entropy when asked; MoE layers
+        replay x["routed"] (--train.routing_replay); a VLM sees x["images"], or without any the blank row."""
         B, T = x["ids"].shape
         ids, images = add_blank_row(self, x["ids"], x.get("images", {}))  # (B, T), or a VLM's (B + 1, T or more)
         self.replay = x.get("routed")  # read by replayed_ids in this forward and in its checkpoint recompute
@@ -384,10 +376,9 @@ class TrainerRank:
                               compiled=self.cuda and self.fsdp.compile_logprobs)
 
     def replayed_ids(self, layer: int, live: torch.Tensor) -> torch.Tensor:
-        """MoE layer `layer`'s (N, K) expert ids, N = b * t: this forward's recorded ids where >= 0, live elsewhere.
-        The gate gathers its softmax over all experts at these ids (renormalized, norm_topk_prob), so it keeps
-        its gradient. self.replay is bound per microbatch by policy_logprobs, so an activation-checkpoint
-        recompute in backward (which runs before the next microbatch's forward) replays the same ids."""
+        """MoE layer `layer`'s (N, K) expert ids, N = b * t: the recorded ids where >= 0, live elsewhere. The gate
+        gathers its softmax at these ids, so it keeps its gradient. self.replay is bound per microbatch, so an
+        activation-checkpoint recompute in backward (before the next microbatch's forward) replays the same ids."""
         if self.replay is None:
             return live
         recorded = self.replay[:, :, layer].reshape(live.shape).long()  # (N, K)
@@ -477,8 +468,7 @@ class TrainerRank:
         return records, self.version
 
     def critic_step(self, batch: dict, micros: list[list[int]], denoms: Denoms) -> list[tuple[float, dict]]:
-        """One AdamW step of the critic over this rank's microbatches of a minibatch: it regresses the returns on the
-        policy's action tokens (losses.py)."""
+        """One AdamW step of the critic over this rank's microbatches: it regresses the returns on the action tokens."""
         records = []
         for micro in micros:
             x = self.microbatch(batch, micro)
@@ -486,8 +476,7 @@ class TrainerRank:
             value_loss, value_metrics = compute_value_loss(self.loss, v, x["values"], x["returns"], x["mask"],
                                                            denoms=denoms)
             (value_loss * self.dp_size * self.critic_scaler.scale).backward()
-            value_mean = (v.detach() * x["mask"]).sum() / x["mask"].sum().clamp(min=1)
-            value_metrics["train/value_mean"] = float(value_mean)
+            value_metrics["train/value_mean"] = float((v.detach() * x["mask"]).sum() / x["mask"].sum().clamp(min=1))
             records.append((float(x["mask"].sum()), value_metrics))
         grad_norm, _ = self.optimizer_step(self.critic, self.critic_optimizer, self.train.critic_lr, self.critic_scaler)
         return records + [(1.0, {"train/critic_grad_norm": grad_norm})]
@@ -542,10 +531,13 @@ class TrainerRank:
         logp = self.forward_rows(self.model, batch, self.plan(batch, 1), temperature)
         return [logp[i, :n] for i, n in enumerate(batch["lengths"].tolist())] if self.rank == 0 else None
 
-    # --- the driver's calls into the machinery below the banner: rendezvous, refit, HF export, checkpoints
+    # --- the driver's calls: the rendezvous, then the machinery below the banner (refit, HF export, checkpoints)
 
     def address(self) -> tuple[str, int]:
-        return rendezvous_address()
+        """This node's IP and a free port: rank 0 hosts the process group's rendezvous."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
 
     def enable_batch_invariance(self) -> None:
         enable_batch_invariant_kernels()
@@ -576,10 +568,9 @@ class TrainerRank:
 
 
 class TrainerGroup:
-    """--train.world_size TrainerRank actors forming one process group, driven from this process. colocated: the
-    refit's engines share this trainer's GPU (--launch.colocate; generator.py picks CUDA IPC over NCCL by it).
-    batch_invariant: the engines' --vllm.batch_invariant, whose kernels the ranks then run too. rank_options: each
-    rank's Ray actor options (launch.py's --launch.placement puts it on a node)."""
+    """--train.world_size TrainerRank actors in one process group, driven from here. colocated: the refit's engines
+    share this GPU (--launch.colocate: CUDA IPC over NCCL); batch_invariant: the engines' --vllm.batch_invariant,
+    whose kernels the ranks then run too; rank_options: each rank's Ray actor options (--launch.placement)."""
 
     def __init__(self, model_path: str, train: TrainArgs, fsdp: FsdpArgs, ckpt: CkptArgs, loss: LossArgs,
                  estimator: EstimatorArgs, *, temperature: float, gpus_per_rank: float | None = None,
@@ -658,10 +649,9 @@ class TrainerGroup:
         results = self.call(method, ray.put(segments))  # one copy in the object store, read by every rank
         metrics = merge_metrics([record for records, _ in results for record in records])
         self.step, self.version = self.step + 1, results[0][1]
-        step_s = time.perf_counter() - start
-        metrics["train/version"] = float(self.version)
-        metrics["train/step_s"] = step_s
-        metrics["train/tokens_per_s"] = float(batch["lengths"].sum()) / step_s  # every token of the batch, prompt too
+        step_s = time.perf_counter() - start  # tokens_per_s: every token of the batch, prompt too
+        metrics.update({"train/version": float(self.version), "train/step_s": step_s,
+                        "train/tokens_per_s": float(batch["lengths"].sum()) / step_s})
         if self.ckpt.every and self.step % self.ckpt.every == 0:
             self.save(data_position)
         return metrics
@@ -689,16 +679,14 @@ class TrainerGroup:
             index += 1
 
     def refit(self, generator) -> dict:
-        """Load the current weights into every engine of a paused generator as version self.version;
-        returns rank 0's update_weights report (update_adapter's for engines that serve LoRA), its "metrics" the
-        generator/refit_* metrics. The caller pauses and resumes the engines around an update_weights (launch.refit)."""
+        """Load the current weights into every engine of a paused generator (launch.refit pauses) as self.version;
+        -> rank 0's update_weights (or update_adapter) report, its "metrics" the generator/refit_* metrics."""
         report = self.call("refit", generator, self.colocated)[0]
         generator.version = self.version
         return report
 
     def export_hf(self, path: str) -> None:
-        """Write the current weights as an HF model directory (safetensors + model_path's config and tokenizer); with
-        LoRA, peft's adapter directory (--ckpt.hf_merged: the merged model)."""
+        """Write the current weights as an HF model directory, or with LoRA peft's adapter one (see write_hf_dir)."""
         self.call("write_hf", path)
 
     def save(self, data_position: dict | None = None) -> str:
@@ -711,8 +699,7 @@ class TrainerGroup:
         return self.saved[1]
 
     def final_checkpoint(self, data_position: dict | None) -> str | None:
-        """This step's checkpoint at the end of a run: the one --ckpt.every already wrote, else a new one; None
-        without --ckpt.dir."""
+        """This step's checkpoint at a run's end: --ckpt.every's if written, else a new one; None without --ckpt.dir."""
         if self.ckpt.dir is None:
             return None
         return self.saved[1] if self.saved[0] == self.step else self.save(data_position)
@@ -779,10 +766,9 @@ def check_segments(segments: list[Segment]) -> None:
 
 
 def collate_routing(segments: list[Segment], T: int, layers: int, top_k: int, experts: int) -> np.ndarray:
-    """(B, T, layers, top_k) int16 expert ids from each segment's routed_experts, -1 where none was recorded
-    (padding, a segment without routing, a row the engine marked -1); ValueError names the bad segment. A row whose
-    action tokens carry several versions (a partial rollout across a refit) routes live: no one recorded selection
-    reproduces both the old weights' routing and the new weights' recomputed KV cache."""
+    """(B, T, layers, top_k) int16 expert ids from each segment's routed_experts, -1 where none was recorded;
+    ValueError names a bad segment. A row whose action tokens carry several versions (a partial rollout across a
+    refit) routes live: no one recording reproduces both the old weights' routing and the new weights' KV cache."""
     if all(seg.routed_experts is None for seg in segments):
         raise ValueError("--train.routing_replay: no segment of the batch carries routed_experts; record them "
                          "(--vllm.return_routed_experts) or leave the flag off")
@@ -803,12 +789,10 @@ def collate_routing(segments: list[Segment], T: int, layers: int, top_k: int, ex
 
 
 def sft_batch(examples: list[dict], tokenizer, *, end_token: str = "<|im_end|>", template=None) -> list[Segment]:
-    """Chat examples ({"messages", optional "tools"}) -> Segments whose action tokens are each assistant turn's
-    tokens after the template's `<|im_start|>assistant\\n` up to and including its end_token; "weight": 0 makes a turn
-    context only (OpenAI's fine-tuning format). Turn boundaries come from rendering the message prefixes, each of which
-    must be a token prefix of the full rendering, else ValueError. SFT rows carry version 0. A VLM's content may hold
-    {"type": "image", "image": encoded bytes} parts: `template` (chat_server.ChatTemplate) expands each image id into
-    its placeholder run (mask 0), whose spans go to Segment.images."""
+    """Chat examples ({"messages", optional "tools"}) -> Segments (version 0) whose action tokens are each assistant
+    turn's after `<|im_start|>assistant\\n` up to and including end_token; "weight": 0 makes a turn context only.
+    Each message prefix must render as a token prefix of the whole, else ValueError. A VLM's {"type": "image",
+    "image": bytes} parts: `template` (chat_server.ChatTemplate) expands each into its placeholder run (mask 0)."""
     end_id = tokenizer.convert_tokens_to_ids(end_token)
     if end_id is None or end_id == tokenizer.unk_token_id:
         raise ValueError(f"end_token {end_token!r}: not a single token of this tokenizer; "
@@ -854,16 +838,8 @@ def sft_batch(examples: list[dict], tokenizer, *, end_token: str = "<|im_end|>",
 # --- the models: the process group, NeMo AutoModel's FSDP2, a VLM's extras; gradient norm, float16; LoRA
 
 
-def rendezvous_address() -> tuple[str, int]:
-    """This node's IP and a free port: rank 0 hosts the process group's rendezvous."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return ray.util.get_node_ip_address(), s.getsockname()[1]
-
-
 def enable_batch_invariant_kernels() -> None:
-    """--vllm.batch_invariant: this rank's matmuls, log-softmax and mean run vLLM's batch-invariant kernels, the
-    ones its engines run (the same vLLM installation's torch overrides)."""
+    """--vllm.batch_invariant: this rank's matmuls, log-softmax and mean run the kernels its engines run (vLLM's)."""
     os.environ["VLLM_BATCH_INVARIANT"] = "1"
     try:  # vLLM 0.26 (the GPU's); later versions moved the module to model_executor.determinism
         from vllm.model_executor.layers.batch_invariant import enable_batch_invariant_mode
@@ -897,10 +873,9 @@ def join_process_group(rank: TrainerRank, master_addr: str, master_port: int) ->
 
 
 def build_model(rank: TrainerRank, auto_class, lora: bool = False, **kwargs) -> torch.nn.Module:
-    """Load model_path in float32 (master weights) and shard it with NeMo AutoModel's FSDP2 parallelizer. Qwen3-MoE
-    policies load as NeMo's own MoE class (expert parallelism, a replay hook in its gate, an adapter to the
-    checkpoint's names); other models, the critic too, as their transformers class (the checkpoint's names).
-    lora: add --train.lora_* adapters and freeze the rest (the policy only)."""
+    """Load model_path in float32 (master weights) and shard it with NeMo AutoModel's FSDP2 parallelizer: a
+    Qwen3-MoE policy as NeMo's MoE class (expert parallelism, the replay hook in its gate), other models, the critic
+    too, as their transformers class. lora: add --train.lora_* adapters and freeze the rest (the policy only)."""
     config = AutoConfig.from_pretrained(rank.model_path)
     if auto_class is AutoModelForCausalLM and hasattr(config, "vision_config"):   # a VLM: its own class
         auto_class = AutoModelForImageTextToText
@@ -959,15 +934,13 @@ def setup_policy_extras(rank: TrainerRank) -> None:
         rank.blank = (torch.tensor([run], device=rank.device), image_inputs(rank, [blank]))
     if rank.train.routing_replay:
         rank.moe = install_replay(rank, rank.model)
-    # names transformers keeps fused (an MoE layer's experts in one tensor): export reverts them as save_pretrained
     meta = {export_name(n): torch.empty(p.shape, dtype=p.dtype, device="meta")
             for n, p in rank.model.named_parameters()}
-    rank.fused = set(meta) - set(revert_weight_conversion(rank.model, meta))
+    rank.fused = set(meta) - set(revert_weight_conversion(rank.model, meta))  # reverted as save_pretrained does
 
 
 def install_replay(rank: TrainerRank, model) -> tuple[int, int, int]:
-    """Point every MoE gate of model (NeMo's Qwen3-MoE class) at replayed_ids; -> (MoE layers, top_k, experts),
-    the shape collate checks each segment's routed_experts against."""
+    """Point every MoE gate of model (NeMo's Qwen3-MoE class) at replayed_ids; -> (MoE layers, top_k, experts)."""
     from nemo_automodel.components.moe.layers import Gate
     gates = [m for m in model.modules() if isinstance(m, Gate)]  # in layer order
     if not gates:
@@ -985,16 +958,14 @@ def reduce_parallel_grads(rank: TrainerRank, model) -> None:
         for name, p in model.named_parameters():  # ranks, not dp: ep_size x the scale of the others
             if ".experts." in name and p.grad is not None:
                 p.grad.div_(rank.fsdp.ep_size)
-    if rank.fsdp.tp_size > 1:  # NeMo's plan keeps Qwen3's q_norm/k_norm whole while each rank normalizes only its
-        # own heads, marking them for a sum of the ranks' partial gradients that its recipes (not parallelize_model)
-        # take here
+    if rank.fsdp.tp_size > 1:  # NeMo's plan keeps Qwen3's q_norm/k_norm whole while each rank normalizes its own
+        # heads: its recipes (not parallelize_model) sum the ranks' partial gradients, so we do it here
         from nemo_automodel.components.distributed.tp_replicas import synchronize_tp_replica_gradients
         synchronize_tp_replica_gradients([model], rank.dist_setup.mesh_context.device_mesh)
 
 
 def image_inputs(rank: TrainerRank, images: list) -> dict[str, torch.Tensor]:
-    """A VLM's inputs for decoded images as its processor computes them (pixel_values, and what else it returns:
-    Idefics3's pixel_attention_mask, ...), on this rank's device."""
+    """A VLM's inputs for decoded images, all its processor returns (pixel_values, ...), on this rank's device."""
     inputs = rank.processor.image_processor(images=images, return_tensors="pt")
     return {k: v.to(rank.device) for k, v in inputs.items()}
 
@@ -1012,9 +983,8 @@ def add_blank_row(rank: TrainerRank, ids: torch.Tensor, images: dict) -> tuple[t
 
 
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None, scale: float = 1.0) -> float:
-    """Global L2 norm over all ranks of the gradients of a loss multiplied by scale (LossScale), divided out here in
-    the clip's own pass; scale them down to max_norm when above it. Gradients are grouped by device mesh (a DTensor
-    norm reduces over its own mesh only) and each group reduced once."""
+    """Global L2 norm over all ranks of the gradients of loss x scale (LossScale), the scale divided out in the clip's
+    own pass, clipped to max_norm. Grouped by device mesh: a DTensor norm reduces over its own mesh only."""
     groups = {}
     for p in params:
         if p.grad is not None:
@@ -1063,9 +1033,8 @@ compiled_rows_logprobs = torch.compile(rows_logprobs, dynamic=True, options={"tr
 
 
 def add_lora(model: torch.nn.Module, train: TrainArgs) -> set[str]:
-    """Freeze model and give each linear module whose last name is in --train.lora_targets NeMo AutoModel's LoRA:
-    y = W x + (alpha / r) B A dropout(x), A (r, in) random, B (out, r) zero, so the model starts as loaded. Returns
-    the adapted modules' names; ValueError names a target that matches no linear module."""
+    """Freeze model and give each linear module named in --train.lora_targets NeMo's LoRA: y = W x + (alpha / r)
+    B A dropout(x), B zero at the start. -> the adapted modules' names; ValueError names a target with no module."""
     from nemo_automodel.components._peft.lora import PeftConfig, apply_lora_to_linear_modules
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in
              train.lora_targets]
@@ -1093,15 +1062,13 @@ def merge_lora(pairs, adapted: set[str], scale: float):
     W + scale B A (W (out, in), B (out, r), A (r, in)); the lora_A / lora_B tensors themselves are left out."""
     held = {}
     for name, tensor in pairs:
-        for part in ("", ".lora_A", ".lora_B"):
-            module = name.removesuffix(part + ".weight")
-            if module != name and module in adapted:
-                break
-        else:
+        stem = name.removesuffix(".weight")
+        module = stem.removesuffix(".lora_A").removesuffix(".lora_B")
+        if stem == name or module not in adapted:
             yield name, tensor
             continue
         parts = held.setdefault(module, {})
-        parts[part] = tensor
+        parts[stem[len(module):]] = tensor  # "", ".lora_A" or ".lora_B"
         if len(parts) == 3:
             del held[module]
             yield module + ".weight", parts[""] + scale * (parts[".lora_B"] @ parts[".lora_A"])
@@ -1145,11 +1112,10 @@ def export_bucket_of(rank: TrainerRank, index: int, bucket_mb: float,
 
 
 def refit_from(rank: TrainerRank, generator, colocated: bool) -> dict | None:
-    """Every rank gathers each full parameter in turn; rank 0 streams them, cast to the engine's dtype and on its
-    own device, to the generator. The one choice between the two refits: engines that serve LoRA
-    (--vllm.max_lora_rank) get the adapter alone (update_adapter, no pause needed); others every trained weight,
-    a LoRA merged into its base weights (update_weights, paused). Rank 0 keeps its first router copy: that copy
-    holds the NCCL group a refit to other GPUs opens once."""
+    """Every rank gathers each full parameter in turn; rank 0 streams them, in the engine's dtype, to the generator:
+    engines that serve LoRA (--vllm.max_lora_rank) get the adapter alone (update_adapter, no pause needed), others
+    every trained weight, a LoRA merged in (update_weights, paused). Rank 0 keeps its first router copy: it holds the
+    NCCL group a refit to other GPUs opens once."""
     if rank.router is None or rank.router.id != generator.id:
         rank.router = generator
     dtype, params = getattr(torch, generator.dtype), list(rank.model.named_parameters())
@@ -1172,8 +1138,7 @@ def refit_from(rank: TrainerRank, generator, colocated: bool) -> dict | None:
 
 
 def hf_params(rank: TrainerRank, adapter: bool):
-    """(checkpoint name, full tensor) pairs of peft's adapter alone (adapter), else of every policy weight, a LoRA
-    adapter merged into its base weights."""
+    """(checkpoint name, full tensor) of peft's adapter alone (adapter), else of every weight, a LoRA merged in."""
     if adapter:
         trained = [(n, p) for n, p in rank.model.named_parameters() if p.requires_grad]
         return ((PEFT_PREFIX + name, full) for name, full in full_params(rank, trained))
@@ -1183,8 +1148,7 @@ def hf_params(rank: TrainerRank, adapter: bool):
 
 def write_hf_dir(rank: TrainerRank, path: str, merged: bool | None = None) -> None:
     """An HF model directory: one safetensors file of the full weights, and model_path's other files. With LoRA,
-    peft's adapter directory instead (adapter_model.safetensors, adapter_config.json), unless merged (default
-    --ckpt.hf_merged): then the full weights with the adapter merged in."""
+    peft's adapter directory, unless merged (default --ckpt.hf_merged): then the full weights, the adapter merged in."""
     adapter = bool(rank.adapted) and not (rank.ckpt.hf_merged if merged is None else merged)
     tensors = {name: full.to("cpu", copy=True) for name, full in hf_params(rank, adapter)
                if rank.rank == 0}  # every rank joins each gather; only rank 0 copies to host
