@@ -87,11 +87,9 @@ RECENT = 256  # full renders ChatTemplate keeps
 
 
 class ChatTemplate:
-    """The model's chat template as token ids, on chat-template dicts; shared by the chat server and agent.py.
-
-    After a sampled turn, ids + bridge(ids) + render_delta(new messages) continue a segment. The start-up check
-    (`append_roles`, chat server only) proves that appending a role keeps the full render equal to the segment; a
-    failing role lands in `refused`, and such turns open a new segment instead."""
+    """The model's chat template as token ids, shared with agent.py: after a sampled turn, ids + bridge(ids) +
+    render_delta(new messages) continue a segment. A role failing the start-up check (append_refusal) lands in
+    `refused`, and its turns open a new segment instead."""
 
     def __init__(self, tokenizer_path: str, append_roles: tuple = ("tool", "user")):
         from transformers import AutoConfig, AutoProcessor, AutoTokenizer
@@ -143,10 +141,9 @@ class ChatTemplate:
         return list(ids)
 
     def render_delta(self, messages: list[dict], last_assistant_had_tool_calls: bool = False) -> list[int]:
-        """Tokens of messages appended after an assistant turn and its bridge, up to the next generation prompt: what
-        follows a dummy turn [user, assistant MARK], never a re-render of earlier turns (stock Qwen3 drops their
-        reasoning). The dummy calls a tool when the real turn did, MARK in its arguments too (Llama 3.1 drops content
-        next to calls). ValueError when no such delta exists."""
+        """Tokens of messages appended after a turn and its bridge: what follows a dummy [user, assistant MARK], never
+        a re-render (stock Qwen3 drops earlier reasoning). The dummy calls a tool, MARK in its arguments, when the real
+        turn did (Llama 3.1 drops content next to calls). ValueError when no such delta exists."""
         def refuse(why: str) -> ValueError:
             return ValueError(f"chat template of {self.tokenizer.name_or_path}: cannot append "
                               f"{[m['role'] for m in messages]} as delta tokens: {why}")
@@ -443,10 +440,10 @@ class SegmentStore:
         return plan
 
     def anchor(self, t: Track, L: int, req: ChatRequest, n: int) -> tuple[str, Turn] | None:
-        """Where a request sharing L messages with segment t goes on from its sampled ids, if it does: CONTINUE the turn
-        a prefill repeats, EXTEND after the turn that ends those L messages (appending only delta tokens), or RETRY
-        (resample) the turn that answered exactly its n messages. A request answered by a new segment is planned the
-        same whether an earlier one committed or not, so concurrency changes nothing that is trained."""
+        """Where a request sharing L messages with segment t goes on, if it does: CONTINUE the turn a prefill repeats,
+        EXTEND after the turn ending those L messages, or RETRY the turn that answered exactly its n messages. A new
+        segment is planned the same whether an earlier one committed or not: concurrency changes nothing trained."""
+
         ends = {u.msgs: u for u in t.turns}   # the turn ending each message (a continued message: its last part)
         if req.prefill and L == n + 1 and L in ends and ends[L].resume is not None:
             return "CONTINUE", ends[L]
