@@ -740,12 +740,10 @@ def image_of(part: dict, path: str) -> bytes:
 
 
 def parse_arguments(raw):
-    if isinstance(raw, str):
-        try:
-            return json.loads(raw)
-        except ValueError:
-            return raw
-    return {} if raw is None else raw
+    try:
+        return json.loads(raw) if isinstance(raw, str) else {} if raw is None else raw
+    except ValueError:   # a client's unparsable arguments string stays a string
+        return raw
 
 
 def parse_tools(tools: list, kind: str = "function", schema: str = "parameters",
@@ -960,9 +958,9 @@ def parse_responses(body: dict, handles: dict = {}) -> ChatRequest:
                 msgs.append(Msg("assistant", reasoning=thought, calls=(call,)))
                 thought = ""
         elif kind == "function_call_output":
-            msgs.append(Msg("tool", text_of(it.get("output"), p + "output", ("input_text", "output_text"),
-                                            "input_image"),
-                            call_id=get(it, "call_id", str, p, required=True)))
+            output = text_of(it.get("output"), p + "output", ("input_text", "output_text"), "input_image")
+            msgs.append(Msg("tool", output, call_id=get(it, "call_id", str, p, required=True)))
+
         elif kind == "reasoning":   # ours carries a handle; another server's opaque content stays opaque
             thought = handles.get(it.get("encrypted_content"), "")
         else:
