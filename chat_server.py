@@ -597,8 +597,7 @@ def parse_reply(text: str) -> tuple[str, str, list[tuple[str, dict]]]:
 
 
 def cut_at_stop(template: ChatTemplate, ids: list[int], stops: tuple) -> tuple[int, str, str] | None:
-    """(tokens kept, stop string, text before it) at the first stop string, or None: the fewest whole sampled ids
-    whose text covers it."""
+    """(ids kept, stop string, text before it) at the first stop string: the fewest whole ids covering it; or None."""
     text = template.decode(ids)
     hits = sorted((text.find(s), s) for s in stops if s and s in text)
     if not hits:
@@ -1226,9 +1225,8 @@ class ChatServer(SegmentStore):
     # --- requests in: the parse dispatch, then protocol-free policy checks
 
     def parse(self, protocol: str, body: dict, ep: EpisodeState | None = None, counting: bool = False) -> ChatRequest:
-        """The one dispatch for requests: the canonical form plus every policy check, before any state changes. When
-        the messages start with a recent request's raw messages (a C-level list comparison), only the new ones are
-        parsed and hashed: harnesses resend the whole history, and a turn costs O(new messages)."""
+        """The one dispatch for requests: the canonical form and every policy check, before any state changes. Messages
+        extending a recent request's raw ones are parsed and hashed alone: a resent history costs O(new messages)."""
         raw, prior, hashes = body.get("messages"), (0, None, ()), ()
         for kind, seen, old in ep.parsed if ep is not None and isinstance(raw, list) else ():
             if kind == protocol and len(seen) <= len(raw) and raw[:len(seen)] == seen:
