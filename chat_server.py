@@ -87,11 +87,9 @@ RECENT = 256  # full renders ChatTemplate keeps
 
 
 class ChatTemplate:
-    """The model's chat template as token ids, on chat-template dicts; shared by the chat server and agent.py.
-
-    After a sampled turn, ids + bridge(ids) + render_delta(new messages) continue a segment. The start-up check
-    (`append_roles`, chat server only) proves that appending a role keeps the full render equal to the segment; a
-    failing role lands in `refused`, and such turns open a new segment instead."""
+    """The model's chat template as token ids, shared with agent.py: after a sampled turn, ids + bridge(ids) +
+    render_delta(new messages) continue a segment. A role failing the start-up check (append_refusal) lands in
+    `refused`, and its turns open a new segment instead."""
 
     def __init__(self, tokenizer_path: str, append_roles: tuple = ("tool", "user")):
         from transformers import AutoConfig, AutoProcessor, AutoTokenizer
@@ -143,10 +141,9 @@ class ChatTemplate:
         return list(ids)
 
     def render_delta(self, messages: list[dict], last_assistant_had_tool_calls: bool = False) -> list[int]:
-        """Tokens of messages appended after an assistant turn and its bridge, up to the next generation prompt: what
-        follows a dummy turn [user, assistant MARK], never a re-render of earlier turns (stock Qwen3 drops their
-        reasoning). The dummy calls a tool when the real turn did, MARK in its arguments too (Llama 3.1 drops content
-        next to calls). ValueError when no such delta exists."""
+        """Tokens of messages appended after a turn and its bridge: what follows a dummy [user, assistant MARK], never
+        a re-render (stock Qwen3 drops earlier reasoning). The dummy calls a tool, MARK in its arguments, when the real
+        turn did (Llama 3.1 drops content next to calls). ValueError when no such delta exists."""
         def refuse(why: str) -> ValueError:
             return ValueError(f"chat template of {self.tokenizer.name_or_path}: cannot append "
                               f"{[m['role'] for m in messages]} as delta tokens: {why}")
@@ -443,10 +440,10 @@ class SegmentStore:
         return plan
 
     def anchor(self, t: Track, L: int, req: ChatRequest, n: int) -> tuple[str, Turn] | None:
-        """Where a request sharing L messages with segment t goes on from its sampled ids, if it does: CONTINUE the turn
-        a prefill repeats, EXTEND after the turn that ends those L messages (appending only delta tokens), or RETRY
-        (resample) the turn that answered exactly its n messages. A request answered by a new segment is planned the
-        same whether an earlier one committed or not, so concurrency changes nothing that is trained."""
+        """Where a request sharing L messages with segment t goes on, if it does: CONTINUE the turn a prefill repeats,
+        EXTEND after the turn ending those L messages, or RETRY the turn that answered exactly its n messages. A new
+        segment is planned the same whether an earlier one committed or not: concurrency changes nothing trained."""
+
         ends = {u.msgs: u for u in t.turns}   # the turn ending each message (a continued message: its last part)
         if req.prefill and L == n + 1 and L in ends and ends[L].resume is not None:
             return "CONTINUE", ends[L]
@@ -600,8 +597,7 @@ def parse_reply(text: str) -> tuple[str, str, list[tuple[str, dict]]]:
 
 
 def cut_at_stop(template: ChatTemplate, ids: list[int], stops: tuple) -> tuple[int, str, str] | None:
-    """(tokens kept, stop string, text before it) at the first stop string, or None: the fewest whole sampled ids
-    whose text covers it."""
+    """(ids kept, stop string, text before it) at the first stop string: the fewest whole ids covering it; or None."""
     text = template.decode(ids)
     hits = sorted((text.find(s), s) for s in stops if s and s in text)
     if not hits:
@@ -743,12 +739,10 @@ def image_of(part: dict, path: str) -> bytes:
 
 
 def parse_arguments(raw):
-    if isinstance(raw, str):
-        try:
-            return json.loads(raw)
-        except ValueError:
-            return raw
-    return {} if raw is None else raw
+    try:
+        return json.loads(raw) if isinstance(raw, str) else {} if raw is None else raw
+    except ValueError:   # a client's unparsable arguments string stays a string
+        return raw
 
 
 def parse_tools(tools: list, kind: str = "function", schema: str = "parameters",
@@ -963,9 +957,9 @@ def parse_responses(body: dict, handles: dict = {}) -> ChatRequest:
                 msgs.append(Msg("assistant", reasoning=thought, calls=(call,)))
                 thought = ""
         elif kind == "function_call_output":
-            msgs.append(Msg("tool", text_of(it.get("output"), p + "output", ("input_text", "output_text"),
-                                            "input_image"),
-                            call_id=get(it, "call_id", str, p, required=True)))
+            output = text_of(it.get("output"), p + "output", ("input_text", "output_text"), "input_image")
+            msgs.append(Msg("tool", output, call_id=get(it, "call_id", str, p, required=True)))
+
         elif kind == "reasoning":   # ours carries a handle; another server's opaque content stays opaque
             thought = handles.get(it.get("encrypted_content"), "")
         else:
@@ -1231,9 +1225,8 @@ class ChatServer(SegmentStore):
     # --- requests in: the parse dispatch, then protocol-free policy checks
 
     def parse(self, protocol: str, body: dict, ep: EpisodeState | None = None, counting: bool = False) -> ChatRequest:
-        """The one dispatch for requests: the canonical form plus every policy check, before any state changes. When
-        the messages start with a recent request's raw messages (a C-level list comparison), only the new ones are
-        parsed and hashed: harnesses resend the whole history, and a turn costs O(new messages)."""
+        """The one dispatch for requests: the canonical form and every policy check, before any state changes. Messages
+        extending a recent request's raw ones are parsed and hashed alone: a resent history costs O(new messages)."""
         raw, prior, hashes = body.get("messages"), (0, None, ()), ()
         for kind, seen, old in ep.parsed if ep is not None and isinstance(raw, list) else ():
             if kind == protocol and len(seen) <= len(raw) and raw[:len(seen)] == seen:
