@@ -2,21 +2,17 @@
 
 `Segment` is the data contract (one training row of T tokens); `Completion` is one engine answer (T sampled tokens).
 `Generator` is a picklable router over `--vllm.num_engines` Ray actors, each driving one in-process vLLM `AsyncLLM`;
-an episode's requests (`affinity`) share one engine, and the requests of one event-loop turn (a group's episodes
-starting together) reach it in one Ray call, each answer streamed back as it ends. Log-probs are vLLM's processed
-ones (logits / temperature).
+an episode's requests (`affinity`) share one engine, and the requests of one event-loop turn reach it in one Ray call.
+Log-probs are vLLM's processed ones (logits / temperature).
     c = await gen.generate(prompt_ids, affinity=episode_id)   # c.token_ids, c.logprobs, c.versions: (T,)
     await gen.pause(); await gen.update_weights(named_tensors, version=7); await gen.resume()
 A refit keeps in-flight requests (pause in keep mode, KV recomputed): tokens emitted before the pause carry the old
-version, later ones the new (`Engine.sampled_counts` says why that count is exact; vLLM >= 0.32's weight-version
-spans check it). Refit tensors keep checkpoint names and the engine's dtype, in `--vllm.refit_bucket_mb` buckets:
-bytes from a CPU trainer, CUDA IPC to a colocated engine, else an NCCL broadcast. LoRA (--vllm.max_lora_rank):
-`update_adapter` loads an adapter per version with no pause; a request keeps the adapter it started with.
+version, later ones the new (`Engine.sampled_counts`). Refit tensors keep checkpoint names and the engine's dtype:
+bytes from a CPU trainer, CUDA IPC to a colocated engine, else NCCL. LoRA: `update_adapter`, no pause.
 A VLM's row holds each image's expanded placeholder run; the engine checks that vLLM expands it into the same ids.
-Not here: text, chat templates (chat_server.py, agent.py): this file moves token ids only (vLLM loads the
-tokenizer only to compile constrained-decoding grammars).
-Reading order: the flags, the data contract, token_versions, the Generator router; below the banner `machinery:
-the vLLM engine actor, refit transports`, the Engine actor, the wire format, images and where flags reach vLLM.
+Not here: text, chat templates (chat_server.py, agent.py): this file moves token ids only.
+Reading order: the flags, the data contract, token_versions, the Generator router; below the banner: the Engine
+actor, the wire format, images and where flags reach vLLM.
 """
 import asyncio
 import io
@@ -90,8 +86,9 @@ class VllmArgs:
             raise ValueError("--vllm.enable_expert_parallel with --vllm.tensor_parallel_size 1: one GPU holds "
                              "every expert anyway; set --vllm.tensor_parallel_size > 1 or drop the flag")
 
-    def check_trainer(self, param_dtype: str, compile_logprobs: bool) -> None:
-        """Refuse a trainer that would compute another function than these engines (launch.py calls this)."""
+    def check_trainer(self, param_dtype: str, compile_logprobs: bool, lora_rank: int) -> None:
+        """Refuse a trainer that would compute another function than these engines, or train no adapter they
+        serve (launch.py calls this)."""
         if (param_dtype == "float16") != (self.dtype == "float16"):
             raise ValueError(f"--fsdp.param_dtype {param_dtype} with --vllm.dtype {self.dtype}: float16 runs on both "
                              "sides or on neither (float16 keeps 3 more mantissa bits and 3 fewer exponent bits than "
@@ -99,9 +96,6 @@ class VllmArgs:
         if self.batch_invariant and compile_logprobs:
             raise ValueError("--vllm.batch_invariant with --fsdp.compile_logprobs: inductor fuses its own log-softmax, "
                              "not vLLM's batch-invariant kernel; add --no-fsdp.compile_logprobs")
-
-    def check_lora_rank(self, lora_rank: int) -> None:
-        """Refuse engines that serve LoRA with a trainer that trains no adapter they fit (launch.py calls this)."""
         if self.max_lora_rank and not self.max_lora_rank >= lora_rank > 0:
             raise ValueError(f"--vllm.max_lora_rank {self.max_lora_rank} with --train.lora_rank {lora_rank}: engines "
                              "that serve LoRA are refit by adapter, so the trainer must train one of at most that "
@@ -173,15 +167,10 @@ class Segment:
 
 
 def sampled_record(turns: Iterable[tuple[list, list, list]]) -> tuple[tuple, tuple, tuple]:
-    """A row's action tokens as sampled: (ids, log-probs, versions), each a tuple over the row's action
-    tokens in order, from (ids, log-probs, versions) per engine call. Taken where the segment is built and
-    frozen (the row's lists stay mutable), so that launch.py's audit can find the first changed position."""
-    ids, logprobs, versions = [], [], []
-    for turn_ids, turn_logprobs, turn_versions in turns:
-        ids += turn_ids
-        logprobs += turn_logprobs
-        versions += turn_versions
-    return tuple(ids), tuple(logprobs), tuple(versions)
+    """A row's action tokens as sampled, (ids, log-probs, versions) each concatenated over its engine calls and
+    frozen where the segment is built (the row's lists stay mutable): launch.py's audit compares the row with it."""
+    turns = list(turns)
+    return tuple(tuple(x for turn in turns for x in turn[column]) for column in range(3))
 
 
 @dataclass
@@ -245,7 +234,7 @@ class Generator:
             try:
                 infos.append(ray.get(ref))  # blocks: start-up happens once, before any loop runs
             except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
-                raise engine_error(i, e) from e
+                raise engine_error(self, i, e) from e
         self._vocab_size, self.dtype = infos[0]["vocab_size"], infos[0]["dtype"]
         self._gpus = [uuid for info in infos for uuid in info["gpus"]]  # each engine worker's GPU
         self._next, self._nccl, self._ipc, self._timings, self.dead = 0, None, None, {}, None
@@ -263,10 +252,7 @@ class Generator:
         try:
             return await ref
         except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
-            error = engine_error(i, e)
-            if isinstance(error, EngineDied):
-                self.dead = error  # read by agent.py's run_group: an episode's own handling may have hidden it
-            raise error from e
+            raise engine_error(self, i, e) from e
 
     async def _all(self, method: str, *args) -> list:
         refs = [getattr(e, method).remote(*args) for e in self._engines]
@@ -364,10 +350,8 @@ class Generator:
 
     async def metrics(self) -> dict:
         """Counters summed over engines (requests, tokens, seconds in requests), the last pause's seconds."""
-        total = {}
-        for counts in await self._all("metrics"):
-            for k, v in counts.items():
-                total[k] = total.get(k, 0) + v
+        counts = await self._all("metrics")  # every engine reports the same keys
+        total = {k: sum(c[k] for c in counts) for k in counts[0]}
         return {**total, **self._timings, "generator/version": self.version}
 
     async def shutdown(self) -> None:
@@ -378,7 +362,6 @@ class Generator:
 
 # === machinery: the vLLM engine actor, refit transports; read it when you change vLLM, a transport or a format
 
-
 class ConstraintError(ValueError):
     """vLLM refused a request's structured-output constraint (a schema it cannot compile): the asker's error."""
 
@@ -387,38 +370,34 @@ class EngineDied(RuntimeError):
     """An engine actor or its vLLM engine is gone; agent.py re-raises it: the loop stops, no episode is dropped."""
 
 
-def engine_error(i: int, e: Exception) -> Exception:
-    """What a failed engine call raises: the caller's own ValueError, else an error naming the engine."""
+def engine_error(gen: Generator, i: int, e: Exception) -> Exception:
+    """What a failed engine call raises: the caller's own ValueError, else answer_error's error naming the engine."""
     if isinstance(e, ray.exceptions.RayTaskError) and isinstance(e.cause, ValueError):
         return e.cause
     if isinstance(e, ray.exceptions.RayTaskError) and type(e.cause).__name__ != "EngineDeadError":
         return RuntimeError(f"engine {i} failed: {e.cause!r}")
-    return EngineDied(f"engine {i} died: {e}")
+    return answer_error(gen, i, "EngineDeadError", str(e))
 
 
 async def send_request(gen: Generator, i: int, request: tuple) -> Completion:
     """Engine i's answer to one request. The requests made in one turn of this event loop (a group's episodes
     starting together) go in one Ray call, Engine.generate_many, whose answers stream back as each finishes."""
-    loop = asyncio.get_running_loop()
-    future, pending = loop.create_future(), gen._pending.setdefault(i, [])
-    if not pending:
-        loop.call_soon(flush_requests, gen, i)
+    future, pending = asyncio.get_running_loop().create_future(), gen._pending.setdefault(i, [])
+    if not pending:  # the call's task first runs on the loop's next turn, once this turn's requests are in
+        task = asyncio.ensure_future(drain_answers(gen, i))
+        gen._drains.add(task)  # held until it ends: the loop keeps only weak references to tasks
+        task.add_done_callback(gen._drains.discard)
     pending.append((request, future))
     return await future
 
 
-def flush_requests(gen: Generator, i: int) -> None:
+async def drain_answers(gen: Generator, i: int) -> None:
+    """Send engine i the requests of this turn; each streamed answer to its asker, the call's own failure (a dead
+    engine) to every asker still waiting."""
     batch = gen._pending.pop(i)
-    stream = gen._engines[i].generate_many.remote(gen.rollout, [request for request, _ in batch])
-    task = asyncio.ensure_future(drain_answers(gen, i, stream, [future for _, future in batch]))
-    gen._drains.add(task)  # held until it ends: the loop keeps only weak references to tasks
-    task.add_done_callback(gen._drains.discard)
-
-
-async def drain_answers(gen: Generator, i: int, stream, futures: list[asyncio.Future]) -> None:
-    """Each streamed answer to its asker; the call's own failure (a dead engine) to every asker still waiting."""
+    futures = [future for _, future in batch]
     try:
-        async for ref in stream:
+        async for ref in gen._engines[i].generate_many.remote(gen.rollout, [request for request, _ in batch]):
             k, completion, error = await ref
             if futures[k].done():  # the asker was cancelled
                 continue
@@ -429,16 +408,15 @@ async def drain_answers(gen: Generator, i: int, stream, futures: list[asyncio.Fu
             else:
                 futures[k].set_exception(answer_error(gen, i, *error))
     except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
-        error = engine_error(i, e)
-        if isinstance(error, EngineDied):
-            gen.dead = error  # read by agent.py's run_group: an episode's own handling may have hidden it
+        error = engine_error(gen, i, e)
         for future in futures:
             if not future.done():
                 future.set_exception(error)
 
 
 def answer_error(gen: Generator, i: int, name: str, text: str) -> Exception:
-    """One request's failure inside a working call: vLLM's engine died under it, or the request failed."""
+    """One request's failure: it failed, or vLLM's engine died under it (kept in gen.dead: agent.py's run_group
+    reads it, as an episode's own handling may have hidden it)."""
     if name != "EngineDeadError":
         return RuntimeError(f"engine {i} failed: {text}")
     gen.dead = EngineDied(f"engine {i} died: {text}")
@@ -563,15 +541,14 @@ class Engine:
         travels as itself, any other error as (type name, repr) (not every exception pickles)."""
         self.calls += 1
 
-        async def one(k: int, request: tuple) -> tuple:
-            prompt_ids, request_id, kw = request
+        async def one(k: int, prompt_ids: list[int], request_id: str, kw: dict) -> tuple:
             try:
                 return k, await self.generate(prompt_ids, rollout, request_id, **kw), None
             except ValueError as e:
                 return k, None, e
             except Exception as e:  # reported to its asker; the others go on
                 return k, None, (type(e).__name__, repr(e))
-        for done in asyncio.as_completed([one(k, request) for k, request in enumerate(requests)]):
+        for done in asyncio.as_completed([one(k, *request) for k, request in enumerate(requests)]):
             yield await done
 
     async def pause(self) -> None:
