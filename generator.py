@@ -190,10 +190,9 @@ def pick_engine(affinity: str, num_engines: int) -> int:
 
 
 def segment_routing(routed, T: int) -> np.ndarray:
-    """A segment's (T, layers, top_k) int16 routing from the engine call that saw its first len(routed) + 1
-    tokens (vLLM returns one row per token it ran: the call's prompt and every sampled token but the last).
-    Rows that call never ran (the last token; a last observation never sent) are -1: the trainer routes them
-    live, and nothing trained depends on them."""
+    """A segment's (T, layers, top_k) int16 routing from the engine call that ran its first len(routed) tokens
+    (vLLM's rows: the prompt and every sampled token but the last). Rows it never ran are -1: the trainer routes
+    them live, and nothing trained depends on them."""
     r = np.asarray(routed)[:T]
     out = np.full((T, *r.shape[1:]), -1, dtype=np.int16)  # (T, layers, top_k)
     out[:len(r)] = r
@@ -202,8 +201,7 @@ def segment_routing(routed, T: int) -> np.ndarray:
 
 def token_versions(version: int, marks: list[tuple[int, int]], num_tokens: int) -> list[int]:
     """Per-token policy versions of a request that started under `version`, from its refit marks [(k, v)]: from
-    output token k on, version v. A refit pauses the engine, counts each kept request's tokens (k: all sampled
-    before the pause, Engine.sampled_counts) and marks it with the new version (Engine.set_version)."""
+    output token k on, version v (k: Engine.sampled_counts at the pause; v: Engine.set_version)."""
     versions = [version] * num_tokens
     for k, v in marks:
         versions[k:] = [v] * (num_tokens - k)
@@ -213,11 +211,10 @@ def token_versions(version: int, marks: list[tuple[int, int]], num_tokens: int) 
 # --- the router
 
 class Generator:
-    """Picklable router over the engine actors; pause, update_weights and resume reach every engine.
-
-    Needs `ray.init()` first; blocks until every engine has started. `actor_options` go to each engine actor's
-    `.options()` (launch.py's placement); by default an engine takes its GPUs if the cluster has any. `version` is
-    what this router last loaded; a copy held elsewhere reads versions off its completions."""
+    """Picklable router over the engine actors; pause, update_weights and resume reach every engine. Needs
+    `ray.init()`; blocks until every engine has started. `actor_options` go to each engine actor's `.options()`
+    (launch.py's placement), else an engine takes its GPUs if the cluster has any. `version`: what this router
+    last loaded (a copy held elsewhere reads versions off its completions)."""
 
     def __init__(self, model_path: str, vllm: VllmArgs, rollout: RolloutArgs, *, version: int = 0,
                  actor_options: dict | None = None):
@@ -264,10 +261,9 @@ class Generator:
                        stop_token_ids: list[int] | None = None, seed: int | None = None,
                        request_id: str | None = None, affinity: str | None = None,
                        ignore_eos: bool = False, constraint: dict | None = None, images: list = ()) -> Completion:
-        """Sample one completion; requests sharing an affinity key (an episode id) go to one engine.
-        `constraint` (constrained decoding, see build_sampling_params) makes the sampler the behaviour policy.
-        `images` (a VLM): [(start, end, encoded image bytes)], prompt_ids[start:end] being each image's placeholder
-        run as the model's processor expands it; the engine checks that it expands them into the same ids."""
+        """Sample one completion; requests sharing an affinity key (an episode id) go to one engine. `constraint`:
+        see build_sampling_params. `images` (a VLM): [(start, end, encoded image bytes)], prompt_ids[start:end]
+        being each image's placeholder run as the model's processor expands it."""
         check_prompt(prompt_ids, self._vocab_size, self.vllm.max_model_len)
         if affinity is None:
             i, self._next = self._next % len(self._engines), self._next + 1
@@ -288,12 +284,10 @@ class Generator:
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *,
                              colocated: bool = False, keep: Iterable[str] = ()) -> dict:
-        """Load every (checkpoint name, tensor) pair into the paused engines; tokens sampled next carry `version`.
-
-        Pairs may stream (a trainer's export): every checkpoint parameter exactly once, in the engine's dtype, except
-        those named in `keep` (frozen in the trainer: the engine keeps them as loaded). Buckets travel as
-        refit_transport picks for `colocated` (--launch.colocate). Returns refit_report's dict, with "applied" (per
-        bucket, the (name, dtype) list engine 0 loaded) and "transport" ("bytes" | "ipc" | "nccl")."""
+        """Load every (checkpoint name, tensor) pair, streamed, into the paused engines: every checkpoint parameter
+        once, in the engine's dtype, but those in `keep` (frozen in the trainer). Tokens sampled next carry `version`.
+        Returns refit_report's dict, with "applied" (per bucket, the (name, dtype) list engine 0 loaded) and
+        "transport" ("bytes" | "ipc" | "nccl", refit_transport's choice for `colocated`)."""
         if not all(await self._all("is_paused")):
             raise ValueError("update_weights while the engines are running: call pause() first")
         start, seen, applied, transport, worker_s, nbytes = time.perf_counter(), set(), [], None, 0.0, 0
@@ -323,9 +317,9 @@ class Generator:
 
     async def update_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], config: dict,
                              version: int) -> dict:
-        """Load a LoRA adapter (peft's lora_A / lora_B tensor names, in the engine's dtype; peft's adapter_config) into
-        every engine as `version`, with no pause: a request in flight keeps the adapter it started with, so all its
-        tokens carry its start version. It travels as bytes through Ray (it is small). Returns refit_report's dict."""
+        """Load a LoRA adapter (peft's tensor names and adapter_config, the engine's dtype) into every engine as
+        `version`, as bytes through Ray (it is small), with no pause: a request in flight keeps the adapter, and so
+        the version, it started with. Returns refit_report's dict."""
         if not 0 < config["r"] <= self.vllm.max_lora_rank:
             raise ValueError(f"update_adapter: an adapter of rank {config['r']}, engines with --vllm.max_lora_rank "
                              f"{self.vllm.max_lora_rank}; set it to at least the adapter's rank")
@@ -432,10 +426,10 @@ def refit_report(start: float, worker_s: float, messages: int, nbytes: int, **ex
 
 
 def check_prompt(prompt_ids: list, vocab_size: int, max_model_len: int) -> None:
-    """Refuse a prompt the engine would fail on later or as a TypeError: empty, a non-int id, out of range, too long."""
+    """Refuse a prompt the engine would fail on later or as a TypeError: empty, an id that is no int (numpy ints
+    are sent as ints) or out of range, too long."""
     if not prompt_ids:
         raise ValueError("generate: empty prompt (at least one token id is needed)")
-    # a float, str, None or bool would fail as a TypeError in `<` or in vLLM; numpy ints are sent as ints
     for k, t in enumerate(prompt_ids):
         if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
             raise ValueError(f"generate: prompt_ids[{k}] is {t!r} ({type(t).__name__}), not an int token id")
@@ -488,7 +482,6 @@ class Engine:
         adapter = self.adapter  # --vllm.max_lora_rank: version's adapter, which this request keeps to its end
         prompt = {"prompt_token_ids": prompt_ids}
         if images or self.image_id is not None:   # vLLM expands each image id into its run; the row holds the runs
-            # (a ValueError here reaches the caller as itself: engine_error); a VLM's stray image id is refused too
             prompt["prompt_token_ids"] = contract_images(prompt_ids, images, self.image_id)
         if images:
             prompt["multi_modal_data"] = {"image": [decode_image(b, f"generate: images[{k}]")
@@ -536,9 +529,8 @@ class Engine:
                           versions=versions, finish_reason=out.finish_reason, routed_experts=out.routed_experts)
 
     async def generate_many(self, rollout: RolloutArgs, requests: list[tuple[list[int], str, dict]]):
-        """Each (prompt ids, request id, generate's keywords) as generate runs it, in one Ray call; yields (k, the
-        k-th request's Completion, None) or (k, None, its error) as each finishes: a ValueError is the asker's and
-        travels as itself, any other error as (type name, repr) (not every exception pickles)."""
+        """Run each (prompt ids, request id, generate's keywords) in one Ray call; yield (k, its Completion, None) or
+        (k, None, its error) as each finishes: a ValueError as itself, others as (type name, repr) (not all pickle)."""
         self.calls += 1
 
         async def one(k: int, prompt_ids: list[int], request_id: str, kw: dict) -> tuple:
@@ -561,12 +553,10 @@ class Engine:
         self.paused = True
 
     async def sampled_counts(self) -> dict[str, int]:
-        """Output tokens of each request in flight, all sampled before the pause that just completed.
-
-        Exact by vLLM's ordering (0.26 and 0.32): in keep mode the engine core answers the pause only when idle, behind
-        every step's outputs on the same socket; the client queues them, in order, for the output handler, which takes
-        an item only after processing the one before. Once it has taken an empty item put in behind them, the
-        per-request counts hold every token sampled before the pause and none after (nor is any until resume)."""
+        """Output tokens of each request in flight, all sampled before the pause that just completed. Exact by vLLM's
+        ordering (0.26 and 0.32): in keep mode the engine core answers the pause only when idle, behind every step's
+        outputs, which the output handler takes in order, one after the other. Once it has taken an empty item put in
+        behind them, the counts hold every token sampled before the pause and none after (none until resume)."""
         if not self.refits:
             return {}
         from vllm.v1.engine import EngineCoreOutputs
@@ -582,8 +572,7 @@ class Engine:
 
     async def load_adapter(self, wire: tuple, version: int) -> float:
         """Write an adapter (layout, bytes, adapter_config) as peft's files, load it into vLLM under a new id (vLLM
-        keeps an id's first weights), and make it the one requests started from now on use, as `version`.
-        Returns the seconds it took."""
+        keeps an id's first weights) as the one new requests use, as `version`; returns the seconds it took."""
         from vllm.lora.request import LoRARequest
         start, (layout, data, config) = time.perf_counter(), wire
         self.adapter_ids += 1
@@ -906,8 +895,7 @@ class WeightLoader:
         self.refit_nccl = PyNcclCommunicator(group, device=self.device)
 
     def refit_bucket(self, wire: tuple, first: bool, last: bool) -> tuple[list[tuple[str, str]], float]:
-        """Load one packed bucket; returns the (name, dtype) of each tensor applied, and the seconds it took here.
-
+        """Load one packed bucket; returns the (name, dtype) of each tensor applied and the seconds it took here.
         wire is (transport, layout, payload): "bytes" carries the bucket itself (CPU trainer); "ipc" the CUDA IPC
         handle of the trainer's refit buffer on this GPU and the bucket's size; "nccl" its size, broadcast next."""
         start = time.perf_counter()
