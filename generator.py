@@ -837,8 +837,7 @@ def build_engine_args(model_path: str, vllm: VllmArgs, *, cuda: bool):
                          "its KV cache with --vllm.gpu_memory_utilization")
     if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         raise ValueError("VLLM_CPU_KVCACHE_SPACE is set and would override --vllm.kv_cache_gb: unset it")
-    if not cuda:  # the worker runs in the engine-core process (one spawn fewer: start-up ~2x faster) with
-        # --vllm.cpu_threads threads; that process reads both variables when it starts.
+    if not cuda:  # the worker runs in the engine-core process (one spawn fewer), which reads both at its start
         os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(vllm.cpu_threads)})
     if vllm.batch_invariant:  # read by vLLM's config and by the worker process it starts (one flag, one env var)
         os.environ["VLLM_BATCH_INVARIANT"] = "1"
@@ -856,8 +855,7 @@ def build_engine_args(model_path: str, vllm: VllmArgs, *, cuda: bool):
         speculative_config=spec if vllm.num_speculative_tokens > 0 else None,
         enable_return_routed_experts=vllm.return_routed_experts,
         logprobs_mode="processed_logprobs",   # the sampled token's log-prob after temperature
-        # constrained decoding writes compact JSON (an unbounded run of whitespace is legal JSON, and a weak policy
-        # samples one); vLLM's default backend, xgrammar
+        # compact JSON: an unbounded run of whitespace is legal JSON, and a weak policy samples one
         structured_outputs_config=StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True),
         # ids in, ids out, but the tokenizer loads: constrained decoding compiles its grammar over the vocabulary
         worker_extension_cls="generator.WeightLoader", disable_log_stats=True, **(lora if vllm.max_lora_rank else {}))
