@@ -7,9 +7,9 @@ Log-probs are vLLM's processed ones (logits / temperature).
     c = await gen.generate(prompt_ids, affinity=episode_id)   # c.token_ids, c.logprobs, c.versions: (T,)
     await gen.pause(); await gen.update_weights(named_tensors, version=7); await gen.resume()
 A refit keeps in-flight requests (pause in keep mode, KV recomputed): tokens emitted before the pause carry the old
-version, later ones the new (`Engine.sampled_counts`). Refit tensors keep checkpoint names and the engine's dtype:
-bytes from a CPU trainer, CUDA IPC to a colocated engine, else NCCL. LoRA: `update_adapter`, no pause.
-A VLM's row holds each image's expanded placeholder run; the engine checks that vLLM expands it into the same ids.
+version, later ones the new (`Engine.sampled_counts`). Refit tensors keep checkpoint names and the engine's dtype,
+in `--vllm.refit_bucket_mb` buckets: bytes from a CPU trainer, CUDA IPC to a colocated engine, else NCCL. LoRA
+adapters load with no pause (`update_adapter`). A VLM's row holds each image's expanded placeholder run.
 Not here: text, chat templates (chat_server.py, agent.py): this file moves token ids only.
 Reading order: the flags, the data contract, token_versions, the Generator router; below the banner: the Engine
 actor, the wire format, images and where flags reach vLLM.
