@@ -397,10 +397,8 @@ async def drain_answers(gen: Generator, i: int) -> None:
                 continue
             if error is None:
                 futures[k].set_result(completion)
-            elif isinstance(error, ValueError):
-                futures[k].set_exception(error)
-            else:
-                futures[k].set_exception(answer_error(gen, i, *error))
+            else:  # a ValueError is the asker's own
+                futures[k].set_exception(error if isinstance(error, ValueError) else answer_error(gen, i, *error))
     except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
         error = engine_error(gen, i, e)
         for future in futures:

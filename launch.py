@@ -436,8 +436,8 @@ class GroupQueue:
     async def next_batch(self, n: int, *, capacity: int, filter_range: tuple[float, float] | None,
                          min_version: int, max_filtered: int, partial: bool = False) -> list[dict]:
         """n finished groups, launching new ones while fewer than `capacity` are in flight, queued or taken. Replaced
-        by a new position: groups whose every episode failed, groups filtered by mean reward (over max_filtered stops
-        the run). Re-issued (the same prompt): groups with a token older than min_version (`partial`: the newest)."""
+        by a new position: groups whose every episode failed or filtered by mean reward (over max_filtered stops the
+        run). Re-issued, so long prompts survive: groups with a token older than min_version (`partial`: its newest)."""
         batch, filtered = [], 0
         while len(batch) < n:
             self.fill(capacity, len(batch))
