@@ -565,8 +565,7 @@ class Clock:
     def metrics(self, action_tokens: float) -> dict:
         step_s = time.perf_counter() - self.t0  # the whole cycle: the next step starts now
         train_s, drain_s, refit_s = self.seconds["train"], self.seconds["drain"], self.seconds["refit"]
-        return {"launch/step_s": step_s,
-                "launch/rollout_wait_s": self.wait_s,
+        return {"launch/step_s": step_s, "launch/rollout_wait_s": self.wait_s,
                 "launch/since_refit_s": self.since_refit_s,  # K=0: the whole rollout phase
                 "launch/groups_in_flight": float(self.in_flight),
                 "launch/train_s": train_s, "launch/drain_s": drain_s, "launch/refit_s": refit_s,
