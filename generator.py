@@ -216,18 +216,17 @@ class Generator:
     (launch.py's placement), else an engine takes its GPUs if the cluster has any. `version`: what this router
     last loaded (a copy held elsewhere reads versions off its completions)."""
 
-    def __init__(self, model_path: str, vllm: VllmArgs, rollout: RolloutArgs, *, version: int = 0,
-                 actor_options: dict | None = None):
+    def __init__(self, model_path: str, vllm: VllmArgs, rollout: RolloutArgs, *, actor_options: dict | None = None):
         if not ray.is_initialized():
             raise RuntimeError("Generator needs a running Ray: call ray.init() first")
-        self.vllm, self.rollout, self.version, self.id = vllm, rollout, version, uuid.uuid4().hex
+        self.vllm, self.rollout, self.version, self.id = vllm, rollout, 0, uuid.uuid4().hex
         self._shapes = checkpoint_shapes(model_path)
         self._bucket_bytes = vllm.refit_bucket_mb * 2**20
         gpus = vllm.tensor_parallel_size if ray.cluster_resources().get("GPU", 0) > 0 else 0
         options = {"num_gpus": gpus, **(actor_options or {})}
         self._engines = [Engine.options(**options).remote(model_path, vllm) for _ in range(vllm.num_engines)]
         infos = []
-        for i, ref in enumerate([e.start.remote(version) for e in self._engines]):
+        for i, ref in enumerate([e.start.remote(self.version) for e in self._engines]):
             try:
                 infos.append(ray.get(ref))  # blocks: start-up happens once, before any loop runs
             except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
