@@ -87,8 +87,7 @@ class VllmArgs:
                              "every expert anyway; set --vllm.tensor_parallel_size > 1 or drop the flag")
 
     def check_trainer(self, param_dtype: str, compile_logprobs: bool, lora_rank: int) -> None:
-        """Refuse a trainer that would compute another function than these engines, or train no adapter they
-        serve (launch.py calls this)."""
+        """Refuse a trainer that computes another function than these engines, or trains no adapter they serve."""
         if (param_dtype == "float16") != (self.dtype == "float16"):
             raise ValueError(f"--fsdp.param_dtype {param_dtype} with --vllm.dtype {self.dtype}: float16 runs on both "
                              "sides or on neither (float16 keeps 3 more mantissa bits and 3 fewer exponent bits than "
@@ -385,8 +384,7 @@ async def send_request(gen: Generator, i: int, request: tuple) -> Completion:
 
 
 async def drain_answers(gen: Generator, i: int) -> None:
-    """Send engine i the requests of this turn; each streamed answer to its asker, the call's own failure (a dead
-    engine) to every asker still waiting."""
+    """Send engine i this turn's requests; each answer to its asker, the call's own failure to every asker left."""
     batch = gen._pending.pop(i)
     futures = [future for _, future in batch]
     try:

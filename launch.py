@@ -182,8 +182,7 @@ async def probe_mismatch(generator: Generator, trainer: TrainerGroup, segments: 
 
 
 async def evaluate(workers: list, rows: list[dict], count: int) -> dict:
-    """One sample for each of the first `count` held-out rows under the current weights; not trained. The mean
-    counts each episode once, a failed (dropped) one as reward 0."""
+    """One sample for each of the first `count` held-out rows, not trained; an episode counts once, a failed one 0."""
     results = await asyncio.gather(*(workers[i % len(workers)].run_group.remote(row, f"eval{i}", 1)
                                      for i, row in enumerate(rows[:count])))
     rewards = [r for out in results for r in {s.episode_id: s.reward for s in out["segments"]}.values()]
@@ -408,8 +407,7 @@ class GroupQueue:
         self.launched += 1
 
     def checkpoint_position(self) -> dict:
-        """What a checkpoint written now saves: a resume trains every position not yet trained exactly once (groups
-        in flight are re-issued)."""
+        """What a checkpoint saves now: a resume trains each untrained position once (in-flight ones re-issued)."""
         pending = sorted(set(self.pending.values()) | set(self.reissue))
         return {**self.position, "pending": [list(p) for p in pending]}
 
