@@ -2,21 +2,17 @@
 
 `Segment` is the data contract (one training row of T tokens); `Completion` is one engine answer (T sampled tokens).
 `Generator` is a picklable router over `--vllm.num_engines` Ray actors, each driving one in-process vLLM `AsyncLLM`;
-an episode's requests (`affinity`) share one engine, and the requests of one event-loop turn (a group's episodes
-starting together) reach it in one Ray call, each answer streamed back as it ends. Log-probs are vLLM's processed
-ones (logits / temperature).
+an episode's requests (`affinity`) share one engine, and the requests of one event-loop turn reach it in one Ray call.
+Log-probs are vLLM's processed ones (logits / temperature).
     c = await gen.generate(prompt_ids, affinity=episode_id)   # c.token_ids, c.logprobs, c.versions: (T,)
     await gen.pause(); await gen.update_weights(named_tensors, version=7); await gen.resume()
 A refit keeps in-flight requests (pause in keep mode, KV recomputed): tokens emitted before the pause carry the old
-version, later ones the new (`Engine.sampled_counts` says why that count is exact; vLLM >= 0.32's weight-version
-spans check it). Refit tensors keep checkpoint names and the engine's dtype, in `--vllm.refit_bucket_mb` buckets:
-bytes from a CPU trainer, CUDA IPC to a colocated engine, else an NCCL broadcast. LoRA (--vllm.max_lora_rank):
-`update_adapter` loads an adapter per version with no pause; a request keeps the adapter it started with.
-A VLM's row holds each image's expanded placeholder run; the engine checks that vLLM expands it into the same ids.
-Not here: text, chat templates (chat_server.py, agent.py): this file moves token ids only (vLLM loads the
-tokenizer only to compile constrained-decoding grammars).
-Reading order: the flags, the data contract, token_versions, the Generator router; below the banner `machinery:
-the vLLM engine actor, refit transports`, the Engine actor, the wire format, images and where flags reach vLLM.
+version, later ones the new (`Engine.sampled_counts`). Refit tensors keep checkpoint names and the engine's dtype,
+in `--vllm.refit_bucket_mb` buckets: bytes from a CPU trainer, CUDA IPC to a colocated engine, else NCCL. LoRA
+adapters load with no pause (`update_adapter`). A VLM's row holds each image's expanded placeholder run.
+Not here: text, chat templates (chat_server.py, agent.py): this file moves token ids only.
+Reading order: the flags, the data contract, token_versions, the Generator router; below the banner: the Engine
+actor, the wire format, images and where flags reach vLLM.
 """
 import asyncio
 import io
@@ -90,8 +86,8 @@ class VllmArgs:
             raise ValueError("--vllm.enable_expert_parallel with --vllm.tensor_parallel_size 1: one GPU holds "
                              "every expert anyway; set --vllm.tensor_parallel_size > 1 or drop the flag")
 
-    def check_trainer(self, param_dtype: str, compile_logprobs: bool) -> None:
-        """Refuse a trainer that would compute another function than these engines (launch.py calls this)."""
+    def check_trainer(self, param_dtype: str, compile_logprobs: bool, lora_rank: int) -> None:
+        """Refuse a trainer that computes another function than these engines, or trains no adapter they serve."""
         if (param_dtype == "float16") != (self.dtype == "float16"):
             raise ValueError(f"--fsdp.param_dtype {param_dtype} with --vllm.dtype {self.dtype}: float16 runs on both "
                              "sides or on neither (float16 keeps 3 more mantissa bits and 3 fewer exponent bits than "
@@ -99,9 +95,6 @@ class VllmArgs:
         if self.batch_invariant and compile_logprobs:
             raise ValueError("--vllm.batch_invariant with --fsdp.compile_logprobs: inductor fuses its own log-softmax, "
                              "not vLLM's batch-invariant kernel; add --no-fsdp.compile_logprobs")
-
-    def check_lora_rank(self, lora_rank: int) -> None:
-        """Refuse engines that serve LoRA with a trainer that trains no adapter they fit (launch.py calls this)."""
         if self.max_lora_rank and not self.max_lora_rank >= lora_rank > 0:
             raise ValueError(f"--vllm.max_lora_rank {self.max_lora_rank} with --train.lora_rank {lora_rank}: engines "
                              "that serve LoRA are refit by adapter, so the trainer must train one of at most that "
@@ -173,15 +166,10 @@ class Segment:
 
 
 def sampled_record(turns: Iterable[tuple[list, list, list]]) -> tuple[tuple, tuple, tuple]:
-    """A row's action tokens as sampled: (ids, log-probs, versions), each a tuple over the row's action
-    tokens in order, from (ids, log-probs, versions) per engine call. Taken where the segment is built and
-    frozen (the row's lists stay mutable), so that launch.py's audit can find the first changed position."""
-    ids, logprobs, versions = [], [], []
-    for turn_ids, turn_logprobs, turn_versions in turns:
-        ids += turn_ids
-        logprobs += turn_logprobs
-        versions += turn_versions
-    return tuple(ids), tuple(logprobs), tuple(versions)
+    """A row's action tokens as sampled, (ids, log-probs, versions) each concatenated over its engine calls and
+    frozen where the segment is built (the row's lists stay mutable): launch.py's audit compares the row with it."""
+    turns = list(turns)
+    return tuple(tuple(x for turn in turns for x in turn[column]) for column in range(3))
 
 
 @dataclass
@@ -201,10 +189,9 @@ def pick_engine(affinity: str, num_engines: int) -> int:
 
 
 def segment_routing(routed, T: int) -> np.ndarray:
-    """A segment's (T, layers, top_k) int16 routing from the engine call that saw its first len(routed) + 1
-    tokens (vLLM returns one row per token it ran: the call's prompt and every sampled token but the last).
-    Rows that call never ran (the last token; a last observation never sent) are -1: the trainer routes them
-    live, and nothing trained depends on them."""
+    """A segment's (T, layers, top_k) int16 routing from the engine call that ran its first len(routed) tokens
+    (vLLM's rows: the prompt and every sampled token but the last). Rows it never ran are -1: the trainer routes
+    them live, and nothing trained depends on them."""
     r = np.asarray(routed)[:T]
     out = np.full((T, *r.shape[1:]), -1, dtype=np.int16)  # (T, layers, top_k)
     out[:len(r)] = r
@@ -213,8 +200,7 @@ def segment_routing(routed, T: int) -> np.ndarray:
 
 def token_versions(version: int, marks: list[tuple[int, int]], num_tokens: int) -> list[int]:
     """Per-token policy versions of a request that started under `version`, from its refit marks [(k, v)]: from
-    output token k on, version v. A refit pauses the engine, counts each kept request's tokens (k: all sampled
-    before the pause, Engine.sampled_counts) and marks it with the new version (Engine.set_version)."""
+    output token k on, version v (k: Engine.sampled_counts at the pause; v: Engine.set_version)."""
     versions = [version] * num_tokens
     for k, v in marks:
         versions[k:] = [v] * (num_tokens - k)
@@ -224,24 +210,22 @@ def token_versions(version: int, marks: list[tuple[int, int]], num_tokens: int) 
 # --- the router
 
 class Generator:
-    """Picklable router over the engine actors; pause, update_weights and resume reach every engine.
+    """Picklable router over the engine actors; pause, update_weights and resume reach every engine. Needs
+    `ray.init()`; blocks until every engine has started. `actor_options` go to each engine actor's `.options()`
+    (launch.py's placement), else an engine takes its GPUs if the cluster has any. `version`: what this router
+    last loaded (a copy held elsewhere reads versions off its completions)."""
 
-    Needs `ray.init()` first; blocks until every engine has started. `actor_options` go to each engine actor's
-    `.options()` (launch.py's placement); by default an engine takes its GPUs if the cluster has any. `version` is
-    what this router last loaded; a copy held elsewhere reads versions off its completions."""
-
-    def __init__(self, model_path: str, vllm: VllmArgs, rollout: RolloutArgs, *, version: int = 0,
-                 actor_options: dict | None = None):
+    def __init__(self, model_path: str, vllm: VllmArgs, rollout: RolloutArgs, *, actor_options: dict | None = None):
         if not ray.is_initialized():
             raise RuntimeError("Generator needs a running Ray: call ray.init() first")
-        self.vllm, self.rollout, self.version, self.id = vllm, rollout, version, uuid.uuid4().hex
+        self.vllm, self.rollout, self.version, self.id = vllm, rollout, 0, uuid.uuid4().hex
         self._shapes = checkpoint_shapes(model_path)
         self._bucket_bytes = vllm.refit_bucket_mb * 2**20
         gpus = vllm.tensor_parallel_size if ray.cluster_resources().get("GPU", 0) > 0 else 0
         options = {"num_gpus": gpus, **(actor_options or {})}
         self._engines = [Engine.options(**options).remote(model_path, vllm) for _ in range(vllm.num_engines)]
         infos = []
-        for i, ref in enumerate([e.start.remote(version) for e in self._engines]):
+        for i, ref in enumerate([e.start.remote(self.version) for e in self._engines]):
             try:
                 infos.append(ray.get(ref))  # blocks: start-up happens once, before any loop runs
             except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
@@ -275,10 +259,9 @@ class Generator:
                        stop_token_ids: list[int] | None = None, seed: int | None = None,
                        request_id: str | None = None, affinity: str | None = None,
                        ignore_eos: bool = False, constraint: dict | None = None, images: list = ()) -> Completion:
-        """Sample one completion; requests sharing an affinity key (an episode id) go to one engine.
-        `constraint` (constrained decoding, see build_sampling_params) makes the sampler the behaviour policy.
-        `images` (a VLM): [(start, end, encoded image bytes)], prompt_ids[start:end] being each image's placeholder
-        run as the model's processor expands it; the engine checks that it expands them into the same ids."""
+        """Sample one completion; requests sharing an affinity key (an episode id) go to one engine. `constraint`:
+        see build_sampling_params. `images` (a VLM): [(start, end, encoded image bytes)], prompt_ids[start:end]
+        being each image's placeholder run as the model's processor expands it."""
         check_prompt(prompt_ids, self._vocab_size, self.vllm.max_model_len)
         if affinity is None:
             i, self._next = self._next % len(self._engines), self._next + 1
@@ -299,12 +282,10 @@ class Generator:
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *,
                              colocated: bool = False, keep: Iterable[str] = ()) -> dict:
-        """Load every (checkpoint name, tensor) pair into the paused engines; tokens sampled next carry `version`.
-
-        Pairs may stream (a trainer's export): every checkpoint parameter exactly once, in the engine's dtype, except
-        those named in `keep` (frozen in the trainer: the engine keeps them as loaded). Buckets travel as
-        refit_transport picks for `colocated` (--launch.colocate). Returns refit_report's dict, with "applied" (per
-        bucket, the (name, dtype) list engine 0 loaded) and "transport" ("bytes" | "ipc" | "nccl")."""
+        """Load every (checkpoint name, tensor) pair, streamed, into the paused engines: every checkpoint parameter
+        once, in the engine's dtype, but those in `keep` (frozen in the trainer). Tokens sampled next carry `version`.
+        Returns refit_report's dict, with "applied" (per bucket, the (name, dtype) list engine 0 loaded) and
+        "transport" ("bytes" | "ipc" | "nccl", refit_transport's choice for `colocated`)."""
         if not all(await self._all("is_paused")):
             raise ValueError("update_weights while the engines are running: call pause() first")
         start, seen, applied, transport, worker_s, nbytes = time.perf_counter(), set(), [], None, 0.0, 0
@@ -334,9 +315,9 @@ class Generator:
 
     async def update_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], config: dict,
                              version: int) -> dict:
-        """Load a LoRA adapter (peft's lora_A / lora_B tensor names, in the engine's dtype; peft's adapter_config) into
-        every engine as `version`, with no pause: a request in flight keeps the adapter it started with, so all its
-        tokens carry its start version. It travels as bytes through Ray (it is small). Returns refit_report's dict."""
+        """Load a LoRA adapter (peft's tensor names and adapter_config, the engine's dtype) into every engine as
+        `version`, as bytes through Ray (it is small), with no pause: a request in flight keeps the adapter, and so
+        the version, it started with. Returns refit_report's dict."""
         if not 0 < config["r"] <= self.vllm.max_lora_rank:
             raise ValueError(f"update_adapter: an adapter of rank {config['r']}, engines with --vllm.max_lora_rank "
                              f"{self.vllm.max_lora_rank}; set it to at least the adapter's rank")
@@ -361,10 +342,8 @@ class Generator:
 
     async def metrics(self) -> dict:
         """Counters summed over engines (requests, tokens, seconds in requests), the last pause's seconds."""
-        total = {}
-        for counts in await self._all("metrics"):
-            for k, v in counts.items():
-                total[k] = total.get(k, 0) + v
+        counts = await self._all("metrics")  # every engine reports the same keys
+        total = {k: sum(c[k] for c in counts) for k in counts[0]}
         return {**total, **self._timings, "generator/version": self.version}
 
     async def shutdown(self) -> None:
@@ -374,7 +353,6 @@ class Generator:
 
 
 # === machinery: the vLLM engine actor, refit transports; read it when you change vLLM, a transport or a format
-
 
 class ConstraintError(ValueError):
     """vLLM refused a request's structured-output constraint (a schema it cannot compile): the asker's error."""
@@ -426,8 +404,8 @@ async def drain_answers(gen: Generator, i: int) -> None:
 
 
 def answer_error(gen: Generator, i: int, name: str, text: str) -> Exception:
-    """One request's failure: it failed, or vLLM's engine died under it (kept in gen.dead: agent.py's run_group reads
-    it, as an episode's own handling may have hidden it)."""
+    """One request's failure: it failed, or vLLM's engine died under it (kept in gen.dead: agent.py's run_group
+    reads it, as an episode's own handling may have hidden it)."""
     if name != "EngineDeadError":
         return RuntimeError(f"engine {i} failed: {text}")
     gen.dead = EngineDied(f"engine {i} died: {text}")
@@ -443,10 +421,10 @@ def refit_report(start: float, worker_s: float, messages: int, nbytes: int, **ex
 
 
 def check_prompt(prompt_ids: list, vocab_size: int, max_model_len: int) -> None:
-    """Refuse a prompt the engine would fail on later or as a TypeError: empty, a non-int id, out of range, too long."""
+    """Refuse a prompt the engine would fail on later or as a TypeError: empty, an id that is no int (numpy ints
+    are sent as ints) or out of range, too long."""
     if not prompt_ids:
         raise ValueError("generate: empty prompt (at least one token id is needed)")
-    # a float, str, None or bool would fail as a TypeError in `<` or in vLLM; numpy ints are sent as ints
     for k, t in enumerate(prompt_ids):
         if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
             raise ValueError(f"generate: prompt_ids[{k}] is {t!r} ({type(t).__name__}), not an int token id")
@@ -499,7 +477,6 @@ class Engine:
         adapter = self.adapter  # --vllm.max_lora_rank: version's adapter, which this request keeps to its end
         prompt = {"prompt_token_ids": prompt_ids}
         if images or self.image_id is not None:   # vLLM expands each image id into its run; the row holds the runs
-            # (a ValueError here reaches the caller as itself: engine_error); a VLM's stray image id is refused too
             prompt["prompt_token_ids"] = contract_images(prompt_ids, images, self.image_id)
         if images:
             prompt["multi_modal_data"] = {"image": [decode_image(b, f"generate: images[{k}]")
@@ -547,20 +524,18 @@ class Engine:
                           versions=versions, finish_reason=out.finish_reason, routed_experts=out.routed_experts)
 
     async def generate_many(self, rollout: RolloutArgs, requests: list[tuple[list[int], str, dict]]):
-        """Each (prompt ids, request id, generate's keywords) as generate runs it, in one Ray call; yields (k, the
-        k-th request's Completion, None) or (k, None, its error) as each finishes: a ValueError is the asker's and
-        travels as itself, any other error as (type name, repr) (not every exception pickles)."""
+        """Run each (prompt ids, request id, generate's keywords) in one Ray call; yield (k, its Completion, None) or
+        (k, None, its error) as each finishes: a ValueError as itself, others as (type name, repr) (not all pickle)."""
         self.calls += 1
 
-        async def one(k: int, request: tuple) -> tuple:
-            prompt_ids, request_id, kw = request
+        async def one(k: int, prompt_ids: list[int], request_id: str, kw: dict) -> tuple:
             try:
                 return k, await self.generate(prompt_ids, rollout, request_id, **kw), None
             except ValueError as e:
                 return k, None, e
             except Exception as e:  # reported to its asker; the others go on
                 return k, None, (type(e).__name__, repr(e))
-        for done in asyncio.as_completed([one(k, request) for k, request in enumerate(requests)]):
+        for done in asyncio.as_completed([one(k, *request) for k, request in enumerate(requests)]):
             yield await done
 
     async def pause(self) -> None:
@@ -573,12 +548,10 @@ class Engine:
         self.paused = True
 
     async def sampled_counts(self) -> dict[str, int]:
-        """Output tokens of each request in flight, all sampled before the pause that just completed.
-
-        Exact by vLLM's ordering (0.26 and 0.32): in keep mode the engine core answers the pause only when idle, behind
-        every step's outputs on the same socket; the client queues them, in order, for the output handler, which takes
-        an item only after processing the one before. Once it has taken an empty item put in behind them, the
-        per-request counts hold every token sampled before the pause and none after (nor is any until resume)."""
+        """Output tokens of each request in flight, all sampled before the pause that just completed. Exact by vLLM's
+        ordering (0.26 and 0.32): in keep mode the engine core answers the pause only when idle, behind every step's
+        outputs, which the output handler takes in order, one after the other. Once it has taken an empty item put in
+        behind them, the counts hold every token sampled before the pause and none after (none until resume)."""
         if not self.refits:
             return {}
         from vllm.v1.engine import EngineCoreOutputs
@@ -594,8 +567,7 @@ class Engine:
 
     async def load_adapter(self, wire: tuple, version: int) -> float:
         """Write an adapter (layout, bytes, adapter_config) as peft's files, load it into vLLM under a new id (vLLM
-        keeps an id's first weights), and make it the one requests started from now on use, as `version`.
-        Returns the seconds it took."""
+        keeps an id's first weights) as the one new requests use, as `version`; returns the seconds it took."""
         from vllm.lora.request import LoRARequest
         start, (layout, data, config) = time.perf_counter(), wire
         self.adapter_ids += 1
@@ -860,8 +832,7 @@ def build_engine_args(model_path: str, vllm: VllmArgs, *, cuda: bool):
                          "its KV cache with --vllm.gpu_memory_utilization")
     if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         raise ValueError("VLLM_CPU_KVCACHE_SPACE is set and would override --vllm.kv_cache_gb: unset it")
-    if not cuda:  # the worker runs in the engine-core process (one spawn fewer: start-up ~2x faster) with
-        # --vllm.cpu_threads threads; that process reads both variables when it starts.
+    if not cuda:  # the worker runs in the engine-core process (one spawn fewer), which reads both at its start
         os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(vllm.cpu_threads)})
     if vllm.batch_invariant:  # read by vLLM's config and by the worker process it starts (one flag, one env var)
         os.environ["VLLM_BATCH_INVARIANT"] = "1"
@@ -879,8 +850,7 @@ def build_engine_args(model_path: str, vllm: VllmArgs, *, cuda: bool):
         speculative_config=spec if vllm.num_speculative_tokens > 0 else None,
         enable_return_routed_experts=vllm.return_routed_experts,
         logprobs_mode="processed_logprobs",   # the sampled token's log-prob after temperature
-        # constrained decoding writes compact JSON (an unbounded run of whitespace is legal JSON, and a weak policy
-        # samples one); vLLM's default backend, xgrammar
+        # compact JSON: an unbounded run of whitespace is legal JSON, and a weak policy samples one
         structured_outputs_config=StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True),
         # ids in, ids out, but the tokenizer loads: constrained decoding compiles its grammar over the vocabulary
         worker_extension_cls="generator.WeightLoader", disable_log_stats=True, **(lora if vllm.max_lora_rank else {}))
@@ -918,8 +888,7 @@ class WeightLoader:
         self.refit_nccl = PyNcclCommunicator(group, device=self.device)
 
     def refit_bucket(self, wire: tuple, first: bool, last: bool) -> tuple[list[tuple[str, str]], float]:
-        """Load one packed bucket; returns the (name, dtype) of each tensor applied, and the seconds it took here.
-
+        """Load one packed bucket; returns the (name, dtype) of each tensor applied and the seconds it took here.
         wire is (transport, layout, payload): "bytes" carries the bucket itself (CPU trainer); "ipc" the CUDA IPC
         handle of the trainer's refit buffer on this GPU and the bucket's size; "nccl" its size, broadcast next."""
         start = time.perf_counter()

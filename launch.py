@@ -3,17 +3,16 @@
     python launch.py --help          # every flag, its default and its choices
     python launch.py --agent.path recipes/copy_agent.py --data.path recipes/copy_agent.py ...
 
-The loop: agent workers turn prompt groups into Segments (generator.py directly for an Env agent,
-through chat_server.py for a ChatAgent) and keep up to `--launch.max_staleness + 1` batches in
-flight (with partial rollouts, `--launch.in_flight` groups); the trainer takes a batch, trains one step,
-and every engine is refit (pause → load → resume) with the new policy version. K=0 is strictly
-on-policy: sampling waits for the refit. Every step writes a line to metrics.jsonl (and TensorBoard /
-W&B when asked), audits that each trained token is the id, log-prob and version the generator returned, and
-checkpoints when due. `--launch.mode sft` trains the same actor on chat data instead. Not here: the math
-(estimators.py, losses.py, trainer.py) and the token capture (generator.py, chat_server.py).
+The loop: agent workers turn prompt groups into Segments (generator.py directly for an Env agent, through
+chat_server.py for a ChatAgent) and keep up to `--launch.max_staleness + 1` batches in flight (with partial
+rollouts, `--launch.in_flight` groups); the trainer takes a batch, trains one step, and every engine is refit
+(pause → load → resume) with the new policy version. K=0 is strictly on-policy: sampling waits for the refit.
+Every step audits that each trained token is the id, log-prob and version the generator returned, writes a line to
+metrics.jsonl (and TensorBoard / W&B when asked), and checkpoints when due. `--launch.mode sft` trains the same actor
+on chat data instead. Not here: the math (estimators.py, losses.py, trainer.py) and the token capture.
 Reading order: the flags, audit, rollout_metrics, refit, probe_mismatch, evaluate, run_rl (the loop, as its stages),
-run_sft, main; below the banner `machinery: the parser, the queue, set-up and teardown, placement, sinks`: the
-parser and the rules across files, GroupQueue, run_rl's set-up, teardown and clock, Ray placement, files, sinks.
+run_sft, main; below the banner: the parser and the rules across files, GroupQueue, run_rl's set-up, teardown and
+clock, Ray placement, files, sinks.
 """
 import argparse
 import asyncio
@@ -111,11 +110,9 @@ SECTIONS = {"launch": LaunchArgs, "data": DataArgs, "eval": EvalArgs, "agent": A
 
 # --- the loop: audit, metrics, refit, probe, eval; run_rl's stages
 
-
 def audit(segments: list) -> None:
     """Raise unless every row holds, at each action token, exactly the id, log-prob and version recorded where
-    its segment was built (info["sampled"], generator.sampled_record), naming the row and the first position
-    that differs. An unchanged row costs one comparison of tuples."""
+    its segment was built (info["sampled"], generator.sampled_record), naming the row and the first difference."""
     for s in segments:
         where, sampled = f"segment {s.info.get('segment', 0)} of episode {s.episode_id!r}", s.info.get("sampled")
         if sampled is None:
@@ -160,8 +157,7 @@ def rollout_metrics(segments: list, version: int, lag_bins: int) -> dict:
 
 async def refit(generator: Generator, trainer: TrainerGroup) -> dict:
     """Pause every engine (requests kept), load the trainer's weights (rank 0 sends them), resume; returns the
-    generator/refit_* metrics. Engines that serve LoRA load the adapter unpaused: a request in flight keeps the
-    adapter it started with."""
+    generator/refit_* metrics. Engines that serve LoRA load the adapter unpaused."""
     if not generator.serves_adapters:
         await generator.pause()
     report = await asyncio.to_thread(trainer.refit, generator)
@@ -172,9 +168,8 @@ async def refit(generator: Generator, trainer: TrainerGroup) -> dict:
 
 async def probe_mismatch(generator: Generator, trainer: TrainerGroup, segments: list,
                          count: int = 8, tokens: int = 32) -> dict:
-    """Forward consistency for a step whose batch held no token of the trainer's version (asynchronous
-    steps, where every token lags): sample a few short continuations of the batch's prompts at once with
-    the weights just refit, and compare those sampling log-probs with the trainer's recompute."""
+    """Forward consistency for a step whose batch held no token of the trainer's version (every token lags): sample
+    a few short continuations of the batch's prompts with the weights just refit; compare with the trainer's."""
     prompts = [s.token_ids[:s.action_mask.index(True)] for s in segments[:count]]
     images = [[i for i in s.images if i[1] <= len(p)] for s, p in zip(segments, prompts)]   # a VLM's prompt images
     tokens = min(tokens, generator.rollout.max_new_tokens)
@@ -187,8 +182,7 @@ async def probe_mismatch(generator: Generator, trainer: TrainerGroup, segments: 
 
 
 async def evaluate(workers: list, rows: list[dict], count: int) -> dict:
-    """One sample for each of the first `count` held-out rows under the current weights; not trained. The mean
-    counts each episode once (however many segments it has), and a failed one (dropped) as reward 0."""
+    """One sample for each of the first `count` held-out rows, not trained; an episode counts once, a failed one 0."""
     results = await asyncio.gather(*(workers[i % len(workers)].run_group.remote(row, f"eval{i}", 1)
                                      for i, row in enumerate(rows[:count])))
     rewards = [r for out in results for r in {s.episode_id: s.reward for s in out["segments"]}.values()]
@@ -200,8 +194,7 @@ async def evaluate(workers: list, rows: list[dict], count: int) -> dict:
 
 async def run_rl(cfg: dict) -> dict:
     """The RL loop. Research surface: the order of rollout, audit, train, refit and eval below is the algorithm's
-    schedule (what to sample while training, when to refit); the math lives in estimators.py and losses.py, and a
-    change to the schedule should need no edit of the token capture (generator.py, chat_server.py, agent.py)."""
+    schedule; the math lives in estimators.py and losses.py, the token capture needs no edit for a new schedule."""
     launch, data, ev = cfg["launch"], cfg["data"], cfg["eval"]
     run = await start_rl(cfg)  # engines, trainer ranks, agent workers, the queue, the log, the baseline eval (below)
     generator, trainer, queue, clock, metrics = run.generator, run.trainer, run.queue, Clock(), {}
@@ -287,9 +280,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 # === machinery: the parser, the queue, set-up and teardown, placement, sinks; read it when you change one of them
 
-
 # --- flags: one parser composed from the dataclasses
-
 
 def none_or(kind):
     """argparse type for `X | None` flags: the word none gives None."""
@@ -364,8 +355,7 @@ def check_cross_flags(cfg: dict) -> None:
         raise ValueError("--train.routing_replay without --vllm.return_routed_experts: the engine records no "
                          "routing to replay; set --vllm.return_routed_experts")
     rollout.check_logprobs_usable(importance_correction=loss.importance_correction, kl_to_rollout=loss.kl_to_rollout)
-    cfg["vllm"].check_lora_rank(train.lora_rank)
-    cfg["vllm"].check_trainer(cfg["fsdp"].param_dtype, cfg["fsdp"].compile_logprobs)
+    cfg["vllm"].check_trainer(cfg["fsdp"].param_dtype, cfg["fsdp"].compile_logprobs, train.lora_rank)
     if not launch.model:
         raise ValueError("--launch.model is required: a Hugging Face model directory "
                          "(recipes/tiny_model.py builds one)")
@@ -373,13 +363,12 @@ def check_cross_flags(cfg: dict) -> None:
 
 # --- the queue: prompt groups in flight on the agent workers, admitted into batches, and the data position
 
-
 class GroupQueue:
     """Prompt groups in flight on the agent workers, and the finished ones waiting to be trained."""
 
     def __init__(self, workers: list, rows: list[dict], samples: int, position: dict, seed: int, groups: int):
-        """position: the data order's next (epoch, index), and "pending", the positions a checkpoint saw
-        launched but not trained, re-issued first. groups: how many groups the remaining steps train."""
+        """position: the data order's next (epoch, index), and "pending", the positions a checkpoint saw launched
+        but not trained, re-issued first. groups: how many groups the remaining steps train."""
         self.workers, self.rows, self.samples, self.seed = workers, rows, samples, seed
         self.position = {"epoch": position["epoch"], "index": position["index"]}
         self.reissue = [tuple(p) for p in position.get("pending", [])]  # (epoch, index): sampled again, fresh
@@ -418,8 +407,7 @@ class GroupQueue:
         self.launched += 1
 
     def checkpoint_position(self) -> dict:
-        """What a checkpoint written now saves: a resume trains every position not yet trained exactly once.
-        Groups sampling or queued now are lost with the process and re-issued, sampled by the resumed policy."""
+        """What a checkpoint saves now: a resume trains each untrained position once (in-flight ones re-issued)."""
         pending = sorted(set(self.pending.values()) | set(self.reissue))
         return {**self.position, "pending": [list(p) for p in pending]}
 
@@ -445,11 +433,9 @@ class GroupQueue:
 
     async def next_batch(self, n: int, *, capacity: int, filter_range: tuple[float, float] | None,
                          min_version: int, max_filtered: int, partial: bool = False) -> list[dict]:
-        """n finished groups, launching new ones while fewer than `capacity` are in flight, queued or taken.
-        Dropped and replaced by a new position: groups whose every episode failed, groups filtered by mean reward
-        (more than max_filtered of them before the batch fills stops the run). Re-issued (the same prompt sampled
-        again, so long prompts are not lost): groups with a token older than min_version (with `partial`: whose
-        newest token is)."""
+        """n finished groups, launching new ones while fewer than `capacity` are in flight, queued or taken. Replaced
+        by a new position: groups whose every episode failed or filtered by mean reward (over max_filtered stops the
+        run). Re-issued, so long prompts survive: groups with a token older than min_version (`partial`: its newest)."""
         batch, filtered = [], 0
         while len(batch) < n:
             self.fill(capacity, len(batch))
@@ -491,8 +477,7 @@ class GroupQueue:
 
     def step_metrics(self) -> dict:
         """Since the last call: episodes dropped by reason, seconds the engines sat idle, and the mean reward of every
-        episode of the groups that finished, filtered and stale ones included (the trained batch's leans to the
-        filter's range; rollout/trained_reward_mean)."""
+        episode of the groups that finished, filtered and stale ones included (unlike rollout/trained_reward_mean)."""
         counts, idle = self.logged
         rewards = list(self.finished.values())
         out = {f"rollout/dropped_{k}": float(v - counts[k]) for k, v in self.counts.items()}
@@ -503,7 +488,6 @@ class GroupQueue:
 
 
 # --- run_rl's set-up, teardown and clock; Ray placement
-
 
 async def start_rl(cfg: dict) -> types.SimpleNamespace:
     """run_rl's set-up: the engines, the trainer ranks (resumed: the engines get their weights), the agent workers,
@@ -538,8 +522,7 @@ async def start_rl(cfg: dict) -> types.SimpleNamespace:
 
 
 async def end_step(run: types.SimpleNamespace, clock: "Clock", action_tokens: float) -> dict:
-    """A step's last metrics: the baseline eval's (first step only), the clock's, the queue's, and the engines' and
-    chat servers' counters."""
+    """A step's last metrics: the baseline eval's (first step only), the clock's, the queue's, the counters'."""
     counters = {**(await run.generator.metrics()),
                 **chat_counters(await asyncio.gather(*(w.metrics.remote() for w in run.workers)))}
     before, run.before = run.before, {}
@@ -559,8 +542,7 @@ async def stop_rl(run: types.SimpleNamespace, metrics: dict) -> dict:
 
 
 class Clock:
-    """run_rl's timings: when the step started and its rollout wait ended, its phases' seconds (train, drain,
-    refit), and when the engines were last given groups after a refit."""
+    """run_rl's timings: the step's start, its rollout wait, its phases' seconds, the engines' last fill."""
 
     def __init__(self):
         self.filled = time.perf_counter()
@@ -581,8 +563,7 @@ class Clock:
     def metrics(self, action_tokens: float) -> dict:
         step_s = time.perf_counter() - self.t0  # the whole cycle: the next step starts now
         train_s, drain_s, refit_s = self.seconds["train"], self.seconds["drain"], self.seconds["refit"]
-        return {"launch/step_s": step_s,
-                "launch/rollout_wait_s": self.wait_s,
+        return {"launch/step_s": step_s, "launch/rollout_wait_s": self.wait_s,
                 "launch/since_refit_s": self.since_refit_s,  # K=0: the whole rollout phase
                 "launch/groups_in_flight": float(self.in_flight),
                 "launch/train_s": train_s, "launch/drain_s": drain_s, "launch/refit_s": refit_s,
@@ -642,7 +623,6 @@ def probe_segments(prompts: list[list[int]], outs: list, images: list[list]) -> 
 
 
 # --- data and metrics: rows from files; metrics.jsonl always, TensorBoard and W&B when asked, a progress line, a plot
-
 
 def load_rows(path: str, split: str) -> list[dict]:
     """Rows of a split: a .py file's rows(split), or a JSONL / parquet file (the same rows for every split)."""
