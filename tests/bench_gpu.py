@@ -5,10 +5,10 @@ built locally. Each section measures ours and its baseline side by side in one r
   logprobs   the trainer's log-prob path alone (forward + backward of token_logprobs over one 16,384 x
              151,936 bf16 logits tensor; compiled on CUDA, and eager) vs HF's causal-LM cross-entropy (fp32
              upcast + cross_entropy).
-  trainer    TrainerGroup (NeMo AutoModel + FSDP2, bf16 autocast over fp32 masters, activation
-             checkpointing, fused AdamW) vs plain transformers training of the same model and the same
-             numerics (torch's default AdamW), one 16,384-token sequence per step, one after the other
-             (both do not fit at once). Target >= 1.0x.
+  trainer    TrainerGroup (NeMo AutoModel + FSDP2, bf16 autocast over fp32 masters, fused AdamW) vs plain
+             transformers training of the same model and the same numerics (torch's default AdamW), one
+             16,384-token sequence per step, one after the other (both do not fit at once); activation
+             checkpointing on both sides, then off on both. Target >= 1.3x.
   generator  Generator vs a raw vLLM AsyncLLM built from the same engine arguments, both alive on one
              GPU, 256 prompts x 256 sampled tokens, 6 alternating rounds (ratio: the median of each round of
              ours over the raw round before it). Target >= 0.95x. Each round also runs the loop's rollout
@@ -136,9 +136,19 @@ def bench_logprobs(seq: int = 16384, vocab: int = 151936, repeats: int = 5) -> d
 # --- trainer: ours vs plain transformers, one 16,384-token sequence per step
 
 def bench_trainer(model: str, seq: int = 16384, warmup: int = 2, steps: int = 5) -> dict:
-    """H200, 2026-12-03, two leases: ours 24,883 and 24,459 tokens/s, plain 23,769 and 29,919 (1.05x, then 0.82x);
-    peak 27.5 GiB ours, 70.9 plain. Ours held steady between the two; the baseline moved 26%, so one lease's ratio
-    is not enough to name a regression. On 11-30 and 12-01 the ratio was 1.28-1.30x."""
+    """One 16,384-token sequence per step, ours vs a plain transformers script with the same numerics (fp32 masters,
+    bf16 autocast, AdamW, clip 1.0), with activation checkpointing on both sides, then off on both.
+    H200, 2026-12-04: checkpointed 24,144 vs 24,229 tokens/s (0.996x; peak 27.5 vs 36.8 GiB), not checkpointed
+    30,392 vs 30,208 (1.006x; 61.6 vs 70.9 GiB). The 1.28x of 11-30 compared unequal work: from_pretrained returns
+    eval mode, where HF skips checkpointing, so until 12-01 (2678370 added model.train()) ours never checkpointed,
+    and the baseline never did until this bench called train(). The 12-03 drop to 1.05x was ours starting to
+    recompute activations (21% slower, 34 GiB less), not a regression; at equal work the two are level."""
+    res = {mode: trainer_pair(model, seq, warmup, steps, checkpointing=mode == "ckpt") for mode in ("ckpt", "no_ckpt")}
+    return report("trainer", **res, ratio=res["ckpt"]["ratio"], ratio_no_ckpt=res["no_ckpt"]["ratio"], target=1.3,
+                  seq=seq)
+
+
+def trainer_pair(model: str, seq: int, warmup: int, steps: int, checkpointing: bool) -> dict:
     from transformers import AutoModelForCausalLM
 
     from estimators import EstimatorArgs
@@ -148,7 +158,9 @@ def bench_trainer(model: str, seq: int = 16384, warmup: int = 2, steps: int = 5)
     ids = torch.randint(0, 151936, (1, seq), generator=torch.Generator().manual_seed(0))
     # the baseline: what a plain transformers script does with the same numerics as our trainer
     plain = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="sdpa").cuda()
-    plain.gradient_checkpointing_enable()
+    plain.train()  # from_pretrained returns eval mode, where HF's gradient checkpointing is skipped
+    if checkpointing:
+        plain.gradient_checkpointing_enable()
     plain.config.use_cache = False
     opt = torch.optim.AdamW(plain.parameters(), lr=1e-5)
     x = ids.cuda()
@@ -166,6 +178,7 @@ def bench_trainer(model: str, seq: int = 16384, warmup: int = 2, steps: int = 5)
     segment = Segment(token_ids=row, action_mask=[False] + [True] * (seq - 1), logprobs=[0.0] + [-1.0] * (seq - 1),
                       versions=[-1] + [0] * (seq - 1))
     times = {"plain": [], "ours": []}
+    torch.cuda.reset_peak_memory_stats()
     for _ in range(warmup):
         plain_step()
     for _ in range(steps):
@@ -177,7 +190,7 @@ def bench_trainer(model: str, seq: int = 16384, warmup: int = 2, steps: int = 5)
     opt.state.clear()
     torch.cuda.empty_cache()
     ours = TrainerGroup(model, TrainArgs(lr=1e-5, max_tokens_per_microbatch=seq),
-                        FsdpArgs(param_dtype="bfloat16", gradient_checkpointing=True), CkptArgs(), LossArgs(),
+                        FsdpArgs(param_dtype="bfloat16", gradient_checkpointing=checkpointing), CkptArgs(), LossArgs(),
                         EstimatorArgs(), temperature=1.0)
     for i in range(warmup + steps):
         start = time.perf_counter()
@@ -186,9 +199,8 @@ def bench_trainer(model: str, seq: int = 16384, warmup: int = 2, steps: int = 5)
             times["ours"].append(time.perf_counter() - start)
     ours.shutdown()
     tps = {k: seq / statistics.median(v) for k, v in times.items()}
-    return report("trainer", ours_tokens_per_s=tps["ours"], plain_tokens_per_s=tps["plain"],
-                  ratio=tps["ours"] / tps["plain"], target=1.0, ours_peak_gib=metrics.get("train/peak_gib"),
-                  plain_peak_gib=plain_peak, seq=seq)
+    return {"ours_tokens_per_s": tps["ours"], "plain_tokens_per_s": tps["plain"], "ratio": tps["ours"] / tps["plain"],
+            "ours_peak_gib": metrics.get("train/peak_gib"), "plain_peak_gib": plain_peak}
 
 
 # --- generator: ours vs raw vLLM; then refit timings
@@ -660,7 +672,8 @@ def bench_longtail(model: str, steps: int = 8) -> dict:
                      # short window that favours them would show here
                      "tokens_per_episode": sum(r["rollout/action_tokens"] for r in timed)
                      / sum(r["rollout/episodes"] for r in timed),
-                     "mismatch_abs": statistics.median(r["loss/mismatch_abs"] for r in timed)}
+                     "mismatch_abs": statistics.median(r["loss/mismatch_abs"] for r in timed),
+                     "pad_frac": statistics.mean(r["train/pad_frac"] for r in timed)}
     ratio = res["partial"]["loop_tokens_per_s"] / res["drain"]["loop_tokens_per_s"]
     return report("longtail", **res, ratio=ratio, target=1.3, steps=steps,
                   lengths="lognormal median 256 sigma 1.0 cap 8192 (mean ~422, p90 ~925, p99 ~2,611)")
