@@ -185,8 +185,8 @@ def batch_baseline(rewards: Tensor, episode_ids: Tensor, mask: Tensor) -> Tensor
 
 def shape_rewards(args: EstimatorArgs, rewards: Tensor, episode_ids: Tensor, mask: Tensor,
                   truncated: Tensor | None) -> Tensor:
-    """Reward shaping from what the rollout did, before any estimator reads rewards (B,): mask's row sums are the
-    action lengths, truncated (B,) bool marks rows cut at max tokens or context (None: none); one per episode."""
+    """Reward shaping from rollout facts, before any estimator reads rewards (B,): mask's row sums are the action
+    lengths, truncated (B,) bool marks rows cut at max tokens or context (None: none); one reward per episode."""
     if args.truncated_reward is not None and truncated is not None:  # a truncated row marks its whole episode
         rewards = torch.where(torch.isin(episode_ids, episode_ids[truncated]), args.truncated_reward, rewards)  # (B,)
     return rewards
