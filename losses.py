@@ -1,24 +1,21 @@
 """Losses: policy surrogates, importance correction, staleness, KL, entropy, aggregation, value, SFT.
 
-Shapes: B rows, T tokens. logp / old_logp / rollout_logp / ref_logp / adv / entropy / versions are
-(B, T); mask (B, T) bool is True on action tokens. logp is the trainer's current log-prob (gradient
-flows), old_logp the trainer's recompute before this step (proximal policy), rollout_logp the
-engine's sampling log-prob (behaviour policy), versions the policy version that sampled each token.
-Contract: compute_policy_loss(args, ...) -> (loss (), records [(count, metrics dict[str, float])]); it is the
-one function that reads the policy flags (compute_value_loss reads --loss.value_clip). Loss values
-use global denominators (Denoms), so summing the losses of an optimizer step's microbatches and
-ranks gives the full-batch loss and gradient. Each record's metrics are means over its count of tokens, so
-count-weighted means over microbatches and ranks give the full-batch values (trainer.merge_metrics).
-Nothing leaks from masked positions: every input goes through torch.where before any exp, so -inf
-or NaN there gives exactly zero gradient; log-ratios are clamped to +-20 before exp.
-Not here: log-probs and entropy from logits (trainer.py), advantages (estimators.py), reductions
-across ranks (step_denoms needs none: every rank holds the whole batch).
+Shapes: B rows, T tokens; the per-token inputs are (B, T), mask (B, T) bool is True on action tokens. logp is the
+trainer's current log-prob (gradient flows), old_logp its recompute before this step (proximal policy), rollout_logp
+the engine's sampling log-prob (behaviour policy), versions the policy version that sampled each token.
+Contract: compute_policy_loss(args, ...) -> (loss (), records [(count, metrics dict[str, float])]) is the one reader
+of the policy flags (compute_value_loss of --loss.value_clip). Losses divide by the step's global Denoms, so the
+losses of its microbatches and ranks sum to the full-batch loss and gradient; each record's metrics are means over
+its count of tokens, so count-weighted means give the full-batch values (trainer.merge_metrics).
+Nothing leaks from masked positions: every input goes through torch.where before any exp, so -inf or NaN there
+gives exactly zero gradient; log-ratios are clamped to +-20 before exp. Not here: log-probs and entropy from
+logits (trainer.py), advantages (estimators.py), reductions across ranks (every rank holds the whole batch).
 
-Research surface: a new surrogate is one function of (logp, old_logp, adv, mask) -> (per-token loss,
-clipped), one SURROGATES entry and one `elif` in compute_policy_loss; a new importance correction is one
-IS_LEVELS / IS_MODES branch there. Neither needs trainer.py: it hands this file the tensors and sums the loss.
-Reading order: LossArgs and Denoms, the surrogates, importance correction, versions, KL and aggregation, the
-other losses, then compute_policy_loss; below the banner `machinery: shape checks and masked means`.
+Research surface: a new surrogate is one function (logp, old_logp, adv, mask) -> (per-token loss, clipped), one
+SURROGATES entry and one `elif` in compute_policy_loss; a new importance correction is one IS_LEVELS / IS_MODES
+branch there. Neither needs trainer.py: it hands this file the tensors and sums the loss. Reading order: LossArgs
+and Denoms, the surrogates, importance correction, versions, KL and aggregation, the other losses, then
+compute_policy_loss; below the banner `machinery: shape checks and masked means`.
 """
 import math
 from dataclasses import dataclass, field
@@ -96,7 +93,6 @@ class LossArgs:
                              "zero in expectation, so as a loss it penalises nothing; set --loss.kl_estimator k2 or k3")
 
     # other files ask these, never the flags themselves: each flag's meaning is decided in this file only
-
     @property
     def needs_ref_model(self) -> bool:
         """The KL reference is a frozen copy of the loaded weights, which the trainer builds and runs."""
@@ -137,7 +133,6 @@ def step_denoms(mask: Tensor, group_ids: Tensor) -> tuple[Denoms, Tensor]:
 
 
 # --- policy surrogates: (logp, old_logp, adv, mask) -> per-token loss (B, T), clipped (B, T) bool
-
 
 def clipped_surrogate(log_ratio: Tensor, adv: Tensor, mask: Tensor, *, clip_low: float, clip_high: float,
                       dual_clip: float | None) -> tuple[Tensor, Tensor]:
@@ -189,7 +184,6 @@ def cispo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_hig
 
 # --- importance correction: the trainer's proximal policy (old_logp) over the rollout's behaviour policy
 
-
 def importance_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, *, level: str, mode: str,
                        band: tuple[float, float]) -> tuple[Tensor, Tensor]:
     """Detached weight (B, T) that multiplies the per-token loss, and the bool (B, T) of tokens the band changed.
@@ -225,7 +219,6 @@ def importance_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, *, 
 
 # --- policy versions: exact staleness masking and the on-policy guard
 
-
 def stale_mask(versions: Tensor, mask: Tensor, *, current_version: int, max_lag: int | None) -> Tensor:
     """mask without the action tokens whose version lags the trainer's by more than max_lag; None keeps all."""
     if max_lag is None:
@@ -252,12 +245,10 @@ def check_versions(versions: Tensor, mask: Tensor, *, current_version: int, is_l
 
 # --- KL to a reference, aggregation over the step
 
-
 def kl_penalty(logp: Tensor, ref_logp: Tensor, mask: Tensor, *, estimator: str) -> Tensor:
     """Per-token KL(policy || ref) estimate (B, T), 0 off mask; http://joschu.net/blog/kl-approx.html with
-    d = ref - logp: k1 = -d, k2 = d^2 / 2, k3 = min(exp(d) - d - 1, K3_CAP) on d clamped to +-20.
-    Clamps follow verl: only k3 has an exp, so only k3 is capped; k1 and k2 stay exact at any d, as the
-    trainer's k1 KL reward does (OpenRLHF instead caps all three at +-10)."""
+    d = ref - logp: k1 = -d, k2 = d^2 / 2, k3 = min(exp(d) - d - 1, K3_CAP) on d clamped to +-20. As in verl only
+    k3, which has an exp, is capped; k1 and k2 stay exact at any d (OpenRLHF instead caps all three at +-10)."""
     d = torch.where(mask, ref_logp - logp, 0.0)  # (B, T)
     if estimator == "k1":
         return -d
@@ -293,7 +284,6 @@ def aggregate(per_token: Tensor, mask: Tensor, *, agg: str, denoms: Denoms,
 
 
 # --- value, SFT and mismatch: the other losses and the forward-consistency measure
-
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *, clip: float | None,
                denoms: Denoms) -> tuple[Tensor, dict[str, float]]:
@@ -334,7 +324,6 @@ def mismatch_metrics(rollout_logp: Tensor, trainer_logp: Tensor, mask: Tensor) -
 
 
 # --- the two entry points: read the flags, dispatch, pass values down
-
 
 def compute_policy_loss(args: LossArgs, logp: Tensor, old_logp: Tensor, rollout_logp: Tensor, adv: Tensor, mask: Tensor,
                         *, versions: Tensor, current_version: int, denoms: Denoms, group_tokens: Tensor | None = None,
@@ -417,7 +406,6 @@ def compute_value_loss(args: LossArgs, values: Tensor, old_values: Tensor, retur
 
 
 # === machinery: shape checks and masked means; read it when you change an input's shape or a metric
-
 
 def check_shapes(mask: Tensor, **tensors: Tensor | None) -> None:
     """Raise ValueError naming the first tensor whose shape is not mask's (B, T); None means not given."""
