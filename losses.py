@@ -1,21 +1,19 @@
 """Losses: policy surrogates, importance correction, staleness, KL, entropy, aggregation, value, SFT.
 
-Shapes: B rows, T tokens; the per-token inputs are (B, T), mask (B, T) bool is True on action tokens. logp is the
+Shapes: B rows, T tokens; per-token inputs are (B, T), mask (B, T) bool is True on action tokens. logp is the
 trainer's current log-prob (gradient flows), old_logp its recompute before this step (proximal policy), rollout_logp
 the engine's sampling log-prob (behaviour policy), versions the policy version that sampled each token.
-Contract: compute_policy_loss(args, ...) -> (loss (), records [(count, metrics dict[str, float])]) is the one reader
-of the policy flags (compute_value_loss of --loss.value_clip). Losses divide by the step's global Denoms, so the
-losses of its microbatches and ranks sum to the full-batch loss and gradient; each record's metrics are means over
-its count of tokens, so count-weighted means give the full-batch values (trainer.merge_metrics).
-Nothing leaks from masked positions: every input goes through torch.where before any exp, so -inf or NaN there
-gives exactly zero gradient; log-ratios are clamped to +-20 before exp. Not here: log-probs and entropy from
-logits (trainer.py), advantages (estimators.py), reductions across ranks (every rank holds the whole batch).
+Contract: compute_policy_loss(args, ...) -> (loss (), records [(count, metrics)]) reads the policy flags,
+compute_value_loss --loss.value_clip. Losses divide by the step's global Denoms and metrics are means over each
+record's count, so sums and count-weighted means over microbatches and ranks give the full-batch values.
+Masked positions pass torch.where before any exp (-inf or NaN there give zero gradient); log-ratios are clamped to
++-20. Not here: log-probs and entropy from logits (trainer.py), advantages (estimators.py), reductions across ranks
+(none needed: every rank holds the whole batch).
 
 Research surface: a new surrogate is one function (logp, old_logp, adv, mask) -> (per-token loss, clipped), one
-SURROGATES entry and one `elif` in compute_policy_loss; a new importance correction is one IS_LEVELS / IS_MODES
-branch there. Neither needs trainer.py: it hands this file the tensors and sums the loss. Reading order: LossArgs
-and Denoms, the surrogates, importance correction, versions, KL and aggregation, the other losses, then
-compute_policy_loss; below the banner `machinery: shape checks and masked means`.
+SURROGATES entry and one `elif` in compute_policy_loss; an importance correction is one IS_LEVELS / IS_MODES branch.
+Neither edits trainer.py. Reading order: LossArgs and Denoms, surrogates, importance correction, versions, KL and
+aggregation, the other losses, compute_policy_loss; below the banner: shape checks and masked means.
 """
 import math
 from dataclasses import dataclass, field
@@ -137,6 +135,7 @@ def step_denoms(mask: Tensor, group_ids: Tensor) -> tuple[Denoms, Tensor]:
 def clipped_surrogate(log_ratio: Tensor, adv: Tensor, mask: Tensor, *, clip_low: float, clip_high: float,
                       dual_clip: float | None) -> tuple[Tensor, Tensor]:
     """PPO's pessimistic clipped loss per token; `clipped` marks tokens whose gradient a clip zeroed."""
+    log_ratio, adv = torch.where(mask, log_ratio, 0.0), torch.where(mask, adv, 0.0)  # (B, T)
     ratio = log_ratio.clamp(-LOG_CLAMP, LOG_CLAMP).exp()  # (B, T)
     loss_unclipped = -ratio * adv  # (B, T)
     loss_clipped = -ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv  # (B, T)
@@ -153,22 +152,19 @@ def ppo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_low: 
         dual_clip: float | None) -> tuple[Tensor, Tensor]:
     """PPO, https://arxiv.org/abs/1707.06347: -min(r*A, clip(r, 1-eps_low, 1+eps_high)*A), r = exp(logp - old_logp).
     With dual_clip c (https://arxiv.org/abs/1912.09729), for A < 0 the loss is also capped at -c*A."""
-    log_ratio, adv = torch.where(mask, logp - old_logp, 0.0), torch.where(mask, adv, 0.0)  # (B, T)
-    return clipped_surrogate(log_ratio, adv, mask, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
+    return clipped_surrogate(logp - old_logp, adv, mask, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
 
 
 def gspo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_low: float, clip_high: float,
          dual_clip: float | None) -> tuple[Tensor, Tensor]:
     """GSPO-token, https://arxiv.org/abs/2507.18071: PPO's clip on s_t = sg(s) * exp(logp_t - sg(logp_t)), with
     s = exp(mean_t(logp_t - old_logp_t)) one ratio per row: value s, gradient s * grad(logp_t) on every token.
-    Each token keeps its own advantage A_t (per-token advantages: gae, gamma < 1, a KL reward). Taken as a mean
-    over rows of each row's token mean (LossArgs refuses any other --loss.agg) and with one advantage per row,
-    this is GSPO's sequence objective mean_i min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i)."""
+    Each token keeps its own A_t (gae, a KL reward); with one per row and --loss.agg seq_mean_token_mean (LossArgs
+    allows no other) this is GSPO's mean_i min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i)."""
     logp = torch.where(mask, logp, 0.0)  # (B, T)
     n = mask.sum(-1, keepdim=True).clamp(min=1)  # (B, 1)
     log_seq = torch.where(mask, logp - old_logp, 0.0).sum(-1, keepdim=True) / n  # (B, 1)
     log_ratio = log_seq.detach() + logp - logp.detach()  # (B, T)
-    adv = torch.where(mask, adv, 0.0)  # (B, T)
     return clipped_surrogate(log_ratio, adv, mask, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
 
 
@@ -197,13 +193,11 @@ def importance_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, *, 
     log_w = torch.where(mask, old_logp - rollout_logp, 0.0).detach().float()  # (B, T)
     if level == "off":
         return torch.ones_like(log_w), torch.zeros_like(mask)
-    if level == "token":
-        pass  # log_w is already per token
-    elif level == "seq":
+    if level == "seq":
         log_w = log_w.sum(-1, keepdim=True).expand_as(log_w)  # (B, T)
     elif level == "geo":
         log_w = (log_w.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)).expand_as(log_w)  # (B, T)
-    else:
+    elif level != "token":  # token: log_w is already per token
         raise ValueError(f"level {level!r}: unknown; choose one of {', '.join(IS_LEVELS)}")
     w = log_w.clamp(-LOG_CLAMP, LOG_CLAMP).exp()  # (B, T)
     above, below = log_w > log_high, log_w < log_low  # (B, T)
@@ -290,8 +284,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     """PPO value loss, 1/2 max((v - R)^2, (old + clip(v - old, -c, c) - R)^2), summed over the step's
     num_tokens (the critic always takes a token mean; --loss.agg shapes the policy loss only)."""
     check_shapes(mask, values=values, old_values=old_values, returns=returns)
-    error = torch.where(mask, values - returns, 0.0)  # (B, T)
-    loss = error**2  # (B, T)
+    loss = torch.where(mask, values - returns, 0.0) ** 2  # (B, T)
     clipped = torch.zeros_like(mask)
     if clip is not None:
         moved = torch.where(mask, values - old_values, 0.0)  # (B, T)
