@@ -1,13 +1,13 @@
 """Losses: policy surrogates, importance correction, staleness, KL, entropy, aggregation, value, SFT.
 
-Shapes: B rows, T tokens; per-token inputs are (B, T), mask (B, T) bool is True on action tokens. logp is the
-trainer's current log-prob (gradient flows), old_logp its recompute before this step (proximal policy), rollout_logp
-the engine's sampling log-prob (behaviour policy), versions the policy version that sampled each token.
-Contract: compute_policy_loss(args, ...) -> (loss (), records [(count, metrics)]) reads the policy flags,
-compute_value_loss --loss.value_clip. Losses divide by the step's global Denoms and metrics are means over each
-record's count, so sums and count-weighted means over microbatches and ranks give the full-batch values.
-Masked positions pass torch.where before any exp (-inf or NaN there give zero gradient); log-ratios are clamped to
-+-20. Not here: log-probs and entropy from logits (trainer.py), advantages (estimators.py), reductions across ranks
+Per-token inputs are (B rows, T tokens); mask is True on action tokens. logp: the trainer's log-prob (gradient
+flows); old_logp: its recompute before this step (proximal policy); rollout_logp: the engine's (behaviour policy);
+versions: the policy version that sampled each token. compute_policy_loss(args, ...) -> (loss (), records
+[(count, metrics)]) is the one reader of the policy flags (compute_value_loss of --loss.value_clip); other files
+ask LossArgs' properties. Losses divide by the step's global Denoms and metrics are means over each record's
+count, so sums and count-weighted means over microbatches and ranks give the full-batch values. Masked positions
+pass torch.where before any exp (-inf or NaN there give zero gradient); log-ratios are clamped to +-20.
+Not here: log-probs and entropy from logits (trainer.py), advantages (estimators.py), reductions across ranks
 (none needed: every rank holds the whole batch).
 
 Research surface: a new surrogate is one function (logp, old_logp, adv, mask) -> (per-token loss, clipped), one
@@ -63,8 +63,7 @@ class LossArgs:
                              "unclipped loss -A at ratio 1)")
         low, high = self.is_band
         if not 0.0 < low < 1.0 < high:
-            raise ValueError(f"--loss.is_band {low} {high}: need 0 < LOW < 1 < HIGH, so that on-policy weight 1 is "
-                             "inside the band")
+            raise ValueError(f"--loss.is_band {low} {high}: need 0 < LOW < 1 < HIGH, on-policy weight 1 in the band")
         if self.max_token_lag is not None and self.max_token_lag < 0:
             raise ValueError(f"--loss.max_token_lag {self.max_token_lag}: must be >= 0 (0 keeps only tokens of the "
                              "current version) or None")
@@ -90,7 +89,6 @@ class LossArgs:
             raise ValueError("--loss.kl_estimator k1 with --loss.kl_coef > 0: k1 = logp - ref has gradient grad(logp), "
                              "zero in expectation, so as a loss it penalises nothing; set --loss.kl_estimator k2 or k3")
 
-    # other files ask these, never the flags themselves: each flag's meaning is decided in this file only
     @property
     def needs_ref_model(self) -> bool:
         """The KL reference is a frozen copy of the loaded weights, which the trainer builds and runs."""
@@ -114,8 +112,7 @@ class LossArgs:
 
 @dataclass
 class Denoms:
-    """Counts over the whole optimizer step (all microbatches, all ranks), from the action mask before
-    any token is dropped: dropped tokens (stale, IcePop-masked) count as zero-loss tokens."""
+    """Step-wide counts (all microbatches and ranks) from the mask before any drop: dropped tokens count, at 0 loss."""
     num_tokens: float  # action tokens
     num_seqs: float  # rows with at least one action token
     num_prompts: float  # prompt groups with at least one action token
@@ -169,9 +166,8 @@ def gspo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_low:
 
 
 def cispo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_high: float) -> tuple[Tensor, Tensor]:
-    """CISPO, https://arxiv.org/abs/2506.13585: -sg(min(r, 1+eps_high))*A*logp, r = exp(logp - old_logp); the paper's
-    clip(r, 1-eps_low, 1+eps_high) with the large eps_low its experiments use, so no floor. The clipped weight is
-    a constant, so every token keeps a gradient and it flows only through logp."""
+    """CISPO, https://arxiv.org/abs/2506.13585: -sg(min(r, 1+eps_high))*A*logp, r = exp(logp - old_logp); no floor
+    (the paper's eps_low is that large). The weight is a constant: every token keeps a gradient, through logp only."""
     logp = torch.where(mask, logp, 0.0)  # (B, T)
     ratio = torch.where(mask, logp - old_logp, 0.0).detach().clamp(-LOG_CLAMP, LOG_CLAMP).exp()  # (B, T)
     weight = ratio.clamp(max=1.0 + clip_high)  # (B, T)
@@ -183,13 +179,11 @@ def cispo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_hig
 def importance_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, *, level: str, mode: str,
                        band: tuple[float, float]) -> tuple[Tensor, Tensor]:
     """Detached weight (B, T) that multiplies the per-token loss, and the bool (B, T) of tokens the band changed.
-    level token: w_t = exp(old_t - rollout_t); seq: every token gets exp(sum_t log w_t); geo: every token gets
-    exp(mean_t log w_t), GSPO's length-normalised sequence ratio (https://arxiv.org/abs/2507.18071) applied to
-    old/rollout as verl's rollout_is_level geometric does, so the band bounds every token's weight:
+    level token: w_t = exp(old_t - rollout_t); seq: every token gets exp(sum_t log w_t); geo: exp(mean_t log w_t),
+    GSPO's length-normalised ratio (https://arxiv.org/abs/2507.18071) on old/rollout as in verl's geometric level:
     https://github.com/volcengine/verl/blob/10350b613de7625d759a48e582573749484ef861/docs/advance/rollout_is.md
     mode trunc, TIS (https://fengyao.notion.site/off-policy-rl): min(w, HIGH); mask, IcePop
     (https://arxiv.org/abs/2510.18855): w * 1[LOW <= w <= HIGH]; clip: clamp(w, LOW, HIGH)."""
-    log_low, log_high = math.log(band[0]), math.log(band[1])
     log_w = torch.where(mask, old_logp - rollout_logp, 0.0).detach().float()  # (B, T)
     if level == "off":
         return torch.ones_like(log_w), torch.zeros_like(mask)
@@ -200,7 +194,7 @@ def importance_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, *, 
     elif level != "token":  # token: log_w is already per token
         raise ValueError(f"level {level!r}: unknown; choose one of {', '.join(IS_LEVELS)}")
     w = log_w.clamp(-LOG_CLAMP, LOG_CLAMP).exp()  # (B, T)
-    above, below = log_w > log_high, log_w < log_low  # (B, T)
+    above, below = log_w > math.log(band[1]), log_w < math.log(band[0])  # (B, T)
     if mode == "trunc":
         return w.clamp(max=band[1]), above & mask
     elif mode == "mask":
@@ -223,8 +217,7 @@ def stale_mask(versions: Tensor, mask: Tensor, *, current_version: int, max_lag:
 
 
 def check_versions(versions: Tensor, mask: Tensor, *, current_version: int, is_level: str) -> None:
-    """Refuse what cannot be right: an action token with no version or a future one, and, without an
-    importance correction, any action token not sampled by the weights the trainer holds now."""
+    """Refuse action tokens of no or a future version and, with no importance correction, any of an older one."""
     action_versions = versions[mask]  # (N,)
     if (action_versions < 0).any():
         raise ValueError("versions: an action token has no policy version (-1); the rollout record is broken")
@@ -249,8 +242,7 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, mask: Tensor, *, estimator: str) 
     elif estimator == "k2":
         return 0.5 * d**2
     elif estimator == "k3":
-        # k3 grows as e^d and passes the cap at d ~ 2.6: capped, one rare token cannot dominate a step (and gets no
-        # gradient). The clamp on d keeps exp finite, else the capped token's backward is 0 * inf = NaN.
+        # Capped past d ~ 2.6, one rare token cannot dominate a step; the clamp keeps its backward from 0 * inf = NaN.
         d = d.clamp(-LOG_CLAMP, LOG_CLAMP)  # (B, T)
         return (d.exp() - d - 1.0).clamp(max=K3_CAP)
     else:
@@ -281,8 +273,7 @@ def aggregate(per_token: Tensor, mask: Tensor, *, agg: str, denoms: Denoms,
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *, clip: float | None,
                denoms: Denoms) -> tuple[Tensor, dict[str, float]]:
-    """PPO value loss, 1/2 max((v - R)^2, (old + clip(v - old, -c, c) - R)^2), summed over the step's
-    num_tokens (the critic always takes a token mean; --loss.agg shapes the policy loss only)."""
+    """PPO value loss 1/2 max((v - R)^2, (old + clip(v - old, -c, c) - R)^2) over the step's num_tokens, not agg."""
     check_shapes(mask, values=values, old_values=old_values, returns=returns)
     loss = torch.where(mask, values - returns, 0.0) ** 2  # (B, T)
     clipped = torch.zeros_like(mask)
@@ -329,7 +320,6 @@ def compute_policy_loss(args: LossArgs, logp: Tensor, old_logp: Tensor, rollout_
                  ref_logp=ref_logp, entropy=entropy)
     kept = stale_mask(versions, mask, current_version=current_version, max_lag=args.max_token_lag)  # (B, T)
     check_versions(versions, kept, current_version=current_version, is_level=args.is_level)
-
     # --- surrogate per token
     clip = dict(clip_low=args.clip_low, clip_high=args.clip_high)
     if args.surrogate == "ppo":
@@ -340,7 +330,6 @@ def compute_policy_loss(args: LossArgs, logp: Tensor, old_logp: Tensor, rollout_
         per_token, clipped = cispo(logp, old_logp, adv, kept, clip_high=args.clip_high)
     else:
         raise ValueError(f"--loss.surrogate {args.surrogate!r}: unknown; choose one of {', '.join(SURROGATES)}")
-
     # --- importance correction (a detached factor; with cispo it multiplies CISPO's own weight), aggregation
     weight, cut = importance_weights(old_logp, rollout_logp, kept, level=args.is_level, mode=args.is_mode,
                                      band=args.is_band)
@@ -348,7 +337,6 @@ def compute_policy_loss(args: LossArgs, logp: Tensor, old_logp: Tensor, rollout_
     loss = aggregate(per_token, mask, agg=args.agg, denoms=denoms, group_tokens=group_tokens)
     metrics = {"loss/pg": masked_mean(per_token, kept), "loss/clip_frac": masked_mean(clipped, kept),
                "loss/is_weight_mean": masked_mean(weight, kept), "loss/is_masked_frac": masked_mean(cut, kept)}
-
     # --- KL to the reference: always measured when a reference exists, in the loss when kl_coef > 0
     reference = kl_reference(args, rollout_logp, ref_logp)
     if reference is not None:
@@ -356,7 +344,6 @@ def compute_policy_loss(args: LossArgs, logp: Tensor, old_logp: Tensor, rollout_
         metrics["loss/kl"] = masked_mean(kl, kept)
         if args.kl_coef > 0.0:
             loss = loss + args.kl_coef * aggregate(kl, mask, agg=args.agg, denoms=denoms, group_tokens=group_tokens)
-
     # --- entropy bonus
     if entropy is None and args.entropy_coef != 0.0:
         raise ValueError("entropy: --loss.entropy_coef != 0 needs the per-token entropy (B, T); pass it or set "
@@ -366,7 +353,6 @@ def compute_policy_loss(args: LossArgs, logp: Tensor, old_logp: Tensor, rollout_
         if args.entropy_coef != 0.0:
             loss = loss - args.entropy_coef * aggregate(torch.where(kept, entropy, 0.0), mask, agg=args.agg,
                                                         denoms=denoms, group_tokens=group_tokens)
-
     # --- records: each mean with its count. Mismatch only on tokens the current weights sampled (lag is not
     # mismatch); a batch with none (asynchronous steps) reports no mismatch keys rather than a false zero.
     records = [(float(kept.sum()), metrics), (float(mask.sum()), {"loss/stale_frac": masked_mean(mask & ~kept, mask)})]
