@@ -113,8 +113,8 @@ def whiten_tokens(x: Tensor, mask: Tensor, eps: float) -> Tensor:
 def reinforce(rewards: Tensor, mask: Tensor, *, kl: Tensor | None = None, kl_coef: float = 0.0, gamma: float = 1.0,
               whiten: bool = True, std_eps: float = 1e-6) -> Tensor:
     """REINFORCE++, https://arxiv.org/abs/2501.03262: A_t = whiten(G_t), G_t = r_t + gamma * G_next,
-    r_t = -kl_coef * kl_t, plus the row's reward on its last action token; "next" = next action token; whitened over
-    the batch's action tokens (unbiased std + std_eps). Each segment of an episode gets the episode's reward."""
+    r_t = -kl_coef * kl_t plus, on each segment's last action token, its episode's reward; "next" = next action
+    token; whitened over the batch's action tokens (unbiased std + std_eps)."""
     check_inputs(rewards, mask, kl=kl)
     slot, counts = pack_slots(mask)  # (B, T), (B,)
     returns = unpack(discounted_sum(packed_rewards(rewards, kl, kl_coef, slot, counts), gamma), slot)  # (B, T)
