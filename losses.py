@@ -273,7 +273,7 @@ def aggregate(per_token: Tensor, mask: Tensor, *, agg: str, denoms: Denoms,
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *, clip: float | None,
                denoms: Denoms) -> tuple[Tensor, dict[str, float]]:
-    """PPO value loss 1/2 max((v - R)^2, (old + clip(v - old, -c, c) - R)^2) over the step's num_tokens, not agg."""
+    """PPO value loss 1/2 max((v - R)^2, (old + clip(v - old, -c, c) - R)^2), a step-wide token mean, any --loss.agg."""
     check_shapes(mask, values=values, old_values=old_values, returns=returns)
     loss = torch.where(mask, values - returns, 0.0) ** 2  # (B, T)
     clipped = torch.zeros_like(mask)
