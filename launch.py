@@ -484,8 +484,7 @@ class GroupQueue:
 # --- run_rl's set-up, teardown and clock; Ray placement
 
 async def start_rl(cfg: dict) -> types.SimpleNamespace:
-    """run_rl's set-up: the engines, the trainer ranks (resumed: the engines get their weights), the agent workers,
-    the queue at the data position, the metrics log, and the baseline eval of the loaded weights (--eval.before)."""
+    """run_rl's set-up: engines, trainer ranks (a resume refits the engines), workers, queue, log, baseline eval."""
     launch, data, train, rollout = cfg["launch"], cfg["data"], cfg["train"], cfg["rollout"]
     rows = load_rows(data.path, "train")
     held_out = load_rows(data.path, "test") if cfg["eval"].every else []
@@ -605,8 +604,7 @@ def node_options(placement: tuple[str, ...], i: int) -> dict:
 
 
 def probe_segments(prompts: list[list[int]], outs: list, images: list[list]) -> list[Segment]:
-    """The probe's rows: each prompt and the Completion sampled after it, with the routing the engine recorded
-    (--vllm.return_routed_experts), so that --train.routing_replay's recompute replays it as in a train step."""
+    """The probe's rows: prompt + sampled Completion, with the engine's routing for --train.routing_replay to replay."""
     return [Segment(token_ids=p + o.token_ids, action_mask=[False] * len(p) + [True] * len(o.token_ids),
                     logprobs=[0.0] * len(p) + o.logprobs, versions=[-1] * len(p) + o.versions, images=i,
                     routed_experts=None if o.routed_experts is None else
