@@ -3,20 +3,17 @@
 Shapes: B rows (segments), T tokens, P prompt groups, E unique episodes in the batch.
 Contract: compute_advantages(args, rewards (B,), group_ids (B,), episode_ids (B,), mask (B, T),
 values=(B, T), kl=(B, T), truncated=(B,)) -> (advantages (B, T), returns (B, T) for gae else None, metrics).
-Advantages are exactly 0 where mask is False. Group estimators count each episode once (its
-segments share one reward) and broadcast its scalar advantage to every action token of every
-segment. Token-level estimators (reinforce, gae) work per row and treat non-action tokens (prompt,
-tool output, template glue) as transparent: sums skip them and carry across them. Inputs carry no
-gradient (advantages and returns are constants of the step); bad input raises ValueError naming it.
-Not here: policy or value losses (losses.py), the KL estimate itself (the caller passes it), and length or
-token-count normalisation (the loss's aggregation owns it).
+Advantages are exactly 0 where mask is False. Group estimators count each episode once (its segments share
+one reward) and broadcast its advantage to every action token of every segment. Token-level estimators
+(reinforce, gae) work per row and skip non-action tokens (prompt, tool output, template glue) in their sums.
+Inputs carry no gradient; bad input raises ValueError naming it. Not here: policy or value losses (losses.py),
+the KL estimate itself (the caller passes it), length normalisation (the loss's aggregation owns it).
 
 Research surface: a new estimator is one pure function here, one ESTIMATORS entry and one `elif` in
-compute_advantages (README, "Adding an advantage estimator"); it needs no edit of trainer.py or launch.py.
-A reward-shaping term from rollout facts (action lengths, truncation) is one branch of shape_rewards.
+compute_advantages (README, "Adding an advantage estimator"); a reward-shaping term from rollout facts
+(action lengths, truncation) is one branch of shape_rewards. Neither edits trainer.py or launch.py.
 Reading order: EstimatorArgs, the group helpers, the estimators, shape_rewards, compute_advantages; below the
-banner `machinery: input checks, packed token scans`: the checks, and the scans by which reinforce and gae skip
-non-action tokens.
+banner: the input checks, and the packed scans by which reinforce and gae skip non-action tokens.
 """
 import math
 from dataclasses import dataclass, field
@@ -76,7 +73,6 @@ class EstimatorArgs:
 
 # --- helpers: rows <-> episodes, group means, whitening
 
-
 def to_episodes(rewards: Tensor, group_ids: Tensor, episode_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Collapse rows to unique episodes: rewards (E,), group ids (E,), and each row's episode (B,)."""
     episodes, row_episode = torch.unique(episode_ids, return_inverse=True)  # (E,), (B,)
@@ -114,13 +110,11 @@ def whiten_tokens(x: Tensor, mask: Tensor, eps: float) -> Tensor:
 
 # --- estimators, in the order of ESTIMATORS
 
-
 def reinforce(rewards: Tensor, mask: Tensor, *, kl: Tensor | None = None, kl_coef: float = 0.0, gamma: float = 1.0,
               whiten: bool = True, std_eps: float = 1e-6) -> Tensor:
     """REINFORCE++, https://arxiv.org/abs/2501.03262: A_t = whiten(G_t), G_t = r_t + gamma * G_next,
-    r_t = -kl_coef * kl_t (+ the row's reward on its last action token); "next" = next action token.
-    Whitening: over the batch's action tokens, unbiased std + std_eps. Per row: each segment of a
-    multi-segment episode gets the full episode reward at its own last action token."""
+    r_t = -kl_coef * kl_t plus, on each segment's last action token, its episode's reward; "next" = next action
+    token; whitened over the batch's action tokens (unbiased std + std_eps)."""
     check_inputs(rewards, mask, kl=kl)
     slot, counts = pack_slots(mask)  # (B, T), (B,)
     returns = unpack(discounted_sum(packed_rewards(rewards, kl, kl_coef, slot, counts), gamma), slot)  # (B, T)
@@ -130,10 +124,9 @@ def reinforce(rewards: Tensor, mask: Tensor, *, kl: Tensor | None = None, kl_coe
 def reinforce_baseline(rewards: Tensor, group_ids: Tensor, episode_ids: Tensor, mask: Tensor, *,
                        whiten: bool = True, std_eps: float = 1e-6) -> Tensor:
     """REINFORCE++-baseline, https://arxiv.org/abs/2501.03262: A = whiten(R - mean_group(R)).
-    One value per episode, broadcast to its action tokens, then whitened over the batch's action tokens
-    as in reinforce (so longer rows weigh more in the mean and std). A singleton group has no baseline
-    and its value is 0, by choice as in grpo (verl keeps its raw score); that 0 enters the batch mean and
-    std, so the choice reaches every row, and the singleton itself ends at -mean/std, not 0."""
+    One value per episode, broadcast to its action tokens, whitened as in reinforce (longer rows weigh more).
+    A singleton group has no baseline and gets 0 before whitening, by choice as in grpo (verl keeps its raw score);
+    that 0 enters the batch mean and std, so it reaches every row, and the singleton ends at -mean/std, not 0."""
     check_inputs(rewards, mask, group_ids=group_ids, episode_ids=episode_ids)
     r, groups, row_episode = to_episodes(rewards, group_ids, episode_ids)  # (E,), (E,), (B,)
     adv = to_tokens(r - group_mean(r, groups)[0], row_episode, mask)  # (B, T)
@@ -142,8 +135,7 @@ def reinforce_baseline(rewards: Tensor, group_ids: Tensor, episode_ids: Tensor, 
 
 def grpo(rewards: Tensor, group_ids: Tensor, episode_ids: Tensor, mask: Tensor, *, std_eps: float = 1e-6) -> Tensor:
     """GRPO, https://arxiv.org/abs/2402.03300: A = (R - mean_group(R)) / (std_group(R) + std_eps).
-    Unbiased std over the group's episodes. A singleton group has no baseline and gets 0; an
-    all-equal group gets exactly 0."""
+    Unbiased std over the group's episodes; a singleton group (no baseline) and an all-equal group get exactly 0."""
     check_inputs(rewards, mask, group_ids=group_ids, episode_ids=episode_ids)
     r, groups, row_episode = to_episodes(rewards, group_ids, episode_ids)  # (E,), (E,), (B,)
     mean, size = group_mean(r, groups)  # (E,), (E,)
@@ -152,8 +144,7 @@ def grpo(rewards: Tensor, group_ids: Tensor, episode_ids: Tensor, mask: Tensor, 
 
 
 def dr_grpo(rewards: Tensor, group_ids: Tensor, episode_ids: Tensor, mask: Tensor) -> Tensor:
-    """Dr. GRPO, https://arxiv.org/abs/2503.20783: A = R - mean_group(R), no std division.
-    A singleton group is its own mean and gets 0."""
+    """Dr. GRPO, https://arxiv.org/abs/2503.20783: A = R - mean_group(R), no std division; a singleton group gets 0."""
     check_inputs(rewards, mask, group_ids=group_ids, episode_ids=episode_ids)
     r, groups, row_episode = to_episodes(rewards, group_ids, episode_ids)  # (E,), (E,), (B,)
     return to_tokens(r - group_mean(r, groups)[0], row_episode, mask)
@@ -171,9 +162,8 @@ def rloo(rewards: Tensor, group_ids: Tensor, episode_ids: Tensor, mask: Tensor) 
 def gae(rewards: Tensor, values: Tensor | None, mask: Tensor, *, kl: Tensor | None = None, kl_coef: float = 0.0,
         gamma: float = 1.0, lam: float = 1.0, whiten: bool = True, std_eps: float = 1e-6) -> tuple[Tensor, Tensor]:
     """GAE, https://arxiv.org/abs/1506.02438: A_t = delta_t + gamma*lam*A_next, delta_t = r_t + gamma*V_next - V_t.
-    Token rewards as in reinforce; "next" = next action token of the row, skipping tool output and glue
-    (V_next = A_next = 0 after the last). Returns (advantages, whitened as in reinforce if whiten,
-    returns = A + V before whitening: the value targets), both (B, T) and 0 off the mask."""
+    Token rewards as in reinforce; "next" = the row's next action token (V_next = A_next = 0 after the last).
+    Returns (advantages, whitened if whiten; returns = A + V before whitening, the value targets), 0 off the mask."""
     if values is None:
         raise ValueError("values: gae needs the critic's value at every token, shape (B, T)")
     check_inputs(rewards, mask, values=values, kl=kl)
@@ -195,9 +185,8 @@ def batch_baseline(rewards: Tensor, episode_ids: Tensor, mask: Tensor) -> Tensor
 
 def shape_rewards(args: EstimatorArgs, rewards: Tensor, episode_ids: Tensor, mask: Tensor,
                   truncated: Tensor | None) -> Tensor:
-    """The home of reward shaping from what the rollout did, before any estimator reads the rewards: rewards (B,),
-    episode ids (B,), mask (B, T) (its row sums are the action lengths), truncated (B,) bool (the row hit max tokens
-    or max context; None: none did). Every row of one episode must get one reward: a term applies per episode."""
+    """Reward shaping from rollout facts, before any estimator reads rewards (B,): mask's row sums are the action
+    lengths, truncated (B,) bool marks rows cut at max tokens or context (None: none); one reward per episode."""
     if args.truncated_reward is not None and truncated is not None:  # a truncated row marks its whole episode
         rewards = torch.where(torch.isin(episode_ids, episode_ids[truncated]), args.truncated_reward, rewards)  # (B,)
     return rewards
@@ -206,8 +195,7 @@ def shape_rewards(args: EstimatorArgs, rewards: Tensor, episode_ids: Tensor, mas
 def compute_advantages(args: EstimatorArgs, rewards: Tensor, group_ids: Tensor, episode_ids: Tensor, mask: Tensor, *,
                        values: Tensor | None = None, kl: Tensor | None = None, truncated: Tensor | None = None
                        ) -> tuple[Tensor, Tensor | None, dict[str, float]]:
-    """-> (advantages (B, T), returns (B, T) for gae else None, metrics {key: float}). The estimator validates.
-    truncated (B,) bool: which rows hit max tokens or max context (none when not given)."""
+    """-> (advantages (B, T), returns (B, T) for gae else None, metrics); the estimator validates the inputs."""
     returns = None
     rewards = shape_rewards(args, rewards, episode_ids, mask, truncated)
     if args.name == "reinforce":
@@ -234,21 +222,16 @@ def compute_advantages(args: EstimatorArgs, rewards: Tensor, group_ids: Tensor, 
     kept = adv[mask] if mask.any() else adv.new_zeros(1)  # (N,); a batch with no action token logs zeros
     groups, row_group = torch.unique(group_ids, return_inverse=True)  # (P,), (B,)
     live = adv.new_zeros(len(groups)).index_add_(0, row_group, (adv != 0).any(1).to(adv.dtype))  # (P,) rows with signal
-    metrics = {
-        "estimator/adv_mean": kept.mean().item(),
-        "estimator/adv_std": kept.std(correction=0).item(),
-        "estimator/adv_max": kept.max().item(),
-        "estimator/adv_min": kept.min().item(),
-        "estimator/zero_adv_groups": (live == 0).float().mean().item(),  # GRPO collapse: groups with no signal
-        "estimator/reward_mean": rewards.mean().item() if len(rewards) else 0.0,  # after shaping
-    }
+    metrics = {"estimator/adv_mean": kept.mean().item(), "estimator/adv_std": kept.std(correction=0).item(),
+               "estimator/adv_max": kept.max().item(), "estimator/adv_min": kept.min().item(),
+               "estimator/zero_adv_groups": (live == 0).float().mean().item(),  # GRPO collapse: groups with no signal
+               "estimator/reward_mean": rewards.mean().item() if len(rewards) else 0.0}  # after shaping
     if returns is not None:
         metrics["estimator/returns_mean"] = returns[mask].mean().item() if mask.any() else 0.0
     return adv, returns, metrics
 
 
 # === machinery: input checks, packed token scans; read it when you change an input or a token-level sum
-
 
 def check_inputs(rewards: Tensor, mask: Tensor, *, group_ids: Tensor | None = None, episode_ids: Tensor | None = None,
                  values: Tensor | None = None, kl: Tensor | None = None) -> None:

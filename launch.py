@@ -3,16 +3,14 @@
     python launch.py --help          # every flag, its default and its choices
     python launch.py --agent.path recipes/copy_agent.py --data.path recipes/copy_agent.py ...
 
-The loop: agent workers turn prompt groups into Segments (generator.py directly for an Env agent, through
-chat_server.py for a ChatAgent) and keep up to `--launch.max_staleness + 1` batches in flight (with partial
-rollouts, `--launch.in_flight` groups); the trainer takes a batch, trains one step, and every engine is refit
-(pause → load → resume) with the new policy version. K=0 is strictly on-policy: sampling waits for the refit.
-Every step audits that each trained token is the id, log-prob and version the generator returned, writes a line to
-metrics.jsonl (and TensorBoard / W&B when asked), and checkpoints when due. `--launch.mode sft` trains the same actor
+The loop: agent workers turn prompt groups into Segments (through chat_server.py for a ChatAgent) and keep up to
+K+1 batches in flight (K = --launch.max_staleness; with partial rollouts, --launch.in_flight groups); the trainer
+trains one step on a batch, then every engine is refit (pause → load → resume) to the new policy version. K=0 is
+strictly on-policy: sampling waits for the refit. Each step audits every trained token against what the generator
+returned, logs to metrics.jsonl (TensorBoard / W&B when asked) and checkpoints when due. --launch.mode sft trains
 on chat data instead. Not here: the math (estimators.py, losses.py, trainer.py) and the token capture.
-Reading order: the flags, audit, rollout_metrics, refit, probe_mismatch, evaluate, run_rl (the loop, as its stages),
-run_sft, main; below the banner: the parser and the rules across files, GroupQueue, run_rl's set-up, teardown and
-clock, Ray placement, files, sinks.
+Reading order: the flags, audit, rollout_metrics, refit, probe_mismatch, evaluate, run_rl, run_sft, main; below the
+banner: the parser and cross-file rules, GroupQueue, run_rl's set-up, teardown and clock, placement, files, sinks.
 """
 import argparse
 import asyncio
@@ -99,8 +97,7 @@ class EvalArgs:
 
     def __post_init__(self):
         if self.every < 0 or self.prompts < 1:
-            raise ValueError(f"--eval.every {self.every} / --eval.prompts {self.prompts}: "
-                             "need every >= 0 and prompts >= 1")
+            raise ValueError(f"--eval.every {self.every} / --eval.prompts {self.prompts}: need every >= 0, prompts > 0")
 
 
 SECTIONS = {"launch": LaunchArgs, "data": DataArgs, "eval": EvalArgs, "agent": AgentArgs, "chat": ChatArgs,
@@ -270,11 +267,9 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         ray.shutdown()
     print(f"metrics: {os.path.join(out['out_dir'], 'metrics.jsonl')}")
-    for key in ("hf", "checkpoint"):
+    for key in ("hf", "checkpoint", "plot"):
         if out.get(key):
             print(f"{key}: {out[key]}")
-    if cfg["launch"].mode == "rl":
-        print(f"plot: {os.path.join(out['out_dir'], 'reward.png')}")
     return out
 
 
@@ -402,8 +397,7 @@ class GroupQueue:
         group_id = f"e{epoch}i{index}"
         self.pending[group_id] = (epoch, index)
         worker = self.workers[self.launched % len(self.workers)]
-        task = asyncio.create_task(self.run(worker, self.rows[self.order[1][index - 1]], group_id))
-        self.tasks.add(task)
+        self.tasks.add(asyncio.create_task(self.run(worker, self.rows[self.order[1][index - 1]], group_id)))
         self.launched += 1
 
     def checkpoint_position(self) -> dict:
@@ -490,8 +484,7 @@ class GroupQueue:
 # --- run_rl's set-up, teardown and clock; Ray placement
 
 async def start_rl(cfg: dict) -> types.SimpleNamespace:
-    """run_rl's set-up: the engines, the trainer ranks (resumed: the engines get their weights), the agent workers,
-    the queue at the data position, the metrics log, and the baseline eval of the loaded weights (--eval.before)."""
+    """run_rl's set-up: engines, trainer ranks (a resume refits the engines), workers, queue, log, baseline eval."""
     launch, data, train, rollout = cfg["launch"], cfg["data"], cfg["train"], cfg["rollout"]
     rows = load_rows(data.path, "train")
     held_out = load_rows(data.path, "test") if cfg["eval"].every else []
@@ -531,14 +524,15 @@ async def end_step(run: types.SimpleNamespace, clock: "Clock", action_tokens: fl
 
 async def stop_rl(run: types.SimpleNamespace, metrics: dict) -> dict:
     """run_rl's teardown: the reward plot and the final checkpoint, then the workers, engines and ranks end."""
-    run.log.plot(os.path.join(run.out_dir, "reward.png"))
+    plot = os.path.join(run.out_dir, "reward.png")
+    run.log.plot(plot)
     path = run.trainer.final_checkpoint(run.queue.checkpoint_position())
     await run.queue.drain()
     for w in run.workers:
         await w.stop.remote()
     await run.generator.shutdown()
     run.trainer.shutdown()
-    return {"metrics": metrics, "checkpoint": path, "out_dir": run.out_dir, "errors": run.queue.errors}
+    return {"metrics": metrics, "checkpoint": path, "plot": plot, "out_dir": run.out_dir, "errors": run.queue.errors}
 
 
 class Clock:
@@ -565,21 +559,18 @@ class Clock:
         train_s, drain_s, refit_s = self.seconds["train"], self.seconds["drain"], self.seconds["refit"]
         return {"launch/step_s": step_s, "launch/rollout_wait_s": self.wait_s,
                 "launch/since_refit_s": self.since_refit_s,  # K=0: the whole rollout phase
-                "launch/groups_in_flight": float(self.in_flight),
+                "launch/groups_in_flight": float(self.in_flight), "launch/tokens_per_s": action_tokens / step_s,
                 "launch/train_s": train_s, "launch/drain_s": drain_s, "launch/refit_s": refit_s,
-                "launch/trainer_idle_s": self.wait_s + drain_s + refit_s,  # waiting on groups and engines
-                "launch/tokens_per_s": action_tokens / step_s}
-
-
-CHAT_WORST = ("chat/overhead_ms_p50", "chat/overhead_ms_p99")  # percentiles do not add: the slowest worker's
+                "launch/trainer_idle_s": self.wait_s + drain_s + refit_s}  # waiting on groups and engines
 
 
 def chat_counters(per_worker: list[dict]) -> dict:
-    """Every worker's chat/* metrics in one row: counts summed over the workers' servers, CHAT_WORST maxed."""
+    """Every worker's chat/* metrics in one row: counts summed over the workers' servers; latency percentiles
+    (chat/overhead_ms_p*) do not add, so they take the slowest worker's."""
     out = {}
     for metrics in per_worker:
         for k, v in metrics.items():
-            out[k] = max(out.get(k, v), v) if k in CHAT_WORST else out.get(k, 0) + v
+            out[k] = max(out.get(k, v), v) if k.startswith("chat/overhead_ms_p") else out.get(k, 0) + v
     return out
 
 
@@ -613,8 +604,7 @@ def node_options(placement: tuple[str, ...], i: int) -> dict:
 
 
 def probe_segments(prompts: list[list[int]], outs: list, images: list[list]) -> list[Segment]:
-    """The probe's rows: each prompt and the Completion sampled after it, with the routing the engine recorded
-    (--vllm.return_routed_experts), so that --train.routing_replay's recompute replays it as in a train step."""
+    """The probe's rows: prompt + sampled Completion, with the engine's routing for --train.routing_replay to replay."""
     return [Segment(token_ids=p + o.token_ids, action_mask=[False] * len(p) + [True] * len(o.token_ids),
                     logprobs=[0.0] * len(p) + o.logprobs, versions=[-1] * len(p) + o.versions, images=i,
                     routed_experts=None if o.routed_experts is None else

@@ -1,24 +1,19 @@
 """Losses: policy surrogates, importance correction, staleness, KL, entropy, aggregation, value, SFT.
 
-Shapes: B rows, T tokens. logp / old_logp / rollout_logp / ref_logp / adv / entropy / versions are
-(B, T); mask (B, T) bool is True on action tokens. logp is the trainer's current log-prob (gradient
-flows), old_logp the trainer's recompute before this step (proximal policy), rollout_logp the
-engine's sampling log-prob (behaviour policy), versions the policy version that sampled each token.
-Contract: compute_policy_loss(args, ...) -> (loss (), records [(count, metrics dict[str, float])]); it is the
-one function that reads the policy flags (compute_value_loss reads --loss.value_clip). Loss values
-use global denominators (Denoms), so summing the losses of an optimizer step's microbatches and
-ranks gives the full-batch loss and gradient. Each record's metrics are means over its count of tokens, so
-count-weighted means over microbatches and ranks give the full-batch values (trainer.merge_metrics).
-Nothing leaks from masked positions: every input goes through torch.where before any exp, so -inf
-or NaN there gives exactly zero gradient; log-ratios are clamped to +-20 before exp.
-Not here: log-probs and entropy from logits (trainer.py), advantages (estimators.py), reductions
-across ranks (step_denoms needs none: every rank holds the whole batch).
+Per-token inputs are (B rows, T tokens); mask is True on action tokens. logp: the trainer's log-prob (gradient
+flows); old_logp: its recompute before this step (proximal policy); rollout_logp: the engine's (behaviour policy);
+versions: the policy version that sampled each token. compute_policy_loss(args, ...) -> (loss (), records
+[(count, metrics)]) is the one reader of the policy flags (compute_value_loss of --loss.value_clip); other files
+ask LossArgs' properties. Losses divide by the step's global Denoms and metrics are means over each record's
+count, so sums and count-weighted means over microbatches and ranks give the full-batch values. Masked positions
+pass torch.where before any exp (-inf or NaN there give zero gradient); log-ratios are clamped to +-20.
+Not here: log-probs and entropy from logits (trainer.py), advantages (estimators.py), reductions across ranks
+(none needed: every rank holds the whole batch).
 
-Research surface: a new surrogate is one function of (logp, old_logp, adv, mask) -> (per-token loss,
-clipped), one SURROGATES entry and one `elif` in compute_policy_loss; a new importance correction is one
-IS_LEVELS / IS_MODES branch there. Neither needs trainer.py: it hands this file the tensors and sums the loss.
-Reading order: LossArgs and Denoms, the surrogates, importance correction, versions, KL and aggregation, the
-other losses, then compute_policy_loss; below the banner `machinery: shape checks and masked means`.
+Research surface: a new surrogate is one function (logp, old_logp, adv, mask) -> (per-token loss, clipped), one
+SURROGATES entry and one `elif` in compute_policy_loss; an importance correction is one IS_LEVELS / IS_MODES branch.
+Neither edits trainer.py. Reading order: LossArgs and Denoms, surrogates, importance correction, versions, KL and
+aggregation, the other losses, compute_policy_loss; below the banner: shape checks and masked means.
 """
 import math
 from dataclasses import dataclass, field
@@ -68,8 +63,7 @@ class LossArgs:
                              "unclipped loss -A at ratio 1)")
         low, high = self.is_band
         if not 0.0 < low < 1.0 < high:
-            raise ValueError(f"--loss.is_band {low} {high}: need 0 < LOW < 1 < HIGH, so that on-policy weight 1 is "
-                             "inside the band")
+            raise ValueError(f"--loss.is_band {low} {high}: need 0 < LOW < 1 < HIGH, on-policy weight 1 in the band")
         if self.max_token_lag is not None and self.max_token_lag < 0:
             raise ValueError(f"--loss.max_token_lag {self.max_token_lag}: must be >= 0 (0 keeps only tokens of the "
                              "current version) or None")
@@ -95,8 +89,6 @@ class LossArgs:
             raise ValueError("--loss.kl_estimator k1 with --loss.kl_coef > 0: k1 = logp - ref has gradient grad(logp), "
                              "zero in expectation, so as a loss it penalises nothing; set --loss.kl_estimator k2 or k3")
 
-    # other files ask these, never the flags themselves: each flag's meaning is decided in this file only
-
     @property
     def needs_ref_model(self) -> bool:
         """The KL reference is a frozen copy of the loaded weights, which the trainer builds and runs."""
@@ -120,8 +112,7 @@ class LossArgs:
 
 @dataclass
 class Denoms:
-    """Counts over the whole optimizer step (all microbatches, all ranks), from the action mask before
-    any token is dropped: dropped tokens (stale, IcePop-masked) count as zero-loss tokens."""
+    """Step-wide counts (all microbatches and ranks) from the mask before any drop: dropped tokens count, at 0 loss."""
     num_tokens: float  # action tokens
     num_seqs: float  # rows with at least one action token
     num_prompts: float  # prompt groups with at least one action token
@@ -138,10 +129,10 @@ def step_denoms(mask: Tensor, group_ids: Tensor) -> tuple[Denoms, Tensor]:
 
 # --- policy surrogates: (logp, old_logp, adv, mask) -> per-token loss (B, T), clipped (B, T) bool
 
-
 def clipped_surrogate(log_ratio: Tensor, adv: Tensor, mask: Tensor, *, clip_low: float, clip_high: float,
                       dual_clip: float | None) -> tuple[Tensor, Tensor]:
     """PPO's pessimistic clipped loss per token; `clipped` marks tokens whose gradient a clip zeroed."""
+    log_ratio, adv = torch.where(mask, log_ratio, 0.0), torch.where(mask, adv, 0.0)  # (B, T)
     ratio = log_ratio.clamp(-LOG_CLAMP, LOG_CLAMP).exp()  # (B, T)
     loss_unclipped = -ratio * adv  # (B, T)
     loss_clipped = -ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv  # (B, T)
@@ -158,29 +149,25 @@ def ppo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_low: 
         dual_clip: float | None) -> tuple[Tensor, Tensor]:
     """PPO, https://arxiv.org/abs/1707.06347: -min(r*A, clip(r, 1-eps_low, 1+eps_high)*A), r = exp(logp - old_logp).
     With dual_clip c (https://arxiv.org/abs/1912.09729), for A < 0 the loss is also capped at -c*A."""
-    log_ratio, adv = torch.where(mask, logp - old_logp, 0.0), torch.where(mask, adv, 0.0)  # (B, T)
-    return clipped_surrogate(log_ratio, adv, mask, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
+    return clipped_surrogate(logp - old_logp, adv, mask, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
 
 
 def gspo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_low: float, clip_high: float,
          dual_clip: float | None) -> tuple[Tensor, Tensor]:
     """GSPO-token, https://arxiv.org/abs/2507.18071: PPO's clip on s_t = sg(s) * exp(logp_t - sg(logp_t)), with
     s = exp(mean_t(logp_t - old_logp_t)) one ratio per row: value s, gradient s * grad(logp_t) on every token.
-    Each token keeps its own advantage A_t (per-token advantages: gae, gamma < 1, a KL reward). Taken as a mean
-    over rows of each row's token mean (LossArgs refuses any other --loss.agg) and with one advantage per row,
-    this is GSPO's sequence objective mean_i min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i)."""
+    Each token keeps its own A_t (gae, a KL reward); with one per row and --loss.agg seq_mean_token_mean (LossArgs
+    allows no other) this is GSPO's mean_i min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i)."""
     logp = torch.where(mask, logp, 0.0)  # (B, T)
     n = mask.sum(-1, keepdim=True).clamp(min=1)  # (B, 1)
     log_seq = torch.where(mask, logp - old_logp, 0.0).sum(-1, keepdim=True) / n  # (B, 1)
     log_ratio = log_seq.detach() + logp - logp.detach()  # (B, T)
-    adv = torch.where(mask, adv, 0.0)  # (B, T)
     return clipped_surrogate(log_ratio, adv, mask, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
 
 
 def cispo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_high: float) -> tuple[Tensor, Tensor]:
-    """CISPO, https://arxiv.org/abs/2506.13585: -sg(min(r, 1+eps_high))*A*logp, r = exp(logp - old_logp); the paper's
-    clip(r, 1-eps_low, 1+eps_high) with the large eps_low its experiments use, so no floor. The clipped weight is
-    a constant, so every token keeps a gradient and it flows only through logp."""
+    """CISPO, https://arxiv.org/abs/2506.13585: -sg(min(r, 1+eps_high))*A*logp, r = exp(logp - old_logp); no floor
+    (the paper's eps_low is that large). The weight is a constant: every token keeps a gradient, through logp only."""
     logp = torch.where(mask, logp, 0.0)  # (B, T)
     ratio = torch.where(mask, logp - old_logp, 0.0).detach().clamp(-LOG_CLAMP, LOG_CLAMP).exp()  # (B, T)
     weight = ratio.clamp(max=1.0 + clip_high)  # (B, T)
@@ -189,30 +176,25 @@ def cispo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_hig
 
 # --- importance correction: the trainer's proximal policy (old_logp) over the rollout's behaviour policy
 
-
 def importance_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, *, level: str, mode: str,
                        band: tuple[float, float]) -> tuple[Tensor, Tensor]:
     """Detached weight (B, T) that multiplies the per-token loss, and the bool (B, T) of tokens the band changed.
-    level token: w_t = exp(old_t - rollout_t); seq: every token gets exp(sum_t log w_t); geo: every token gets
-    exp(mean_t log w_t), GSPO's length-normalised sequence ratio (https://arxiv.org/abs/2507.18071) applied to
-    old/rollout as verl's rollout_is_level geometric does, so the band bounds every token's weight:
+    level token: w_t = exp(old_t - rollout_t); seq: every token gets exp(sum_t log w_t); geo: exp(mean_t log w_t),
+    GSPO's length-normalised ratio (https://arxiv.org/abs/2507.18071) on old/rollout as in verl's geometric level:
     https://github.com/volcengine/verl/blob/10350b613de7625d759a48e582573749484ef861/docs/advance/rollout_is.md
     mode trunc, TIS (https://fengyao.notion.site/off-policy-rl): min(w, HIGH); mask, IcePop
     (https://arxiv.org/abs/2510.18855): w * 1[LOW <= w <= HIGH]; clip: clamp(w, LOW, HIGH)."""
-    log_low, log_high = math.log(band[0]), math.log(band[1])
     log_w = torch.where(mask, old_logp - rollout_logp, 0.0).detach().float()  # (B, T)
     if level == "off":
         return torch.ones_like(log_w), torch.zeros_like(mask)
-    if level == "token":
-        pass  # log_w is already per token
-    elif level == "seq":
+    if level == "seq":
         log_w = log_w.sum(-1, keepdim=True).expand_as(log_w)  # (B, T)
     elif level == "geo":
         log_w = (log_w.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)).expand_as(log_w)  # (B, T)
-    else:
+    elif level != "token":  # token: log_w is already per token
         raise ValueError(f"level {level!r}: unknown; choose one of {', '.join(IS_LEVELS)}")
     w = log_w.clamp(-LOG_CLAMP, LOG_CLAMP).exp()  # (B, T)
-    above, below = log_w > log_high, log_w < log_low  # (B, T)
+    above, below = log_w > math.log(band[1]), log_w < math.log(band[0])  # (B, T)
     if mode == "trunc":
         return w.clamp(max=band[1]), above & mask
     elif mode == "mask":
@@ -225,7 +207,6 @@ def importance_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, *, 
 
 # --- policy versions: exact staleness masking and the on-policy guard
 
-
 def stale_mask(versions: Tensor, mask: Tensor, *, current_version: int, max_lag: int | None) -> Tensor:
     """mask without the action tokens whose version lags the trainer's by more than max_lag; None keeps all."""
     if max_lag is None:
@@ -236,8 +217,7 @@ def stale_mask(versions: Tensor, mask: Tensor, *, current_version: int, max_lag:
 
 
 def check_versions(versions: Tensor, mask: Tensor, *, current_version: int, is_level: str) -> None:
-    """Refuse what cannot be right: an action token with no version or a future one, and, without an
-    importance correction, any action token not sampled by the weights the trainer holds now."""
+    """Refuse action tokens of no or a future version and, with no importance correction, any of an older one."""
     action_versions = versions[mask]  # (N,)
     if (action_versions < 0).any():
         raise ValueError("versions: an action token has no policy version (-1); the rollout record is broken")
@@ -252,20 +232,17 @@ def check_versions(versions: Tensor, mask: Tensor, *, current_version: int, is_l
 
 # --- KL to a reference, aggregation over the step
 
-
 def kl_penalty(logp: Tensor, ref_logp: Tensor, mask: Tensor, *, estimator: str) -> Tensor:
     """Per-token KL(policy || ref) estimate (B, T), 0 off mask; http://joschu.net/blog/kl-approx.html with
-    d = ref - logp: k1 = -d, k2 = d^2 / 2, k3 = min(exp(d) - d - 1, K3_CAP) on d clamped to +-20.
-    Clamps follow verl: only k3 has an exp, so only k3 is capped; k1 and k2 stay exact at any d, as the
-    trainer's k1 KL reward does (OpenRLHF instead caps all three at +-10)."""
+    d = ref - logp: k1 = -d, k2 = d^2 / 2, k3 = min(exp(d) - d - 1, K3_CAP) on d clamped to +-20. As in verl only
+    k3, which has an exp, is capped; k1 and k2 stay exact at any d (OpenRLHF instead caps all three at +-10)."""
     d = torch.where(mask, ref_logp - logp, 0.0)  # (B, T)
     if estimator == "k1":
         return -d
     elif estimator == "k2":
         return 0.5 * d**2
     elif estimator == "k3":
-        # k3 grows as e^d and passes the cap at d ~ 2.6: capped, one rare token cannot dominate a step (and gets no
-        # gradient). The clamp on d keeps exp finite, else the capped token's backward is 0 * inf = NaN.
+        # Capped past d ~ 2.6, one rare token cannot dominate a step; the clamp keeps its backward from 0 * inf = NaN.
         d = d.clamp(-LOG_CLAMP, LOG_CLAMP)  # (B, T)
         return (d.exp() - d - 1.0).clamp(max=K3_CAP)
     else:
@@ -294,14 +271,11 @@ def aggregate(per_token: Tensor, mask: Tensor, *, agg: str, denoms: Denoms,
 
 # --- value, SFT and mismatch: the other losses and the forward-consistency measure
 
-
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *, clip: float | None,
                denoms: Denoms) -> tuple[Tensor, dict[str, float]]:
-    """PPO value loss, 1/2 max((v - R)^2, (old + clip(v - old, -c, c) - R)^2), summed over the step's
-    num_tokens (the critic always takes a token mean; --loss.agg shapes the policy loss only)."""
+    """PPO value loss 1/2 max((v - R)^2, (old + clip(v - old, -c, c) - R)^2), a step-wide token mean, any --loss.agg."""
     check_shapes(mask, values=values, old_values=old_values, returns=returns)
-    error = torch.where(mask, values - returns, 0.0)  # (B, T)
-    loss = error**2  # (B, T)
+    loss = torch.where(mask, values - returns, 0.0) ** 2  # (B, T)
     clipped = torch.zeros_like(mask)
     if clip is not None:
         moved = torch.where(mask, values - old_values, 0.0)  # (B, T)
@@ -335,7 +309,6 @@ def mismatch_metrics(rollout_logp: Tensor, trainer_logp: Tensor, mask: Tensor) -
 
 # --- the two entry points: read the flags, dispatch, pass values down
 
-
 def compute_policy_loss(args: LossArgs, logp: Tensor, old_logp: Tensor, rollout_logp: Tensor, adv: Tensor, mask: Tensor,
                         *, versions: Tensor, current_version: int, denoms: Denoms, group_tokens: Tensor | None = None,
                         ref_logp: Tensor | None = None,
@@ -347,7 +320,6 @@ def compute_policy_loss(args: LossArgs, logp: Tensor, old_logp: Tensor, rollout_
                  ref_logp=ref_logp, entropy=entropy)
     kept = stale_mask(versions, mask, current_version=current_version, max_lag=args.max_token_lag)  # (B, T)
     check_versions(versions, kept, current_version=current_version, is_level=args.is_level)
-
     # --- surrogate per token
     clip = dict(clip_low=args.clip_low, clip_high=args.clip_high)
     if args.surrogate == "ppo":
@@ -358,7 +330,6 @@ def compute_policy_loss(args: LossArgs, logp: Tensor, old_logp: Tensor, rollout_
         per_token, clipped = cispo(logp, old_logp, adv, kept, clip_high=args.clip_high)
     else:
         raise ValueError(f"--loss.surrogate {args.surrogate!r}: unknown; choose one of {', '.join(SURROGATES)}")
-
     # --- importance correction (a detached factor; with cispo it multiplies CISPO's own weight), aggregation
     weight, cut = importance_weights(old_logp, rollout_logp, kept, level=args.is_level, mode=args.is_mode,
                                      band=args.is_band)
@@ -366,7 +337,6 @@ def compute_policy_loss(args: LossArgs, logp: Tensor, old_logp: Tensor, rollout_
     loss = aggregate(per_token, mask, agg=args.agg, denoms=denoms, group_tokens=group_tokens)
     metrics = {"loss/pg": masked_mean(per_token, kept), "loss/clip_frac": masked_mean(clipped, kept),
                "loss/is_weight_mean": masked_mean(weight, kept), "loss/is_masked_frac": masked_mean(cut, kept)}
-
     # --- KL to the reference: always measured when a reference exists, in the loss when kl_coef > 0
     reference = kl_reference(args, rollout_logp, ref_logp)
     if reference is not None:
@@ -374,7 +344,6 @@ def compute_policy_loss(args: LossArgs, logp: Tensor, old_logp: Tensor, rollout_
         metrics["loss/kl"] = masked_mean(kl, kept)
         if args.kl_coef > 0.0:
             loss = loss + args.kl_coef * aggregate(kl, mask, agg=args.agg, denoms=denoms, group_tokens=group_tokens)
-
     # --- entropy bonus
     if entropy is None and args.entropy_coef != 0.0:
         raise ValueError("entropy: --loss.entropy_coef != 0 needs the per-token entropy (B, T); pass it or set "
@@ -384,7 +353,6 @@ def compute_policy_loss(args: LossArgs, logp: Tensor, old_logp: Tensor, rollout_
         if args.entropy_coef != 0.0:
             loss = loss - args.entropy_coef * aggregate(torch.where(kept, entropy, 0.0), mask, agg=args.agg,
                                                         denoms=denoms, group_tokens=group_tokens)
-
     # --- records: each mean with its count. Mismatch only on tokens the current weights sampled (lag is not
     # mismatch); a batch with none (asynchronous steps) reports no mismatch keys rather than a false zero.
     records = [(float(kept.sum()), metrics), (float(mask.sum()), {"loss/stale_frac": masked_mean(mask & ~kept, mask)})]
@@ -417,7 +385,6 @@ def compute_value_loss(args: LossArgs, values: Tensor, old_values: Tensor, retur
 
 
 # === machinery: shape checks and masked means; read it when you change an input's shape or a metric
-
 
 def check_shapes(mask: Tensor, **tensors: Tensor | None) -> None:
     """Raise ValueError naming the first tensor whose shape is not mask's (B, T); None means not given."""
