@@ -51,8 +51,7 @@ class VllmArgs:
     return_routed_experts: bool = field(default=False, metadata={"help": "MoE: record token experts (routing replay)"})
     num_engines: int = field(default=1, metadata={"help": "independent vLLM engines, one Ray actor each"})
     refit_bucket_mb: int = field(default=256, metadata={"help": "MiB of weights per refit message"})
-    max_lora_rank: int = field(default=0, metadata={"help": "LoRA: serve adapters up to this rank (vLLM's: 1, 8, "
-                               "16, 32, ... 512), refit by adapter (0 = off: full weights, a LoRA merged in)"})
+    max_lora_rank: int = field(default=0, metadata={"help": "LoRA: serve adapters up to this rank (0: LoRA merged in)"})
     max_loras: int = field(default=2, metadata={"help": "LoRA: adapters one step may mix (newest, older in use)"})
     seed: int = field(default=0, metadata={"help": "engine seed, for requests without their own seed"})
     cpu_threads: int = field(default=1, metadata={"help": "CPU only: torch threads per engine (1: busy cores)"})
@@ -235,7 +234,6 @@ class Generator:
         refs = [getattr(e, method).remote(*args) for e in self._engines]
         return [await self._await(i, ref) for i, ref in enumerate(refs)]
 
-    # --- sampling
     async def generate(self, prompt_ids: list[int], *, max_new_tokens: int | None = None, seed: int | None = None,
                        stop_token_ids: list[int] | None = None, affinity: str | None = None, ignore_eos: bool = False,
                        request_id: str | None = None, constraint: dict | None = None, images: list = ()) -> Completion:
@@ -314,7 +312,6 @@ class Generator:
         """Let every engine schedule again; kept requests continue under the new weights."""
         await self._all("resume")
 
-    # --- metrics and lifetime
     async def metrics(self) -> dict:
         """Counters summed over engines (requests, tokens, seconds in requests), the last pause's seconds."""
         counts = await self._all("metrics")  # every engine reports the same keys
@@ -402,8 +399,7 @@ def check_prompt(prompt_ids: list, vocab_size: int, max_model_len: int) -> None:
         if not 0 <= t < vocab_size:
             raise ValueError(f"generate: prompt_ids[{k}] = {t} is outside the vocabulary [0, {vocab_size})")
     if len(prompt_ids) >= max_model_len:
-        raise ValueError(f"generate: a prompt of {len(prompt_ids)} tokens leaves no room under "
-                         f"--vllm.max_model_len {max_model_len}")
+        raise ValueError(f"generate: a {len(prompt_ids)}-token prompt fills --vllm.max_model_len {max_model_len}")
 
 
 @ray.remote(num_cpus=0)
@@ -427,8 +423,7 @@ class Engine:
             self.llm = AsyncLLM.from_engine_args(args)
         except ValueError as e:  # vLLM's config errors (pydantic) do not pickle; their message does
             raise ValueError(f"vLLM refused the engine configuration: {e}") from None
-        # vLLM >= 0.32 labels each output token with the weight version that sampled it (spans); 0.26 does not
-        self.spans = hasattr(self.llm, "update_weight_version")
+        self.spans = hasattr(self.llm, "update_weight_version")  # vLLM >= 0.32 labels tokens' weight versions
         await self.set_version(version)
         config = self.llm.model_config
         self.image_id = getattr(config.hf_config, "image_token_id", None)   # never sampled: the trainer masks it too
@@ -783,8 +778,7 @@ def build_engine_args(model_path: str, vllm: VllmArgs, *, cuda: bool):
         raise ValueError("--vllm.return_routed_experts on a CPU engine: vLLM records experts only in its model "
                          "runner V2, which needs Triton (GPU builds)")
     if not cuda and vllm.batch_invariant:
-        raise ValueError("--vllm.batch_invariant on a CPU engine: vLLM's batch-invariant kernels are Triton kernels "
-                         "for CUDA GPUs (vLLM-CPU has none); drop the flag")
+        raise ValueError("--vllm.batch_invariant on a CPU engine: its kernels are Triton kernels for GPUs; drop it")
     if not cuda and vllm.gpu_memory_utilization != defaults.gpu_memory_utilization:
         raise ValueError("--vllm.gpu_memory_utilization on a CPU engine: size its KV cache with --vllm.kv_cache_gb")
     if cuda and (vllm.kv_cache_gb != defaults.kv_cache_gb or vllm.cpu_threads != defaults.cpu_threads):
