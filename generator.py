@@ -546,8 +546,7 @@ class Engine:
         return time.perf_counter() - start
 
     async def release(self, adapter) -> None:
-        """A request that used adapter (None: none) ended. Remove each adapter that no request uses and none will (all
-        but the newest): from vLLM, and its files."""
+        """A request using `adapter` (None: none) ended: remove each unused adapter but the newest (vLLM, disk)."""
         if adapter is not None:
             self.users[adapter.lora_int_id] -= 1
         for i in [i for i, n in self.users.items() if n == 0 and i != self.adapter.lora_int_id]:
@@ -668,8 +667,7 @@ def packed_layout(bucket: list[tuple[str, torch.Tensor]]) -> tuple[list, int]:
 
 
 def pack(bucket: list[tuple[str, torch.Tensor]], buffer: torch.Tensor | None = None) -> tuple[list, torch.Tensor]:
-    """A bucket as (layout, one flat uint8 tensor on the bucket's device: the first bytes of `buffer` when
-    given). The bytes are the tensors' own: a refit never casts."""
+    """A bucket as (layout, one flat uint8 tensor on its device, or `buffer`'s first bytes): the tensors' own bytes."""
     layout, size = packed_layout(bucket)
     flat = torch.empty(size, dtype=torch.uint8, device=bucket[0][1].device) if buffer is None else buffer[:size]
     for (_, _, _, offset), (_, tensor) in zip(layout, bucket):
