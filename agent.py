@@ -1,14 +1,10 @@
 """The agent contract, and the runners that turn one agent episode into token-exact Segments.
 
-Two kinds of agent, both plain Python in a file passed by `--agent.path FILE` that defines `make_agent()`:
-- `Env`: the framework owns the LLM loop: `reset(prompt, label)`, then `step(action_text, state) -> Result` per turn.
-  The prompt is rendered once; sampled ids are appended verbatim and each observation as delta tokens (mask 0) by
-  the chat server's `ChatTemplate` (a template that cannot make that delta fails the episode, naming why; any
-  template works for a one-turn Env). An image in an observation becomes its placeholder run in Segment.images.
-- `ChatAgent`: the agent owns the loop. `run(ctx) -> Result` talks to the loopback chat server with a stock OpenAI
-  or Anthropic SDK (`ctx.base_url`, `ctx.anthropic_base_url`, `ctx.api_key`); the server captures its segments.
-An Env episode's reward is the sum of its step() rewards, a ChatAgent's its run()'s. An exception inside an agent
-drops that episode (`rollout/dropped_agent_error`) and the run goes on.
+An agent is plain Python in a file passed by `--agent.path FILE` that defines `make_agent()`, of one of two kinds:
+- `Env`: the framework owns the LLM loop: `reset(prompt, label)`, then `step(action_text, state) -> Result` per turn;
+  the reward is the sum of the steps'. An image in an observation becomes its placeholder run in Segment.images.
+- `ChatAgent`: the agent owns the loop: `run(ctx) -> Result` calls the loopback chat server, which captures tokens.
+An exception inside an agent drops its episode (`rollout/dropped_agent_error`) and the run goes on.
 Not here: scheduling, batching or staleness (launch.py), token capture (generator.py, chat_server.py).
 Reading order: the contract, the two runners, AgentWorker; then the banner `machinery: the user's file, sandbox`.
 """
@@ -39,7 +35,6 @@ class AgentArgs:
 
 
 # --- the contract
-
 @dataclass
 class Result:
     reward: float
@@ -78,11 +73,10 @@ class ChatAgent:
 
 
 # --- runners: one episode -> Segments
-
 async def run_env_episode(env: Env, generator: Generator, template: ChatTemplate, row: dict, *, args: AgentArgs,
                           episode_id: str, group_id: str) -> list[Segment]:
-    """The framework-owned loop: render the first observation once, then append sampled ids verbatim and each
-    observation as delta tokens. One segment; it ends terminated, truncated (turn or context limit) or aborted."""
+    """The framework-owned loop, one segment: render the first observation once, then append sampled ids verbatim
+    and each observation as delta tokens (mask 0; a template that cannot make them fails the episode, naming why)."""
     state = {"label": row.get("label"), "prompt": row["prompt"], "turn": 0, "finish_reason": ""}
     first, images = user_turn(await env.reset(row["prompt"], row.get("label")), template)
     system = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []
@@ -104,19 +98,16 @@ async def run_env_episode(env: Env, generator: Generator, template: ChatTemplate
             truncated = result.truncated
             break
         message, images = user_turn(result.observation, template)
-        observation = template.render_delta([message])  # raises, naming why
         bridge = template.bridge(out.token_ids)
-        observation, new = template.expand_images(observation, images, len(ids) + len(bridge))
-        delta, spans = bridge + observation, spans + new
+        observation, new = template.expand_images(template.render_delta([message]), images, len(ids) + len(bridge))
+        delta = bridge + observation
         if len(ids) + len(delta) >= args.max_context or state["turn"] >= args.max_turns:
-            spans = spans[:len(spans) - len(new)]  # no sample would follow it: the row ends at the last action
-            break
-        ids, mask = ids + delta, mask + [False] * len(delta)
+            break  # no sample would follow it: the row ends at the last action
+        ids, mask, spans = ids + delta, mask + [False] * len(delta), spans + new
         logps, versions = logps + [0.0] * len(delta), versions + [-1] * len(delta)
-    info = dict(result.info, sampled=sampled_record(sampled), turns=state["turn"])
     return [Segment(token_ids=ids, action_mask=mask, logprobs=logps, versions=versions, reward=reward,
-                    episode_id=episode_id, group_id=group_id, finish_reason=state["finish_reason"],
-                    truncated=truncated, info=info, images=spans,
+                    episode_id=episode_id, group_id=group_id, finish_reason=state["finish_reason"], images=spans,
+                    truncated=truncated, info=dict(result.info, sampled=sampled_record(sampled), turns=state["turn"]),
                     routed_experts=None if routed is None else segment_routing(routed, len(ids)))]
 
 
@@ -138,17 +129,13 @@ async def run_chat_episode(agent: ChatAgent, server: ChatServer, row: dict, *, m
     return segments
 
 
-# --- the worker: a Ray async actor running many episodes at once
-
 class AgentWorker:
     """Runs the episodes of prompt groups concurrently (an async Ray actor: one event loop, many episodes)."""
 
     def __init__(self, args: AgentArgs, chat: ChatArgs, generator: Generator, model_path: str):
-        self.args, self.chat, self.generator, self.model_path = args, chat, generator, model_path
+        self.args, self.chat, self.generator, self.model_path, self.server = args, chat, generator, model_path, None
         self.module = load_module(args.path, "make_agent", "--agent.path")
-        # no start-up check: an Env's delta is made when first needed, and the chat server checks its own roles
-        self.template = ChatTemplate(model_path, append_roles=())
-        self.server = None
+        self.template = ChatTemplate(model_path, append_roles=())  # no start-up check: an Env's delta fails when made
 
     async def start(self) -> str:
         """Start the loopback chat server if the agent is a ChatAgent; returns the agent kind."""
@@ -160,12 +147,11 @@ class AgentWorker:
 
     async def run_episode(self, row: dict, episode_id: str, group_id: str) -> list[Segment]:
         agent = self.module.make_agent()
+        names = {"episode_id": episode_id, "group_id": group_id}
         if isinstance(agent, Env):
-            run = run_env_episode(agent, self.generator, self.template, row, args=self.args,
-                                  episode_id=episode_id, group_id=group_id)
+            run = run_env_episode(agent, self.generator, self.template, row, args=self.args, **names)
         elif isinstance(agent, ChatAgent):
-            run = run_chat_episode(agent, self.server, row, model=self.server.model_name,   # --chat.model_name
-                                   episode_id=episode_id, group_id=group_id)
+            run = run_chat_episode(agent, self.server, row, model=self.server.model_name, **names)  # --chat.model_name
         else:
             raise ValueError(f"--agent.path {self.args.path}: make_agent() returned {type(agent).__name__}, "
                              "not an Env or ChatAgent")
@@ -192,7 +178,6 @@ class AgentWorker:
         return {"segments": segments, "dropped": dropped, "errors": errors[:3], "seconds": time.perf_counter() - start}
 
     async def metrics(self) -> dict:
-        """The chat server's counters (chat/*) when this worker runs one; empty for Env agents."""
         return self.server.metrics() if self.server is not None else {}
 
     async def stop(self) -> None:
@@ -201,8 +186,6 @@ class AgentWorker:
 
 
 # === machinery: the user's file, sandbox, observations; read it when you change how agents load, run code or see
-
-
 def load_module(path: str, needs: str, flag: str):
     """Import a user's Python file (an agent, a data file) and check it defines `needs`."""
     spec = importlib.util.spec_from_file_location(f"user_{uuid.uuid4().hex[:8]}", path)
@@ -217,8 +200,7 @@ def load_module(path: str, needs: str, flag: str):
 
 async def run_sandboxed(argv: list[str], *, stdin: str = "", timeout_s: float = 10.0, memory_mb: int = 512,
                         max_output: int = 65536) -> tuple[int, str]:
-    """Run argv in a child process with CPU-time, memory and output limits; returns (exit code, output).
-    A timeout kills the child and returns code -9; output beyond max_output bytes is cut off."""
+    """Run argv in a child with CPU-time, memory and output limits -> (exit code, output), or (-9, "timeout")."""
     def limit():  # runs in the child before exec
         resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
         resource.setrlimit(resource.RLIMIT_CPU, (int(timeout_s) + 1, int(timeout_s) + 1))
@@ -235,8 +217,6 @@ async def run_sandboxed(argv: list[str], *, stdin: str = "", timeout_s: float = 
 
 def user_turn(observation: str | list, template: ChatTemplate) -> tuple[dict, list[bytes]]:
     """An observation -> its chat-template user message (one {"type": "image"} part per image) and its images."""
-    if isinstance(observation, str):
-        return {"role": "user", "content": observation}, []
-    if not all(isinstance(p, (str, bytes)) for p in observation):
+    if not all(isinstance(p, (str, bytes)) for p in observation):  # a str's characters pass
         raise ValueError(f"observation parts {[type(p).__name__ for p in observation]}: each must be str or bytes")
     return {"role": "user", "content": template_content(observation)}, [p for p in observation if isinstance(p, bytes)]

@@ -1,18 +1,15 @@
-"""Token-exact capture over vLLM: token ids in; sampled ids, log-probs, policy versions, finish reason out.
+"""Token-exact capture over vLLM: token ids in; sampled ids, processed log-probs (logits / temperature), versions out.
 
 `Segment` is the data contract (one training row of T tokens); `Completion` is one engine answer (T sampled tokens).
-`Generator` is a picklable router over `--vllm.num_engines` Ray actors, each driving one in-process vLLM `AsyncLLM`;
-an episode's requests (`affinity`) share one engine, and the requests of one event-loop turn reach it in one Ray call.
-Log-probs are vLLM's processed ones (logits / temperature).
+`Generator` routes over `--vllm.num_engines` Ray actors, each one in-process vLLM `AsyncLLM`; an episode's requests
+(`affinity`) share one engine, and one event-loop turn's requests reach it in one Ray call.
     c = await gen.generate(prompt_ids, affinity=episode_id)   # c.token_ids, c.logprobs, c.versions: (T,)
     await gen.pause(); await gen.update_weights(named_tensors, version=7); await gen.resume()
-A refit keeps in-flight requests (pause in keep mode, KV recomputed): tokens emitted before the pause carry the old
-version, later ones the new (`Engine.sampled_counts`). Refit tensors keep checkpoint names and the engine's dtype,
-in `--vllm.refit_bucket_mb` buckets: bytes from a CPU trainer, CUDA IPC to a colocated engine, else NCCL. LoRA
-adapters load with no pause (`update_adapter`). A VLM's row holds each image's expanded placeholder run.
+A refit keeps in-flight requests: tokens sampled before the pause carry the old version, later ones the new. Refit
+tensors keep checkpoint names and the engine's dtype, in buckets: bytes from a CPU trainer, CUDA IPC to a colocated
+engine, else NCCL. LoRA adapters load with no pause. A VLM's row holds each image's expanded placeholder run.
 Not here: text, chat templates (chat_server.py, agent.py): this file moves token ids only.
-Reading order: the flags, the data contract, token_versions, the Generator router; below the banner: the Engine
-actor, the wire format, images and where flags reach vLLM.
+Reading order: flags, data contract, token_versions, the Generator; below the banner: Engine, wire format, images.
 """
 import asyncio
 import io
@@ -38,11 +35,9 @@ LORA_RANKS = (0, 1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank v
 
 @dataclass
 class VllmArgs:
-    dtype: str = field(default="auto", metadata={"help": "dtype; auto = the checkpoint's (vLLM's auto downcasts fp32); "
-                                                 "float16 needs --fsdp.param_dtype float16",
-                                                 "choices": ("auto", "float32", "bfloat16", "float16")})
-    batch_invariant: bool = field(default=False, metadata={
-        "help": "GPU: vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT) in the engines and the trainer's forward"})
+    dtype: str = field(default="auto", metadata={"help": "auto: the checkpoint's (vLLM's auto downcasts fp32); float16 "
+                       "needs --fsdp.param_dtype float16", "choices": ("auto", "float32", "bfloat16", "float16")})
+    batch_invariant: bool = field(default=False, metadata={"help": "GPU: batch-invariant kernels, engines and trainer"})
     max_model_len: int = field(default=2048, metadata={"help": "longest prompt + completion, in tokens"})
     gpu_memory_utilization: float = field(default=0.5, metadata={"help": "GPU only: GPU memory share for weights + KV"})
     kv_cache_gb: float = field(default=1.0, metadata={"help": "CPU only: KV cache GiB (else vLLM takes most RAM)"})
@@ -56,10 +51,8 @@ class VllmArgs:
     return_routed_experts: bool = field(default=False, metadata={"help": "MoE: record token experts (routing replay)"})
     num_engines: int = field(default=1, metadata={"help": "independent vLLM engines, one Ray actor each"})
     refit_bucket_mb: int = field(default=256, metadata={"help": "MiB of weights per refit message"})
-    max_lora_rank: int = field(default=0, metadata={"help": "LoRA: serve adapters up to this rank (vLLM's: 1, 8, "
-                               "16, 32, ... 512), refit by adapter (0 = off: full weights, a LoRA merged in)"})
-    max_loras: int = field(default=2, metadata={
-        "help": "LoRA: adapters one engine step may mix (the newest, and older ones that requests still use)"})
+    max_lora_rank: int = field(default=0, metadata={"help": "LoRA: serve adapters up to this rank (0: LoRA merged in)"})
+    max_loras: int = field(default=2, metadata={"help": "LoRA: adapters one step may mix (newest, older in use)"})
     seed: int = field(default=0, metadata={"help": "engine seed, for requests without their own seed"})
     cpu_threads: int = field(default=1, metadata={"help": "CPU only: torch threads per engine (1: busy cores)"})
 
@@ -70,16 +63,14 @@ class VllmArgs:
             raise ValueError("--vllm.gpu_memory_utilization must be in (0, 1]")
         if self.kv_cache_gb <= 0:
             raise ValueError("--vllm.kv_cache_gb must be > 0")
-        if min(self.tensor_parallel_size, self.num_engines, self.refit_bucket_mb, self.cpu_threads,
-               self.max_loras) < 1:
+        if min(self.tensor_parallel_size, self.num_engines, self.refit_bucket_mb, self.cpu_threads, self.max_loras) < 1:
             raise ValueError("--vllm.tensor_parallel_size, --vllm.num_engines, --vllm.refit_bucket_mb, "
                              "--vllm.cpu_threads, --vllm.max_loras must be >= 1")
         if self.max_lora_rank not in LORA_RANKS:
             raise ValueError(f"--vllm.max_lora_rank {self.max_lora_rank}: vLLM serves ranks up to one of {LORA_RANKS}")
         if not 1 <= self.max_num_seqs <= self.max_num_batched_tokens:
-            raise ValueError(f"--vllm.max_num_seqs {self.max_num_seqs} / --vllm.max_num_batched_tokens "
-                             f"{self.max_num_batched_tokens}: need 1 <= max_num_seqs <= max_num_batched_tokens "
-                             "(each sequence decodes one token per step)")
+            raise ValueError(f"--vllm.max_num_seqs {self.max_num_seqs}: need 1 <= it <= --vllm.max_num_batched_tokens "
+                             f"{self.max_num_batched_tokens} (each sequence decodes one token per step)")
         if self.num_speculative_tokens < 0:
             raise ValueError("--vllm.num_speculative_tokens must be >= 0 (0 turns MTP off)")
         if self.enable_expert_parallel and self.tensor_parallel_size == 1:
@@ -90,16 +81,14 @@ class VllmArgs:
         """Refuse a trainer that computes another function than these engines, or trains no adapter they serve."""
         if (param_dtype == "float16") != (self.dtype == "float16"):
             raise ValueError(f"--fsdp.param_dtype {param_dtype} with --vllm.dtype {self.dtype}: float16 runs on both "
-                             "sides or on neither (float16 keeps 3 more mantissa bits and 3 fewer exponent bits than "
-                             "bfloat16: one side in it computes another function); set both to float16, or neither")
+                             "sides or on neither (else they compute other functions); set both to float16 or neither")
         if self.batch_invariant and compile_logprobs:
             raise ValueError("--vllm.batch_invariant with --fsdp.compile_logprobs: inductor fuses its own log-softmax, "
                              "not vLLM's batch-invariant kernel; add --no-fsdp.compile_logprobs")
         if self.max_lora_rank and not self.max_lora_rank >= lora_rank > 0:
             raise ValueError(f"--vllm.max_lora_rank {self.max_lora_rank} with --train.lora_rank {lora_rank}: engines "
-                             "that serve LoRA are refit by adapter, so the trainer must train one of at most that "
-                             "rank; set --vllm.max_lora_rank >= --train.lora_rank, or 0 to refit the weights with it "
-                             "merged in")
+                             "serving LoRA are refit by adapter, so the trainer must train one of at most that rank; "
+                             "set --vllm.max_lora_rank >= --train.lora_rank, or 0 to refit weights with it merged in")
 
 
 @dataclass
@@ -122,14 +111,12 @@ class RolloutArgs:
     def check_logprobs_usable(self, *, importance_correction: bool, kl_to_rollout: bool) -> None:
         """Refuse truncated sampling where the loss uses the rollout log-probs (launch.py calls this)."""
         if (self.top_p < 1.0 or self.top_k is not None) and (importance_correction or kl_to_rollout):
-            raise ValueError(
-                "--rollout.top_p < 1 or --rollout.top_k with an importance correction or a KL to the rollout "
-                "policy: vLLM's log-probs are then of the truncated distribution and cannot match the trainer's "
-                "recompute from full temperature-scaled logits; set --rollout.top_p 1.0 and leave top_k unset")
+            raise ValueError("--rollout.top_p < 1 or --rollout.top_k with an importance correction or a KL to the "
+                             "rollout policy: vLLM's log-probs are then of the truncated distribution, not the "
+                             "trainer's full temperature-scaled logits; set --rollout.top_p 1.0 and leave top_k unset")
 
 
 # --- the data contract
-
 @dataclass
 class Segment:
     token_ids: list[int]          # (T,) prompt + every turn, exactly as fed to / sampled from the engine
@@ -182,16 +169,14 @@ class Completion:
 
 
 # --- pure helpers: routing and per-token versions
-
 def pick_engine(affinity: str, num_engines: int) -> int:
     """Stable engine index for an affinity key: crc32, as Python's hash() differs per process."""
     return zlib.crc32(affinity.encode()) % num_engines
 
 
 def segment_routing(routed, T: int) -> np.ndarray:
-    """A segment's (T, layers, top_k) int16 routing from the engine call that ran its first len(routed) tokens
-    (vLLM's rows: the prompt and every sampled token but the last). Rows it never ran are -1: the trainer routes
-    them live, and nothing trained depends on them."""
+    """A segment's (T, layers, top_k) int16 routing from the engine call that ran its prompt and every sampled token
+    but the last. Rows it never ran are -1: the trainer routes them live, and nothing trained depends on them."""
     r = np.asarray(routed)[:T]
     out = np.full((T, *r.shape[1:]), -1, dtype=np.int16)  # (T, layers, top_k)
     out[:len(r)] = r
@@ -207,13 +192,9 @@ def token_versions(version: int, marks: list[tuple[int, int]], num_tokens: int) 
     return versions
 
 
-# --- the router
-
 class Generator:
-    """Picklable router over the engine actors; pause, update_weights and resume reach every engine. Needs
-    `ray.init()`; blocks until every engine has started. `actor_options` go to each engine actor's `.options()`
-    (launch.py's placement), else an engine takes its GPUs if the cluster has any. `version`: what this router
-    last loaded (a copy held elsewhere reads versions off its completions)."""
+    """Picklable router over the engine actors; needs `ray.init()`, blocks until every engine has started. `version`:
+    what it last loaded. `actor_options`: each engine's `.options()` (launch.py's placement), else GPUs if any."""
 
     def __init__(self, model_path: str, vllm: VllmArgs, rollout: RolloutArgs, *, actor_options: dict | None = None):
         if not ray.is_initialized():
@@ -253,15 +234,11 @@ class Generator:
         refs = [getattr(e, method).remote(*args) for e in self._engines]
         return [await self._await(i, ref) for i, ref in enumerate(refs)]
 
-    # --- sampling
-
-    async def generate(self, prompt_ids: list[int], *, max_new_tokens: int | None = None,
-                       stop_token_ids: list[int] | None = None, seed: int | None = None,
-                       request_id: str | None = None, affinity: str | None = None,
-                       ignore_eos: bool = False, constraint: dict | None = None, images: list = ()) -> Completion:
-        """Sample one completion; requests sharing an affinity key (an episode id) go to one engine. `constraint`:
-        see build_sampling_params. `images` (a VLM): [(start, end, encoded image bytes)], prompt_ids[start:end]
-        being each image's placeholder run as the model's processor expands it."""
+    async def generate(self, prompt_ids: list[int], *, max_new_tokens: int | None = None, seed: int | None = None,
+                       stop_token_ids: list[int] | None = None, affinity: str | None = None, ignore_eos: bool = False,
+                       request_id: str | None = None, constraint: dict | None = None, images: list = ()) -> Completion:
+        """Sample one completion; requests sharing an `affinity` key (an episode id) go to one engine. `constraint`:
+        see build_sampling_params. `images` (a VLM): [(start, end, encoded image)], prompt_ids[start:end] its run."""
         check_prompt(prompt_ids, self._vocab_size, self.vllm.max_model_len)
         if affinity is None:
             i, self._next = self._next % len(self._engines), self._next + 1
@@ -273,7 +250,6 @@ class Generator:
         return await send_request(self, i, request)  # one Ray call carries every request of this event-loop turn
 
     # --- refit: pause, update_weights, resume
-
     async def pause(self) -> None:
         """Stop scheduling on every engine; in-flight requests are kept, not dropped."""
         start = time.perf_counter()
@@ -282,10 +258,9 @@ class Generator:
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *,
                              colocated: bool = False, keep: Iterable[str] = ()) -> dict:
-        """Load every (checkpoint name, tensor) pair, streamed, into the paused engines: every checkpoint parameter
-        once, in the engine's dtype, but those in `keep` (frozen in the trainer). Tokens sampled next carry `version`.
-        Returns refit_report's dict, with "applied" (per bucket, the (name, dtype) list engine 0 loaded) and
-        "transport" ("bytes" | "ipc" | "nccl", refit_transport's choice for `colocated`)."""
+        """Stream (checkpoint name, tensor) pairs into the paused engines: every checkpoint parameter once, in the
+        engine's dtype, but those in `keep` (frozen). Tokens sampled next carry `version`. Returns refit_report's dict
+        with "applied" (per bucket, engine 0's (name, dtype) list) and "transport" (refit_transport's choice)."""
         if not all(await self._all("is_paused")):
             raise ValueError("update_weights while the engines are running: call pause() first")
         start, seen, applied, transport, worker_s, nbytes = time.perf_counter(), set(), [], None, 0.0, 0
@@ -315,9 +290,8 @@ class Generator:
 
     async def update_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], config: dict,
                              version: int) -> dict:
-        """Load a LoRA adapter (peft's tensor names and adapter_config, the engine's dtype) into every engine as
-        `version`, as bytes through Ray (it is small), with no pause: a request in flight keeps the adapter, and so
-        the version, it started with. Returns refit_report's dict."""
+        """Load a LoRA adapter (peft's names and adapter_config, the engine's dtype) into every engine as `version`,
+        over Ray, with no pause: a request in flight keeps the adapter (so the version) it started with."""
         if not 0 < config["r"] <= self.vllm.max_lora_rank:
             raise ValueError(f"update_adapter: an adapter of rank {config['r']}, engines with --vllm.max_lora_rank "
                              f"{self.vllm.max_lora_rank}; set it to at least the adapter's rank")
@@ -338,8 +312,6 @@ class Generator:
         """Let every engine schedule again; kept requests continue under the new weights."""
         await self._all("resume")
 
-    # --- metrics and lifetime
-
     async def metrics(self) -> dict:
         """Counters summed over engines (requests, tokens, seconds in requests), the last pause's seconds."""
         counts = await self._all("metrics")  # every engine reports the same keys
@@ -353,7 +325,6 @@ class Generator:
 
 
 # === machinery: the vLLM engine actor, refit transports; read it when you change vLLM, a transport or a format
-
 class ConstraintError(ValueError):
     """vLLM refused a request's structured-output constraint (a schema it cannot compile): the asker's error."""
 
@@ -372,8 +343,7 @@ def engine_error(gen: Generator, i: int, e: Exception) -> Exception:
 
 
 async def send_request(gen: Generator, i: int, request: tuple) -> Completion:
-    """Engine i's answer to one request. The requests made in one turn of this event loop (a group's episodes
-    starting together) go in one Ray call, Engine.generate_many, whose answers stream back as each finishes."""
+    """Engine i's answer to one request, sent with the others of this event-loop turn in one Ray call."""
     future, pending = asyncio.get_running_loop().create_future(), gen._pending.setdefault(i, [])
     if not pending:  # the call's task first runs on the loop's next turn, once this turn's requests are in
         task = asyncio.ensure_future(drain_answers(gen, i))
@@ -385,10 +355,9 @@ async def send_request(gen: Generator, i: int, request: tuple) -> Completion:
 
 async def drain_answers(gen: Generator, i: int) -> None:
     """Send engine i this turn's requests; each answer to its asker, the call's own failure to every asker left."""
-    batch = gen._pending.pop(i)
-    futures = [future for _, future in batch]
+    requests, futures = zip(*gen._pending.pop(i))
     try:
-        async for ref in gen._engines[i].generate_many.remote(gen.rollout, [request for request, _ in batch]):
+        async for ref in gen._engines[i].generate_many.remote(gen.rollout, list(requests)):
             k, completion, error = await ref
             if futures[k].done():  # the asker was cancelled
                 continue
@@ -421,8 +390,7 @@ def refit_report(start: float, worker_s: float, messages: int, nbytes: int, **ex
 
 
 def check_prompt(prompt_ids: list, vocab_size: int, max_model_len: int) -> None:
-    """Refuse a prompt the engine would fail on later or as a TypeError: empty, an id that is no int (numpy ints
-    are sent as ints) or out of range, too long."""
+    """Refuse a prompt vLLM would fail on later: empty, an id not an int (numpy ints pass), out of range, too long."""
     if not prompt_ids:
         raise ValueError("generate: empty prompt (at least one token id is needed)")
     for k, t in enumerate(prompt_ids):
@@ -431,11 +399,8 @@ def check_prompt(prompt_ids: list, vocab_size: int, max_model_len: int) -> None:
         if not 0 <= t < vocab_size:
             raise ValueError(f"generate: prompt_ids[{k}] = {t} is outside the vocabulary [0, {vocab_size})")
     if len(prompt_ids) >= max_model_len:
-        raise ValueError(f"generate: a prompt of {len(prompt_ids)} tokens leaves no room under "
-                         f"--vllm.max_model_len {max_model_len}")
+        raise ValueError(f"generate: a {len(prompt_ids)}-token prompt fills --vllm.max_model_len {max_model_len}")
 
-
-# --- the engine actor: one vLLM AsyncLLM
 
 @ray.remote(num_cpus=0)
 class Engine:
@@ -443,8 +408,7 @@ class Engine:
 
     def __init__(self, model_path: str, vllm: VllmArgs):
         self.model_path, self.vllm, self.llm, self.banned = model_path, vllm, None, ()
-        self.requests, self.tokens, self.prompt_tokens, self.request_s, self.checked = 0, 0, 0, 0.0, 0
-        self.calls = 0  # generate_many calls: requests / calls is how many requests a Ray call carried
+        self.requests, self.tokens, self.prompt_tokens, self.request_s, self.checked, self.calls = 0, 0, 0, 0.0, 0, 0
         self.paused, self.adding, self.open = False, 0, asyncio.Event()  # open: no refit under way
         self.open.set()
         self.refits, self.at_pause = {}, {}  # request id -> [(k, v)]: from output token k on, version v
@@ -459,8 +423,7 @@ class Engine:
             self.llm = AsyncLLM.from_engine_args(args)
         except ValueError as e:  # vLLM's config errors (pydantic) do not pickle; their message does
             raise ValueError(f"vLLM refused the engine configuration: {e}") from None
-        # vLLM >= 0.32 labels each output token with the weight version that sampled it (spans); 0.26 does not
-        self.spans = hasattr(self.llm, "update_weight_version")
+        self.spans = hasattr(self.llm, "update_weight_version")  # vLLM >= 0.32 labels tokens' weight versions
         await self.set_version(version)
         config = self.llm.model_config
         self.image_id = getattr(config.hf_config, "image_token_id", None)   # never sampled: the trainer masks it too
@@ -475,9 +438,7 @@ class Engine:
         await self.open.wait()  # a request sent during a refit waits for it: all its tokens get the new version
         start, version, marks = time.perf_counter(), self.version, []
         adapter = self.adapter  # --vllm.max_lora_rank: version's adapter, which this request keeps to its end
-        prompt = {"prompt_token_ids": prompt_ids}
-        if images or self.image_id is not None:   # vLLM expands each image id into its run; the row holds the runs
-            prompt["prompt_token_ids"] = contract_images(prompt_ids, images, self.image_id)
+        prompt = {"prompt_token_ids": contract_images(prompt_ids, images, self.image_id)}  # vLLM expands them again
         if images:
             prompt["multi_modal_data"] = {"image": [decode_image(b, f"generate: images[{k}]")
                                                     for k, (*_, b) in enumerate(images)]}
@@ -542,16 +503,14 @@ class Engine:
         self.open.clear()
         while self.adding:  # every request let in before the gate closed is registered with vLLM first
             await asyncio.sleep(0.001)
-        # keep: requests stay queued; clear_cache: on resume their KV is recomputed with the new weights.
-        await self.llm.pause_generation(mode="keep", clear_cache=True)
+        await self.llm.pause_generation(mode="keep", clear_cache=True)  # their KV is recomputed on resume
         self.at_pause = await self.sampled_counts()
         self.paused = True
 
     async def sampled_counts(self) -> dict[str, int]:
         """Output tokens of each request in flight, all sampled before the pause that just completed. Exact by vLLM's
-        ordering (0.26 and 0.32): in keep mode the engine core answers the pause only when idle, behind every step's
-        outputs, which the output handler takes in order, one after the other. Once it has taken an empty item put in
-        behind them, the counts hold every token sampled before the pause and none after (none until resume)."""
+        ordering (0.26, 0.32): in keep mode the core answers the pause only when idle, behind every step's outputs,
+        which the output handler takes in order; once it has taken an empty item put in behind them, none is left."""
         if not self.refits:
             return {}
         from vllm.v1.engine import EngineCoreOutputs
@@ -559,8 +518,7 @@ class Engine:
         outputs.put_nowait(EngineCoreOutputs())
         while outputs.qsize():
             if time.monotonic() > deadline:
-                raise RuntimeError("vLLM's output handler took nothing from its queue for 60 s after a pause "
-                                   "(dead engine?)")
+                raise RuntimeError("vLLM's output handler took nothing from its queue for 60 s after a pause (dead?)")
             await asyncio.sleep(0.001)
         states = self.llm.output_processor.request_states.values()
         return {s.external_req_id: s.detokenizer.num_output_tokens() for s in states}
@@ -588,8 +546,7 @@ class Engine:
         return time.perf_counter() - start
 
     async def release(self, adapter) -> None:
-        """A request that used adapter (None: none) ended. Remove each adapter that no request uses and none will (all
-        but the newest): from vLLM, and its files."""
+        """A request using `adapter` (None: none) ended: remove each unused adapter but the newest (vLLM, disk)."""
         if adapter is not None:
             self.users[adapter.lora_int_id] -= 1
         for i in [i for i, n in self.users.items() if n == 0 and i != self.adapter.lora_int_id]:
@@ -632,7 +589,6 @@ class Engine:
 
 
 # --- refit transports: buckets, the wire format, checks
-
 async def send_bucket(gen: Generator, bucket: list, first: bool, last: bool,
                       colocated: bool) -> tuple[tuple[list, float], str]:
     """One bucket into every engine of `gen`, over refit_transport's choice; (engine 0's report, transport)."""
@@ -711,8 +667,7 @@ def packed_layout(bucket: list[tuple[str, torch.Tensor]]) -> tuple[list, int]:
 
 
 def pack(bucket: list[tuple[str, torch.Tensor]], buffer: torch.Tensor | None = None) -> tuple[list, torch.Tensor]:
-    """A bucket as (layout, one flat uint8 tensor on the bucket's device: the first bytes of `buffer` when
-    given). The bytes are the tensors' own: a refit never casts."""
+    """A bucket as (layout, one flat uint8 tensor on its device, or `buffer`'s first bytes): the tensors' own bytes."""
     layout, size = packed_layout(bucket)
     flat = torch.empty(size, dtype=torch.uint8, device=bucket[0][1].device) if buffer is None else buffer[:size]
     for (_, _, _, offset), (_, tensor) in zip(layout, bucket):
@@ -774,11 +729,10 @@ def check_tensor(name: str, tensor: torch.Tensor, shapes: dict, dtype: str, seen
 
 
 # --- images: a VLM's placeholder runs
-
 def contract_images(ids: list[int], images: list, image_id: int | None) -> list[int]:
-    """The engine's prompt for a row with images [(start, end, encoded image)]: each image's placeholder run
-    ids[start:end] (as the HF processor expands it) becomes the one image id vLLM expands again itself."""
-    if image_id is None:
+    """The engine's prompt for a row with images [(start, end, encoded image)] (or none): each image's placeholder
+    run ids[start:end] (as the HF processor expands it) becomes the one image id vLLM expands again itself."""
+    if image_id is None and images:
         raise ValueError("generate: images given, but the model's config.json names no image_token_id (not a VLM)")
     out, at = [], 0
     for k, (start, end, _) in enumerate(images):
@@ -804,7 +758,6 @@ def decode_image(data: bytes, where: str):
 
 
 # --- where flags reach vLLM
-
 def engine_dtype(model_path: str, dtype: str) -> str:
     """--vllm.dtype, with auto meaning the checkpoint's own dtype (vLLM's auto would downcast fp32)."""
     if dtype != "auto":
@@ -823,8 +776,7 @@ def build_engine_args(model_path: str, vllm: VllmArgs, *, cuda: bool):
         raise ValueError("--vllm.return_routed_experts on a CPU engine: vLLM records experts only in its model "
                          "runner V2, which needs Triton (GPU builds)")
     if not cuda and vllm.batch_invariant:
-        raise ValueError("--vllm.batch_invariant on a CPU engine: vLLM's batch-invariant kernels are Triton kernels "
-                         "for CUDA GPUs (vLLM-CPU has none); drop the flag")
+        raise ValueError("--vllm.batch_invariant on a CPU engine: its kernels are Triton kernels for GPUs; drop it")
     if not cuda and vllm.gpu_memory_utilization != defaults.gpu_memory_utilization:
         raise ValueError("--vllm.gpu_memory_utilization on a CPU engine: size its KV cache with --vllm.kv_cache_gb")
     if cuda and (vllm.kv_cache_gb != defaults.kv_cache_gb or vllm.cpu_threads != defaults.cpu_threads):
@@ -843,12 +795,11 @@ def build_engine_args(model_path: str, vllm: VllmArgs, *, cuda: bool):
     return AsyncEngineArgs(
         model=model_path, max_model_len=vllm.max_model_len, seed=vllm.seed, enforce_eager=vllm.enforce_eager,
         max_num_seqs=vllm.max_num_seqs, max_num_batched_tokens=vllm.max_num_batched_tokens,
-        dtype=engine_dtype(model_path, vllm.dtype),
         enable_prefix_caching=vllm.enable_prefix_caching, tensor_parallel_size=vllm.tensor_parallel_size,
         enable_expert_parallel=vllm.enable_expert_parallel, gpu_memory_utilization=vllm.gpu_memory_utilization,
         kv_cache_memory_bytes=None if cuda else int(vllm.kv_cache_gb * 2**30),
         speculative_config=spec if vllm.num_speculative_tokens > 0 else None,
-        enable_return_routed_experts=vllm.return_routed_experts,
+        enable_return_routed_experts=vllm.return_routed_experts, dtype=engine_dtype(model_path, vllm.dtype),
         logprobs_mode="processed_logprobs",   # the sampled token's log-prob after temperature
         # compact JSON: an unbounded run of whitespace is legal JSON, and a weak policy samples one
         structured_outputs_config=StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True),
@@ -872,8 +823,6 @@ def build_sampling_params(rollout: RolloutArgs, *, max_new_tokens: int | None, s
         detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
-# --- inside the engine: the worker extension
-
 class WeightLoader:
     """Mixed into each vLLM worker (`worker_extension_cls`); its methods run via `collective_rpc`."""
 
@@ -888,23 +837,19 @@ class WeightLoader:
         self.refit_nccl = PyNcclCommunicator(group, device=self.device)
 
     def refit_bucket(self, wire: tuple, first: bool, last: bool) -> tuple[list[tuple[str, str]], float]:
-        """Load one packed bucket; returns the (name, dtype) of each tensor applied and the seconds it took here.
-        wire is (transport, layout, payload): "bytes" carries the bucket itself (CPU trainer); "ipc" the CUDA IPC
-        handle of the trainer's refit buffer on this GPU and the bucket's size; "nccl" its size, broadcast next."""
-        start = time.perf_counter()
-        transport, layout, payload = wire
+        """Load one packed bucket -> ((name, dtype) per tensor applied, seconds). wire: (transport, layout, payload),
+        payload the bytes ("bytes"), (the trainer buffer's CUDA IPC handle, size) ("ipc"), or the size ("nccl")."""
+        start, (transport, layout, payload) = time.perf_counter(), wire
         if transport == "bytes":
             flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         elif transport == "ipc":
             handle, size = payload
             if getattr(self, "refit_ipc", (None,))[0] != handle:  # the trainer's buffer: opened once, kept open
                 self.refit_ipc = None  # close the old one first
-                rebuild, args = pickle.loads(handle)
-                args = list(args)
-                args[6] = self.device.index  # torch's rebuild_cuda_tensor: the storage's device, numbered as seen here
+                rebuild, args = pickle.loads(handle)  # torch's rebuild_cuda_tensor; args[6]: the storage's device
+                args = (*args[:6], self.device.index, *args[7:])  # numbered as seen here
                 self.refit_ipc = (handle, rebuild(*args))
-            # a copy of our own: the trainer refills its buffer with the next bucket, and the layerwise reload
-            # may keep views of this one until a later bucket completes a layer
+            # our copy: the trainer refills its buffer next; a layerwise reload may keep views until a layer is whole
             flat = self.refit_ipc[1][:size].clone()
         else:
             flat = torch.empty(payload, dtype=torch.uint8, device=self.device)
@@ -912,9 +857,8 @@ class WeightLoader:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
         model = self.model_runner.get_model()
-        if first:  # unquantized dense weights on CUDA are used as loaded: copied in place. Others (MoE experts re-laid
-            # out for their kernel, quantized or CPU weights) go through vLLM's layerwise reload, opened on the first
-            # bucket and closed on the last: each layer is processed again once its weights are complete
+        if first:  # dense unquantized CUDA weights load in place; others (MoE experts re-laid out, quantized or CPU
+            # weights) go through vLLM's layerwise reload, first bucket to last: a layer is processed again once whole
             self.refit_layerwise = (self.device.type != "cuda" or self.vllm_config.quant_config is not None
                                     or any(hasattr(m, "w13_weight") for m in model.modules()))
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
