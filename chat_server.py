@@ -82,14 +82,12 @@ class ChatArgs:
 
 MARK = "ASSISTANT-TURN-" + secrets.token_hex(8)   # unguessable: text in a request cannot move the delta's cut
 CALL = {"id": "call_0", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}
-
 RECENT = 256  # full renders ChatTemplate keeps
 
 
 class ChatTemplate:
-    """The model's chat template as token ids, shared with agent.py: after a sampled turn, ids + bridge(ids) +
-    render_delta(new messages) continue a segment. A role failing the start-up check (append_refusal) lands in
-    `refused`, and its turns open a new segment instead."""
+    """The chat template as token ids (shared with agent.py): a sampled turn's ids + bridge(ids) + render_delta(new
+    messages) continue a segment; a role failing the start-up check (append_refusal) lands in `refused`."""
 
     def __init__(self, tokenizer_path: str, append_roles: tuple = ("tool", "user")):
         from transformers import AutoConfig, AutoProcessor, AutoTokenizer
@@ -443,7 +441,6 @@ class SegmentStore:
         """Where a request sharing L messages with segment t goes on, if it does: CONTINUE the turn a prefill repeats,
         EXTEND after the turn ending those L messages, or RETRY the turn that answered exactly its n messages. A new
         segment is planned the same whether an earlier one committed or not: concurrency changes nothing trained."""
-
         ends = {u.msgs: u for u in t.turns}   # the turn ending each message (a continued message: its last part)
         if req.prefill and L == n + 1 and L in ends and ends[L].resume is not None:
             return "CONTINUE", ends[L]
@@ -959,7 +956,6 @@ def parse_responses(body: dict, handles: dict = {}) -> ChatRequest:
         elif kind == "function_call_output":
             output = text_of(it.get("output"), p + "output", ("input_text", "output_text"), "input_image")
             msgs.append(Msg("tool", output, call_id=get(it, "call_id", str, p, required=True)))
-
         elif kind == "reasoning":   # ours carries a handle; another server's opaque content stays opaque
             thought = handles.get(it.get("encrypted_content"), "")
         else:
