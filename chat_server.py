@@ -1325,13 +1325,14 @@ class ChatServer(SegmentStore):
                                                                     f"{exc.detail}"))
 
     def error_response(self, protocol: str, e: ApiError) -> Response:
-        self.counts[f"chat/errors_{e.status}"] += 1   # by our status: 503 is the engine being down, in any protocol
         request_id, w = "req_" + secrets.token_hex(12), WRITERS[protocol]
-        headers = {"x-should-retry": "true" if e.status == 503 else "false", "request-id": request_id}
-        if e.status == 503:
-            headers["retry-after"] = "2"
-        return JSONResponse(w.error(e, request_id), status_code=w.overloaded if e.status == 503 else e.status,
-                            headers=headers)
+        retry = {"x-should-retry": "true", "retry-after": "2"} if e.status == 503 else {"x-should-retry": "false"}
+        return JSONResponse(w.error(self.counted(e), request_id), headers={**retry, "request-id": request_id},
+                            status_code=w.overloaded if e.status == 503 else e.status)
+
+    def counted(self, e: ApiError) -> ApiError:
+        self.counts[f"chat/errors_{e.status}"] += 1   # by our status: 503 is the engine being down, in any protocol
+        return e
 
     async def turn(self, request: Request, protocol: str) -> Response:
         ep = self.attribute(request)
@@ -1376,11 +1377,8 @@ class ChatServer(SegmentStore):
             for frame in frames:
                 yield frame
             self.overheads_ms.append((time.perf_counter() - start - plan.gen_s) * 1000)
-        except ApiError as e:
-            self.counts[f"chat/errors_{e.status}"] += 1
-            yield w.error_event(e)
-        except Exception as e:
-            yield w.error_event(self.taint(ep, e))
+        except Exception as e:   # any other than an ApiError is a bug of ours, as in `endpoint`
+            yield w.error_event(self.counted(e) if isinstance(e, ApiError) else self.taint(ep, e))
         finally:
             plan.pending.gone = plan.pending.gone or not sent
 
