@@ -284,8 +284,7 @@ class ChatRequest:
 
 
 def chain_hashes(system: str | None, tools: list, msgs: list, prior: list = ()) -> list[int]:
-    """hashes[k] covers (system, tools) and msgs[:k]: two chains agree up to their common prefix.
-    `prior`: an earlier chain over a prefix of msgs, reused when system and tools are unchanged."""
+    """hashes[k] covers (system, tools) and msgs[:k]; `prior`, an earlier chain over a prefix of msgs, is reused."""
     hashes = [hash((system, json.dumps(tools, sort_keys=True)))]
     if prior and prior[0] == hashes[0]:
         hashes = list(prior)
@@ -706,8 +705,7 @@ def join_parts(parts: list) -> str | tuple:
 
 
 def image_of(part: dict, path: str) -> bytes:
-    """The encoded bytes of an image part sent inline: a data URL (OpenAI image_url.url, Responses image_url) or an
-    Anthropic base64 source. No network is assumed: a remote URL or a file id is refused, naming the part."""
+    """The encoded bytes of an inline image part: a data URL (OpenAI, Responses) or an Anthropic base64 source."""
     source = part.get("source")
     if isinstance(source, dict):   # Anthropic: {"type": "base64", "media_type": ..., "data": ...}
         if source.get("type") != "base64":
@@ -1126,8 +1124,7 @@ class AnthropicWriter:
                     *[event("content_block_delta", index=i, delta=d) for d in deltas],
                     event("content_block_stop", index=i)]
         return out + [event("message_delta", usage={"output_tokens": len(r.ids)},
-                            delta={k: body[k] for k in ("stop_reason", "stop_sequence")}),
-                      event("message_stop")]
+                            delta={k: body[k] for k in ("stop_reason", "stop_sequence")}), event("message_stop")]
 
     def error_event(self, e: ApiError) -> str:
         return sse("error", self.error(e, ""))
