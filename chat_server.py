@@ -7,11 +7,11 @@
 Reading order: the chat template as token ids (ChatTemplate, shared with agent.py) -> the canonical request -> the
 matcher, this file's one idea: a request is EXTEND / CONTINUE (a prefill) / RETRY / REWRITE / UNRELATED against the
 episode's segments, and an EXTEND appends the stored sampled ids, a bridge and the delta tokens of the new messages
-(mask 0), never a re-render; going on from inside a segment branches it. Below the banner `machinery: reply parsing,
-wire formats, HTTP, template check`: Hermes/<think> parsing, the start-up template check, one section per wire format,
-then HTTP (ChatServer.parse and WRITERS: the only protocol switches). Streams are "fake": one engine call, then a
-protocol-exact SSE sequence. Constrained turns are marked in Segment.info["constrained"]. Not here: sampling settings
-(--rollout.*), stateful Responses and Anthropic threads, remote images, admin HTTP routes."""
+(mask 0), never a re-render; going on from inside a segment branches it. Below the machinery banner: Hermes/<think>
+parsing, the start-up template check, one section per wire format, then HTTP (ChatServer.parse and WRITERS: the only
+protocol switches). Streams are "fake": one engine call, then a protocol-exact SSE sequence. Constrained turns are
+marked in Segment.info["constrained"]. Not here: sampling settings (--rollout.*), stateful Responses and Anthropic
+threads, remote images, admin HTTP routes."""
 import asyncio
 import base64
 import bisect
@@ -680,8 +680,7 @@ def objects(items: list, path: str, start: int = 0):
 
 
 def text_of(value, path: str, kinds: tuple = ("text",), image: str = "") -> str | tuple:
-    """A string, null, or a list of text parts joined by newlines; with `image` (the protocol's image part type),
-    image parts are kept in place (see join_parts); any other part is refused."""
+    """A string, null, or text parts joined by newlines; parts of type `image` kept (join_parts); others refused."""
     if value is None or isinstance(value, str):
         return value or ""
     if not isinstance(value, list):
@@ -1176,8 +1175,6 @@ class ChatServer(SegmentStore):
                              exception_handlers={HTTPException: self.http_error})
         self.app.router.redirect_slashes = False   # a path with a trailing slash is a 404 in the protocol's shape
 
-    # --- lifetime and episodes
-
     async def start(self) -> str:
         """Serve on 127.0.0.1 at an OS-assigned port inside the running event loop; returns the base URL."""
         self._uvicorn = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
@@ -1214,8 +1211,6 @@ class ChatServer(SegmentStore):
         ms = sorted(self.overheads_ms)
         pct = {f"chat/overhead_ms_p{q}": ms[min(len(ms) - 1, len(ms) * q // 100)] for q in (50, 99)} if ms else {}
         return {**self.counts, **pct, "chat/open_episodes": len(self.episodes)}
-
-    # --- requests in: the parse dispatch, then protocol-free policy checks
 
     def parse(self, protocol: str, body: dict, ep: EpisodeState | None = None, counting: bool = False) -> ChatRequest:
         """The one dispatch for requests: the canonical form and every policy check, before any state changes. Messages
@@ -1303,8 +1298,6 @@ class ChatServer(SegmentStore):
         if not isinstance(body, dict):
             raise ApiError(400, "could not parse JSON body: expected an object", code="invalid_json")
         return body, arrived
-
-    # --- routes and replies out: every Response is written by WRITERS[protocol]
 
     def endpoint(self, handler, protocol: str | None):
         async def run(request: Request) -> Response:
