@@ -7,11 +7,11 @@
 Reading order: the chat template as token ids (ChatTemplate, shared with agent.py) -> the canonical request -> the
 matcher, this file's one idea: a request is EXTEND / CONTINUE (a prefill) / RETRY / REWRITE / UNRELATED against the
 episode's segments, and an EXTEND appends the stored sampled ids, a bridge and the delta tokens of the new messages
-(mask 0), never a re-render; going on from inside a segment branches it. Below the banner `machinery: reply parsing,
-wire formats, HTTP, template check`: Hermes/<think> parsing, the start-up template check, one section per wire format,
-then HTTP (ChatServer.parse and WRITERS: the only protocol switches). Streams are "fake": one engine call, then a
-protocol-exact SSE sequence. Constrained turns are marked in Segment.info["constrained"]. Not here: sampling settings
-(--rollout.*), stateful Responses and Anthropic threads, remote images, admin HTTP routes."""
+(mask 0), never a re-render; going on from inside a segment branches it. Below the machinery banner: Hermes/<think>
+parsing, the start-up template check, one section per wire format, then HTTP (ChatServer.parse and WRITERS: the only
+protocol switches). Streams are "fake": one engine call, then a protocol-exact SSE sequence. Constrained turns are
+marked in Segment.info["constrained"]. Not here: sampling settings (--rollout.*), stateful Responses and Anthropic
+threads, remote images, admin HTTP routes."""
 import asyncio
 import base64
 import bisect
@@ -82,14 +82,12 @@ class ChatArgs:
 
 MARK = "ASSISTANT-TURN-" + secrets.token_hex(8)   # unguessable: text in a request cannot move the delta's cut
 CALL = {"id": "call_0", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}
-
 RECENT = 256  # full renders ChatTemplate keeps
 
 
 class ChatTemplate:
-    """The model's chat template as token ids, shared with agent.py: after a sampled turn, ids + bridge(ids) +
-    render_delta(new messages) continue a segment. A role failing the start-up check (append_refusal) lands in
-    `refused`, and its turns open a new segment instead."""
+    """The chat template as token ids (shared with agent.py): a sampled turn's ids + bridge(ids) + render_delta(new
+    messages) continue a segment; a role failing the start-up check (append_refusal) lands in `refused`."""
 
     def __init__(self, tokenizer_path: str, append_roles: tuple = ("tool", "user")):
         from transformers import AutoConfig, AutoProcessor, AutoTokenizer
@@ -286,8 +284,7 @@ class ChatRequest:
 
 
 def chain_hashes(system: str | None, tools: list, msgs: list, prior: list = ()) -> list[int]:
-    """hashes[k] covers (system, tools) and msgs[:k]: two chains agree up to their common prefix.
-    `prior`: an earlier chain over a prefix of msgs, reused when system and tools are unchanged."""
+    """hashes[k] covers (system, tools) and msgs[:k]; `prior`, an earlier chain over a prefix of msgs, is reused."""
     hashes = [hash((system, json.dumps(tools, sort_keys=True)))]
     if prior and prior[0] == hashes[0]:
         hashes = list(prior)
@@ -443,7 +440,6 @@ class SegmentStore:
         """Where a request sharing L messages with segment t goes on, if it does: CONTINUE the turn a prefill repeats,
         EXTEND after the turn ending those L messages, or RETRY the turn that answered exactly its n messages. A new
         segment is planned the same whether an earlier one committed or not: concurrency changes nothing trained."""
-
         ends = {u.msgs: u for u in t.turns}   # the turn ending each message (a continued message: its last part)
         if req.prefill and L == n + 1 and L in ends and ends[L].resume is not None:
             return "CONTINUE", ends[L]
@@ -684,8 +680,7 @@ def objects(items: list, path: str, start: int = 0):
 
 
 def text_of(value, path: str, kinds: tuple = ("text",), image: str = "") -> str | tuple:
-    """A string, null, or a list of text parts joined by newlines; with `image` (the protocol's image part type),
-    image parts are kept in place (see join_parts); any other part is refused."""
+    """A string, null, or text parts joined by newlines; parts of type `image` kept (join_parts); others refused."""
     if value is None or isinstance(value, str):
         return value or ""
     if not isinstance(value, list):
@@ -709,8 +704,7 @@ def join_parts(parts: list) -> str | tuple:
 
 
 def image_of(part: dict, path: str) -> bytes:
-    """The encoded bytes of an image part sent inline: a data URL (OpenAI image_url.url, Responses image_url) or an
-    Anthropic base64 source. No network is assumed: a remote URL or a file id is refused, naming the part."""
+    """The encoded bytes of an inline image part: a data URL (OpenAI, Responses) or an Anthropic base64 source."""
     source = part.get("source")
     if isinstance(source, dict):   # Anthropic: {"type": "base64", "media_type": ..., "data": ...}
         if source.get("type") != "base64":
@@ -959,7 +953,6 @@ def parse_responses(body: dict, handles: dict = {}) -> ChatRequest:
         elif kind == "function_call_output":
             output = text_of(it.get("output"), p + "output", ("input_text", "output_text"), "input_image")
             msgs.append(Msg("tool", output, call_id=get(it, "call_id", str, p, required=True)))
-
         elif kind == "reasoning":   # ours carries a handle; another server's opaque content stays opaque
             thought = handles.get(it.get("encrypted_content"), "")
         else:
@@ -1130,8 +1123,7 @@ class AnthropicWriter:
                     *[event("content_block_delta", index=i, delta=d) for d in deltas],
                     event("content_block_stop", index=i)]
         return out + [event("message_delta", usage={"output_tokens": len(r.ids)},
-                            delta={k: body[k] for k in ("stop_reason", "stop_sequence")}),
-                      event("message_stop")]
+                            delta={k: body[k] for k in ("stop_reason", "stop_sequence")}), event("message_stop")]
 
     def error_event(self, e: ApiError) -> str:
         return sse("error", self.error(e, ""))
@@ -1183,8 +1175,6 @@ class ChatServer(SegmentStore):
                              exception_handlers={HTTPException: self.http_error})
         self.app.router.redirect_slashes = False   # a path with a trailing slash is a 404 in the protocol's shape
 
-    # --- lifetime and episodes
-
     async def start(self) -> str:
         """Serve on 127.0.0.1 at an OS-assigned port inside the running event loop; returns the base URL."""
         self._uvicorn = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
@@ -1221,8 +1211,6 @@ class ChatServer(SegmentStore):
         ms = sorted(self.overheads_ms)
         pct = {f"chat/overhead_ms_p{q}": ms[min(len(ms) - 1, len(ms) * q // 100)] for q in (50, 99)} if ms else {}
         return {**self.counts, **pct, "chat/open_episodes": len(self.episodes)}
-
-    # --- requests in: the parse dispatch, then protocol-free policy checks
 
     def parse(self, protocol: str, body: dict, ep: EpisodeState | None = None, counting: bool = False) -> ChatRequest:
         """The one dispatch for requests: the canonical form and every policy check, before any state changes. Messages
@@ -1311,8 +1299,6 @@ class ChatServer(SegmentStore):
             raise ApiError(400, "could not parse JSON body: expected an object", code="invalid_json")
         return body, arrived
 
-    # --- routes and replies out: every Response is written by WRITERS[protocol]
-
     def endpoint(self, handler, protocol: str | None):
         async def run(request: Request) -> Response:
             proto = protocol or ("anthropic" if "anthropic-version" in request.headers else "openai")
@@ -1329,13 +1315,14 @@ class ChatServer(SegmentStore):
                                                                     f"{exc.detail}"))
 
     def error_response(self, protocol: str, e: ApiError) -> Response:
-        self.counts[f"chat/errors_{e.status}"] += 1   # by our status: 503 is the engine being down, in any protocol
         request_id, w = "req_" + secrets.token_hex(12), WRITERS[protocol]
-        headers = {"x-should-retry": "true" if e.status == 503 else "false", "request-id": request_id}
-        if e.status == 503:
-            headers["retry-after"] = "2"
-        return JSONResponse(w.error(e, request_id), status_code=w.overloaded if e.status == 503 else e.status,
-                            headers=headers)
+        retry = {"x-should-retry": "true", "retry-after": "2"} if e.status == 503 else {"x-should-retry": "false"}
+        return JSONResponse(w.error(self.counted(e), request_id), headers={**retry, "request-id": request_id},
+                            status_code=w.overloaded if e.status == 503 else e.status)
+
+    def counted(self, e: ApiError) -> ApiError:
+        self.counts[f"chat/errors_{e.status}"] += 1   # by our status: 503 is the engine being down, in any protocol
+        return e
 
     async def turn(self, request: Request, protocol: str) -> Response:
         ep = self.attribute(request)
@@ -1380,11 +1367,8 @@ class ChatServer(SegmentStore):
             for frame in frames:
                 yield frame
             self.overheads_ms.append((time.perf_counter() - start - plan.gen_s) * 1000)
-        except ApiError as e:
-            self.counts[f"chat/errors_{e.status}"] += 1
-            yield w.error_event(e)
-        except Exception as e:
-            yield w.error_event(self.taint(ep, e))
+        except Exception as e:   # any other than an ApiError is a bug of ours, as in `endpoint`
+            yield w.error_event(self.counted(e) if isinstance(e, ApiError) else self.taint(ep, e))
         finally:
             plan.pending.gone = plan.pending.gone or not sent
 
