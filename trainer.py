@@ -123,7 +123,6 @@ class TrainArgs:
 class FsdpArgs:
     tp_size: int = field(default=1, metadata={"help": "tensor-parallel ranks (NeMo AutoModel's plan: heads, MLP and "
                                                       "vocab split); must divide world_size"})
-    cp_size: int = field(default=1, metadata={"help": "context-parallel ranks (refused: CP attention is CUDA-only)"})
     ep_size: int = field(default=1, metadata={"help": "expert-parallel ranks (Qwen3-MoE); must divide world_size"})
     offload: str = field(default="none", metadata={
         "help": "optimizer: FSDP2 CPUOffloadPolicy: params, grads, AdamW in host memory (GPU)", "choices": OFFLOADS})
@@ -131,19 +130,15 @@ class FsdpArgs:
         "help": "forward/backward dtype; master weights and AdamW state stay float32; float16 scales the loss "
                 "(dynamic) and needs --vllm.dtype float16", "choices": PARAM_DTYPES})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute layer activations in backward"})
-    compile_logprobs: bool = field(default=True, metadata={"help": "GPU: compile log-probs: ~3x faster, half memory"})
+    compile_logprobs: bool = field(default=True, metadata={
+        "help": "GPU: compile the log-probs into two fused passes over the logits that keep only their logsumexp"})
 
     def __post_init__(self):
         if self.offload not in OFFLOADS or self.param_dtype not in PARAM_DTYPES:
             raise ValueError(f"--fsdp.offload {self.offload!r} / --fsdp.param_dtype {self.param_dtype!r}: "
                              f"choose from {OFFLOADS} / {PARAM_DTYPES}")
-        if min(self.tp_size, self.cp_size, self.ep_size) < 1:
-            raise ValueError("--fsdp.tp_size, --fsdp.cp_size, --fsdp.ep_size must be >= 1")
-        if self.cp_size > 1:
-            raise ValueError("--fsdp.cp_size > 1: torch's context-parallel attention splits only the CUDA SDPA "
-                             "kernels (on CPU gloo: 'Operator aten._scaled_dot_product_flash_attention_for_cpu.default"
-                             " does not have a sharding strategy registered'), so it has never run here, and "
-                             "trainer.py does not build sequence-sharded inputs; set 1")
+        if min(self.tp_size, self.ep_size) < 1:
+            raise ValueError("--fsdp.tp_size, --fsdp.ep_size must be >= 1")
 
 
 @dataclass
@@ -175,7 +170,7 @@ def collate(segments: list[Segment], moe: tuple[int, int, int] | None = None, vl
     B, T = len(segments), max(len(seg.token_ids) for seg in segments)
     ids, mask = np.zeros((B, T), dtype=np.int64), np.zeros((B, T), dtype=bool)  # (B, T)
     rollout_logp, versions = np.zeros((B, T), dtype=np.float32), np.full((B, T), -1, dtype=np.int64)  # (B, T)
-    for i, seg in enumerate(segments):  # numpy reads Python lists ~5x faster than torch.tensor does
+    for i, seg in enumerate(segments):  # numpy reads Python lists faster than torch.tensor
         n = len(seg.token_ids)
         ids[i, :n], mask[i, :n] = seg.token_ids, seg.action_mask
         rollout_logp[i, :n], versions[i, :n] = seg.logprobs, seg.versions
@@ -321,7 +316,7 @@ class TrainerRank:
         join_process_group(self, master_addr, master_port)  # also seeds every RNG and builds NeMo's device mesh
         self.model = build_model(self, AutoModelForCausalLM, lora=self.train.lora_rank > 0)
         setup_policy_extras(self)  # a VLM's processor, image_id and blank row; routing replay's moe; fused names
-        # fused: one kernel per step over all tensors (the default foreach makes ~a dozen passes); lr: set each step
+        # fused: one kernel per step over all tensors (foreach makes several passes); lr: set each step
         adamw = lambda params: torch.optim.AdamW(params, lr=0.0, betas=self.train.betas,
                                                  weight_decay=self.train.weight_decay, fused=True)
         self.optimizer = adamw([p for p in self.model.parameters() if p.requires_grad])   # --train.freeze_vision, LoRA
@@ -531,7 +526,7 @@ class TrainerRank:
         logp = self.forward_rows(self.model, batch, self.plan(batch, 1), temperature)
         return [logp[i, :n] for i, n in enumerate(batch["lengths"].tolist())] if self.rank == 0 else None
 
-    # --- the driver's calls: the rendezvous, then the machinery below the banner (refit, HF export, checkpoints)
+    # --- the driver's calls: the rendezvous; refit, write_hf, save and load are machinery, bound at the file's end
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a free port: rank 0 hosts the process group's rendezvous."""
@@ -541,21 +536,6 @@ class TrainerRank:
 
     def enable_batch_invariance(self) -> None:
         enable_batch_invariant_kernels()
-
-    def export_bucket(self, index: int, bucket_mb: float, dtype: torch.dtype | None) -> tuple[list | None, int]:
-        return export_bucket_of(self, index, bucket_mb, dtype)
-
-    def refit(self, generator, colocated: bool) -> dict | None:
-        return refit_from(self, generator, colocated)
-
-    def write_hf(self, path: str, merged: bool | None = None) -> None:
-        write_hf_dir(self, path, merged)
-
-    def save(self, root: str, step: int, data_position: dict | None) -> str:
-        return save_checkpoint(self, root, step, data_position)
-
-    def load(self, path: str) -> dict:
-        return load_checkpoint(self, path)
 
     def shutdown(self) -> None:
         dist.destroy_process_group()
@@ -668,15 +648,6 @@ class TrainerGroup:
         """Each segment's (T,) log-probs under the current weights at temperature (default: the rollout's)."""
         collate(segments, vlm=self.vlm)  # refused here, before any rank sees it
         return self.call("logprobs", ray.put(segments), temperature)[0]
-
-    def export_weights(self, bucket_mb: float = 256, *, dtype: torch.dtype | None = None):
-        """Yield lists of (checkpoint name, full CPU tensor), at most bucket_mb each (a larger tensor alone), every
-        parameter exactly once (fused experts as one tensor per expert), in its own dtype unless dtype is given."""
-        index, count = 0, 1
-        while index < count:
-            bucket, count = self.call("export_bucket", index, bucket_mb, dtype)[0]
-            yield bucket
-            index += 1
 
     def refit(self, generator) -> dict:
         """Load the current weights into every engine of a paused generator (launch.refit pauses) as self.version;
@@ -859,14 +830,13 @@ def join_process_group(rank: TrainerRank, master_addr: str, master_port: int) ->
     torch.manual_seed(rank.train.seed)
     random.seed(rank.train.seed)
     np.random.seed(rank.train.seed)
-    from nemo_automodel.components.distributed.config import DistributedSetup, FSDP2Config  # rank-only: ~10 s
+    from nemo_automodel.components.distributed.config import DistributedSetup, FSDP2Config  # rank-only: a slow import
     from nemo_automodel.components.distributed.mesh import ParallelismSizes
     compute_dtype = rank.compute_dtype = getattr(torch, rank.fsdp.param_dtype)
     rank.dist_setup = DistributedSetup.build(
         FSDP2Config(mp_policy=MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32),
                     offload_policy=CPUOffloadPolicy() if rank.fsdp.offload == "optimizer" else None),
-        parallelism_sizes=ParallelismSizes(tp_size=rank.fsdp.tp_size, cp_size=rank.fsdp.cp_size,
-                                           ep_size=rank.fsdp.ep_size),
+        parallelism_sizes=ParallelismSizes(tp_size=rank.fsdp.tp_size, cp_size=1, ep_size=rank.fsdp.ep_size),
         activation_checkpointing=rank.fsdp.gradient_checkpointing, world_size=rank.world_size)
     dp_mesh = rank.dist_setup.mesh_context.device_mesh["dp"]
     rank.dp_rank, rank.dp_size, rank.dp_group = dp_mesh.get_local_rank(), dp_mesh.size(), dp_mesh.get_group()
@@ -1269,3 +1239,8 @@ def load_checkpoint(rank: TrainerRank, path: str) -> dict:
     if rank.scaler.dynamic and "loss_scale" in meta:  # float16: resume at the scale the run had reached
         rank.scaler.scale, rank.scaler.good_steps, rank.scaler.skipped = meta["loss_scale"]
     return meta
+
+
+# TrainerRank's methods that are machinery: TrainerGroup.call invokes them by name on the Ray actors
+TrainerRank.refit, TrainerRank.write_hf = refit_from, write_hf_dir
+TrainerRank.save, TrainerRank.load = save_checkpoint, load_checkpoint
