@@ -5,15 +5,14 @@ Contract: TrainerGroup(model_path, train, fsdp, ckpt, loss, estimator, temperatu
 actors, one rank each, in one process group (gloo on CPU, NCCL on GPU). train_step(segments) -> metrics: one RL step;
 sft_step(segments): token NLL on the action tokens; logprobs(segments) -> [(T,)] under logits / temperature;
 refit(generator) loads the current weights into a paused Generator from rank 0 (on GPU they never leave it);
-save/load/--ckpt.resume use torch.distributed.checkpoint. Every rank receives the whole batch and derives the same
-plan, advantages and loss denominators; besides the model's own collectives, ranks only all-reduce the no-grad
-pass's rows (a gather) and each step's loss (a metric).
-Qwen3-MoE trains as NeMo's MoE class (--fsdp.ep_size shards its experts, --train.routing_replay replays recorded
-routed_experts), every other model as its HF class; --train.lora_rank trains NeMo AutoModel's LoRA, the rest frozen.
-Not here: sampling and the refit transport (generator.py), advantage and loss math (estimators.py, losses.py), the
-loop (launch.py). Refused: context parallelism, TP on Qwen3-MoE, EP or routing replay off it.
-Reading order: the flags, the pure functions, TrainerRank and its train_step; below the banner: TrainerGroup (the
-driver), input checks, loading (NeMo AutoModel, a VLM, LoRA), refit and HF export, checkpoints.
+save/load/--ckpt.resume use torch.distributed.checkpoint. Every rank derives the same plan, advantages and loss
+denominators from the whole batch; besides the model's own collectives, ranks only all-reduce the no-grad pass's rows
+(a gather) and each step's loss (a metric). Qwen3-MoE trains as NeMo's MoE class (--fsdp.ep_size shards its experts,
+--train.routing_replay replays recorded routed_experts), every other model as its HF class; --train.lora_rank trains
+NeMo AutoModel's LoRA, the rest frozen. Not here: sampling and the refit transport (generator.py), advantage and loss
+math (estimators.py, losses.py), the loop (launch.py). Refused: context parallelism, TP on Qwen3-MoE, EP or routing
+replay off it. Reading order: the flags, the pure functions, TrainerRank and its train_step; below the banner:
+TrainerGroup (the driver), input checks, loading (NeMo AutoModel, a VLM, LoRA), refit and HF export, checkpoints.
 """
 import asyncio
 import functools
@@ -161,11 +160,9 @@ class CkptArgs:
 
 # --- pure functions: batch layout, log-probs, schedule, metrics
 
-
 def collate(segments: list[Segment], moe: tuple[int, int, int] | None = None, vlm: bool = False) -> dict:
     """The whole batch as right-padded (B, T) tensors plus per-row (B,) ones; ValueError names the first bad segment.
-    moe = (MoE layers, top_k, experts) adds "routed" (B, T, layers, top_k) int16, -1 where not recorded; vlm adds
-    "images": each row's decoded images, which microbatch turns into the model's image inputs."""
+    moe = (MoE layers, top_k, experts) adds "routed" (B, T, layers, top_k), -1 unrecorded; vlm: each row's "images"."""
     check_segments(segments)
     B, T = len(segments), max(len(seg.token_ids) for seg in segments)
     ids, mask = np.zeros((B, T), dtype=np.int64), np.zeros((B, T), dtype=bool)  # (B, T)
@@ -248,8 +245,7 @@ def rows_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: floa
 
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float, *, entropy: bool, entropy_grad: bool,
                    compiled: bool = False):
-    """log p(ids_t | ids_<t) under softmax(logits / temperature) (B, T), and when asked the entropy of that
-    distribution (B, T), both 0 at t = 0. Full-vocabulary tensors exist only for this microbatch."""
+    """log p(ids_t | ids_<t) under softmax(logits / temperature) (B, T), and its entropy (B, T) if asked; 0 at t = 0."""
     B, T, V = logits.shape
     targets = torch.nn.functional.pad(ids[:, 1:], (0, 1))  # (B, T): position t predicts t + 1; the last one nothing
     fn = compiled_rows_logprobs if compiled else rows_logprobs
@@ -291,7 +287,6 @@ def merge_metrics(records: list[tuple[float, dict[str, float]]]) -> dict[str, fl
 
 
 # --- one rank: its shard of the policy (and critic, reference), its optimizers; a Ray actor
-
 
 class TrainerRank:
     """One trainer rank. The driver (TrainerGroup) calls every method on every rank at once."""
@@ -342,8 +337,8 @@ class TrainerRank:
                          max_tokens=self.train.max_tokens_per_microbatch)
 
     def microbatch(self, batch: dict, rows: list[int]) -> dict[str, torch.Tensor]:
-        """The rows' tensors cropped to their longest row, on this rank's device; no rows give one masked pad token.
-        A VLM's "images" become the model's image inputs for the rows' images in order."""
+        """The rows' tensors cropped to their longest row, and a VLM's image inputs, on this rank's device; no rows give
+        one masked pad token."""
         tensors = {k: v for k, v in batch.items() if k != "images"}
         if not rows:
             return {k: torch.full_like(v[:1, :1] if v.ndim >= 2 else v[:1], -1 if k == "routed" else 0).to(self.device)
@@ -387,8 +382,7 @@ class TrainerRank:
 
     @torch.no_grad()
     def forward_rows(self, model, batch: dict, plan: list, temperature: float = 1.0) -> torch.Tensor:
-        """model's (b, t) log-probs at temperature (the critic's: its values) over this rank's planned rows, assembled
-        into the batch's (B, T) on every rank."""
+        """model's log-probs at temperature (the critic's: its values) of this rank's rows, as (B, T) on every rank."""
         out = torch.zeros(batch["ids"].shape, device=self.device)  # (B, T)
         self.model.train(not self.train.lora_dropout)  # --train.lora_dropout: not here, nor in the engine
         for minibatch in plan:
@@ -405,8 +399,7 @@ class TrainerRank:
     # --- the train step: one flat sequence
 
     def train_step(self, segments: list[Segment]) -> tuple[list[tuple[float, dict]], int]:
-        """One RL step on the whole batch: advantages, old log-probs, then epochs x minibatches optimizer steps.
-        Returns (weight, metrics) records for the driver to merge, and the policy version after the step."""
+        """One RL step on the whole batch -> (weight, metrics) records for the driver to merge, the new version."""
         # --- rollout batch: the same padded tensors and the same plan on every rank
         batch = collate(segments, self.moe, vlm=self.processor is not None)
         mask = batch["mask"]  # (B, T)
@@ -430,10 +423,9 @@ class TrainerRank:
             batch["values"] = self.forward_rows(self.critic, batch, plan)
 
         # --- advantages over the whole batch (estimators.py); gae turns the critic's values into returns
-        batch["adv"], returns, metrics = compute_advantages(self.estimator, batch["rewards"],
-                                                            batch["group_ids"], batch["episode_ids"], mask,
-                                                            values=batch.get("values"), kl=kl,
-                                                            truncated=batch["truncated"])
+        batch["adv"], returns, metrics = compute_advantages(
+            self.estimator, batch["rewards"], batch["group_ids"], batch["episode_ids"], mask,
+            values=batch.get("values"), kl=kl, truncated=batch["truncated"])
         if returns is not None:
             batch["returns"] = returns
         records.append((1.0, metrics))
@@ -477,8 +469,7 @@ class TrainerRank:
         return records + [(1.0, {"train/critic_grad_norm": grad_norm})]
 
     def optimizer_step(self, model, optimizer, base_lr: float, scaler: "LossScale") -> tuple[float, float]:
-        """Clip model's gradients, take one AdamW step at the scheduled lr; -> (gradient norm before clipping, lr).
-        The gradients are of the loss x scaler.scale; a float16 step whose gradient is not finite is skipped."""
+        """Clip model's gradients (of loss x scaler.scale), AdamW at the scheduled lr; -> (norm before clipping, lr)."""
         reduce_parallel_grads(self, model)  # --fsdp.tp_size, --fsdp.ep_size: NeMo's plans leave gradients partial
         grad_norm = clip_grad_norm(list(model.parameters()), self.train.grad_clip, scaler.scale)
         lr = lr_at(self.optimizer_steps, lr=base_lr, warmup_steps=self.train.warmup_steps, schedule=self.train.schedule,
@@ -502,8 +493,7 @@ class TrainerRank:
         return metrics
 
     def sft_step(self, segments: list[Segment]) -> tuple[list[tuple[float, dict]], int]:
-        """One optimizer step of token NLL on the action tokens, at temperature 1 (the model's own distribution);
-        MoE layers route live (SFT rows were never sampled, so there is no routing to replay)."""
+        """One optimizer step of token NLL on the action tokens at temperature 1; MoE layers route live (unsampled)."""
         batch = collate(segments, vlm=self.processor is not None)
         mask, records = batch["mask"], []
         plan = self.plan(batch, 1)
@@ -543,9 +533,7 @@ class TrainerRank:
 
 # === machinery: model loading, refit and HF export, checkpoint files, Ray ranks; read it when you change a dependency
 
-
 # --- the driver: starts the ranks, hands each the batch, merges their metrics
-
 
 class TrainerGroup:
     """--train.world_size TrainerRank actors in one process group, driven from here. colocated: the refit's engines
@@ -692,7 +680,6 @@ class TrainerGroup:
 
 # --- input checks and rows: flags against the machine, segments, routing replay's expert ids, SFT rows from chat
 
-
 def check_args(train: TrainArgs, fsdp: FsdpArgs, loss: LossArgs, estimator: EstimatorArgs, *, cuda: bool) -> None:
     """Rules that span files or depend on the machine; checked before any actor starts."""
     if not cuda and fsdp.param_dtype != "float32":
@@ -807,7 +794,6 @@ def sft_batch(examples: list[dict], tokenizer, *, end_token: str = "<|im_end|>",
 
 
 # --- the models: the process group, NeMo AutoModel's FSDP2, a VLM's extras; gradient norm, float16; LoRA
-
 
 def enable_batch_invariant_kernels() -> None:
     """--vllm.batch_invariant: this rank's matmuls, log-softmax and mean run the kernels its engines run (vLLM's)."""
@@ -1001,7 +987,6 @@ compiled_rows_logprobs = torch.compile(rows_logprobs, dynamic=True, options={"tr
 
 # --- LoRA (--train.lora_rank): NeMo AutoModel's adapter linears; peft's names and config for refit and export
 
-
 def add_lora(model: torch.nn.Module, train: TrainArgs) -> set[str]:
     """Freeze model and give each linear module named in --train.lora_targets NeMo's LoRA: y = W x + (alpha / r)
     B A dropout(x), B zero at the start. -> the adapted modules' names; ValueError names a target with no module."""
@@ -1046,7 +1031,6 @@ def merge_lora(pairs, adapted: set[str], scale: float):
 
 # --- refit and HF export: full tensors under HF names, in buckets
 
-
 def export_name(name: str) -> str:
     """The HF parameter name: activation checkpointing and torch.compile wrap modules and insert these segments."""
     return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
@@ -1058,8 +1042,7 @@ def full_params(rank: TrainerRank, params: list[tuple[str, torch.nn.Parameter]])
     fused experts become one tensor per expert (NeMo's state_dict_adapter, or transformers' reverse conversion)."""
     adapter = getattr(rank.model, "state_dict_adapter", None)
     for name, param in params:
-        name, full = export_name(name), (param.detach().full_tensor() if isinstance(param, DTensor)
-                                         else param.detach())
+        name, full = export_name(name), param.detach().full_tensor() if isinstance(param, DTensor) else param.detach()
         yield from (adapter.convert_single_tensor_to_hf(name, full) if adapter is not None
                     else revert_weight_conversion(rank.model, {name: full}).items() if name in rank.fused
                     else [(name, full)])
@@ -1124,9 +1107,8 @@ def write_hf_dir(rank: TrainerRank, path: str, merged: bool | None = None) -> No
                if rank.rank == 0}  # every rank joins each gather; only rank 0 copies to host
     if rank.rank == 0:
         os.makedirs(path, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in tensors.items()},
-                  os.path.join(path, "adapter_model.safetensors" if adapter else "model.safetensors"),
-                  metadata={"format": "pt"})
+        weights = "adapter_model.safetensors" if adapter else "model.safetensors"
+        save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, weights), metadata={"format": "pt"})
         if adapter:
             with open(os.path.join(path, "adapter_config.json"), "w") as f:
                 json.dump(peft_config(rank.train, rank.model_path), f, indent=2)
@@ -1137,7 +1119,6 @@ def write_hf_dir(rank: TrainerRank, path: str, merged: bool | None = None) -> No
 
 
 # --- checkpoints: sharded model + optimizer (DCP), RNG per rank, counters and data position
-
 
 def checkpoint_dirs(root: str) -> list[str]:
     """Complete checkpoints under root, oldest first: step_NNNNNN, else its .old (set aside while the same step was
