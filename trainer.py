@@ -536,9 +536,8 @@ class TrainerRank:
 # --- the driver: starts the ranks, hands each the batch, merges their metrics
 
 class TrainerGroup:
-    """--train.world_size TrainerRank actors in one process group, driven from here. colocated: the refit's engines
-    share this GPU (--launch.colocate: CUDA IPC over NCCL); batch_invariant: the engines' --vllm.batch_invariant,
-    whose kernels the ranks then run too; rank_options: each rank's Ray actor options (--launch.placement)."""
+    """--train.world_size TrainerRank actors in one process group. colocated: --launch.colocate (CUDA IPC refits);
+    batch_invariant: the ranks run --vllm.batch_invariant's kernels too; rank_options: --launch.placement's per rank."""
 
     def __init__(self, model_path: str, train: TrainArgs, fsdp: FsdpArgs, ckpt: CkptArgs, loss: LossArgs,
                  estimator: EstimatorArgs, *, temperature: float, gpus_per_rank: float | None = None,
@@ -638,8 +637,7 @@ class TrainerGroup:
         return self.call("logprobs", ray.put(segments), temperature)[0]
 
     def refit(self, generator) -> dict:
-        """Load the current weights into every engine of a paused generator (launch.refit pauses) as self.version;
-        -> rank 0's update_weights (or update_adapter) report, its "metrics" the generator/refit_* metrics."""
+        """Load the current weights into every engine of a paused generator as self.version; -> rank 0's report."""
         report = self.call("refit", generator, self.colocated)[0]
         generator.version = self.version
         return report
@@ -688,12 +686,10 @@ def check_args(train: TrainArgs, fsdp: FsdpArgs, loss: LossArgs, estimator: Esti
     if not cuda and fsdp.offload != "none":
         raise ValueError("--fsdp.offload optimizer on CPU: the weights already live in host memory; "
                          "set --fsdp.offload none")
-    if train.world_size % fsdp.tp_size:
-        raise ValueError(f"--fsdp.tp_size {fsdp.tp_size} with --train.world_size {train.world_size}: tensor-parallel "
-                         "groups split the ranks evenly; set a tp_size that divides world_size")
-    if train.world_size % fsdp.ep_size:
-        raise ValueError(f"--fsdp.ep_size {fsdp.ep_size} with --train.world_size {train.world_size}: expert-parallel "
-                         "groups split the ranks evenly; set an ep_size that divides world_size")
+    for flag, size, kind in (("tp_size", fsdp.tp_size, "tensor"), ("ep_size", fsdp.ep_size, "expert")):
+        if train.world_size % size:
+            raise ValueError(f"--fsdp.{flag} {size} with --train.world_size {train.world_size}: {kind}-parallel "
+                             f"groups split the ranks evenly; set a --fsdp.{flag} that divides world_size")
     if fsdp.offload != "none" and train.world_size == 1:
         raise ValueError("--fsdp.offload optimizer with one data-parallel rank: NeMo's FSDP2 does not shard "
                          "(nor offload) then; set --fsdp.offload none or raise --train.world_size")
@@ -724,9 +720,8 @@ def check_segments(segments: list[Segment]) -> None:
 
 
 def collate_routing(segments: list[Segment], T: int, layers: int, top_k: int, experts: int) -> np.ndarray:
-    """(B, T, layers, top_k) int16 expert ids from each segment's routed_experts, -1 where none was recorded;
-    ValueError names a bad segment. A row whose action tokens carry several versions (a partial rollout across a
-    refit) routes live: no one recording reproduces both the old weights' routing and the new weights' KV cache."""
+    """(B, T, layers, top_k) int16 expert ids from routed_experts, -1 where none; ValueError names a bad segment. A row
+    sampled across a refit routes live: no one recording has both the old weights' routing and the new KV cache."""
     if all(seg.routed_experts is None for seg in segments):
         raise ValueError("--train.routing_replay: no segment of the batch carries routed_experts; record them "
                          "(--vllm.return_routed_experts) or leave the flag off")
@@ -763,16 +758,16 @@ def sft_batch(examples: list[dict], tokenizer, *, end_token: str = "<|im_end|>",
         if images and getattr(template, "processor", None) is None:   # before any render: a text template may fail
             raise ValueError(f"example {i}: has images; pass template=ChatTemplate(model) of a VLM (a model whose "
                              "config.json names an image_token_id)")
-        ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=False)
+        render = functools.partial(tokenizer.apply_chat_template, tools=tools, tokenize=True, return_dict=False)
+        ids = render(messages)
         mask = [False] * len(ids)
         for turn, message in enumerate(messages):
             if message["role"] != "assistant" or message.get("weight", 1) == 0:   # OpenAI's fine-tuning format
                 continue
             if turn == 0:
                 raise ValueError(f"example {i}: starts with an assistant turn; nothing precedes it to condition on")
-            start = len(before := tokenizer.apply_chat_template(messages[:turn], tools=tools, tokenize=True,
-                                                                add_generation_prompt=True, return_dict=False))
-            upto = tokenizer.apply_chat_template(messages[:turn + 1], tools=tools, tokenize=True, return_dict=False)
+            start = len(before := render(messages[:turn], add_generation_prompt=True))
+            upto = render(messages[:turn + 1])
             if ids[:start] != before or ids[:len(upto)] != upto or end_id not in upto[start:]:
                 raise ValueError(f"example {i}, message {turn}: the chat template does not render this prefix as a "
                                  f"token prefix of the conversation (or the turn lacks {end_token}); "
@@ -806,8 +801,7 @@ def enable_batch_invariant_kernels() -> None:
 
 
 def join_process_group(rank: TrainerRank, master_addr: str, master_port: int) -> None:
-    """Set torch.distributed's environment, join the process group, seed every RNG, and build NeMo AutoModel's
-    device mesh from --fsdp.*: rank.compute_dtype, dist_setup, dp_rank, dp_size, dp_group."""
+    """Join the process group, seed every RNG, build NeMo AutoModel's device mesh: rank.dist_setup, dp_rank, ..."""
     os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank.rank),
                       WORLD_SIZE=str(rank.world_size), LOCAL_RANK="0")
     if rank.cuda:
@@ -829,9 +823,8 @@ def join_process_group(rank: TrainerRank, master_addr: str, master_port: int) ->
 
 
 def build_model(rank: TrainerRank, auto_class, lora: bool = False, **kwargs) -> torch.nn.Module:
-    """Load model_path in float32 (master weights) and shard it with NeMo AutoModel's FSDP2 parallelizer: a
-    Qwen3-MoE policy as NeMo's MoE class (expert parallelism, the replay hook in its gate), other models, the critic
-    too, as their transformers class. lora: add --train.lora_* adapters and freeze the rest (the policy only)."""
+    """Load model_path in float32 (master weights), sharded by NeMo AutoModel's FSDP2 parallelizer: a Qwen3-MoE policy
+    as NeMo's MoE class, other models as their transformers class. lora: the policy's --train.lora_* adapters."""
     config = AutoConfig.from_pretrained(rank.model_path)
     if auto_class is AutoModelForCausalLM and hasattr(config, "vision_config"):   # a VLM: its own class
         auto_class = AutoModelForImageTextToText
@@ -908,8 +901,7 @@ def install_replay(rank: TrainerRank, model) -> tuple[int, int, int]:
 
 
 def reduce_parallel_grads(rank: TrainerRank, model) -> None:
-    """Gradients that NeMo's parallel plans leave partial or scaled, made as one rank's would be (expert parallelism
-    is the policy's alone: a critic with --fsdp.ep_size is refused)."""
+    """Gradients that NeMo's parallel plans leave partial or scaled, made as one rank's would be (policy only)."""
     if rank.fsdp.ep_size > 1:  # experts sum every ep rank's tokens, and FSDP averages them over dp / ep_size
         for name, p in model.named_parameters():  # ranks, not dp: ep_size x the scale of the others
             if ".experts." in name and p.grad is not None:
@@ -927,9 +919,8 @@ def image_inputs(rank: TrainerRank, images: list) -> dict[str, torch.Tensor]:
 
 
 def add_blank_row(rank: TrainerRank, ids: torch.Tensor, images: dict) -> tuple[torch.Tensor, dict]:
-    """A VLM on several ranks: FSDP shards each vision layer as its own unit, so every rank runs the tower in every
-    forward (else one rank's vision all-gather meets another's text one): a forward without an image gets one more
-    row, a blank image's run (setup_policy_extras), whose logits policy_logprobs drops."""
+    """A VLM on several ranks runs the tower in every forward (FSDP gathers each vision layer: else one rank's vision
+    all-gather meets another's text one): without an image, one more row, a blank image's, whose logits are dropped."""
     if images or rank.blank is None:
         return ids, images
     run, images = rank.blank
@@ -1013,8 +1004,7 @@ def peft_config(train: TrainArgs, model_path: str) -> dict:
 
 
 def merge_lora(pairs, adapted: set[str], scale: float):
-    """(name, full tensor) pairs of a LoRA model -> the base model's pairs, each adapted weight merged in:
-    W + scale B A (W (out, in), B (out, r), A (r, in)); the lora_A / lora_B tensors themselves are left out."""
+    """(name, full tensor) pairs of a LoRA model -> the base model's, each adapted W as W + scale B A (no lora_A/B)."""
     held = {}
     for name, tensor in pairs:
         stem = name.removesuffix(".weight")
@@ -1037,9 +1027,8 @@ def export_name(name: str) -> str:
 
 
 def full_params(rank: TrainerRank, params: list[tuple[str, torch.nn.Parameter]]):
-    """(checkpoint name, whole tensor) of each parameter in turn, as save_pretrained writes them (what vLLM loads);
-    every rank must iterate (the gathers are collective). A tied lm_head.weight comes once, as the embedding;
-    fused experts become one tensor per expert (NeMo's state_dict_adapter, or transformers' reverse conversion)."""
+    """(checkpoint name, whole tensor) of each parameter, as save_pretrained writes them (what vLLM loads: a tied head
+    once, fused experts one tensor per expert); every rank must iterate (the gathers are collective)."""
     adapter = getattr(rank.model, "state_dict_adapter", None)
     for name, param in params:
         name, full = export_name(name), param.detach().full_tensor() if isinstance(param, DTensor) else param.detach()
@@ -1065,9 +1054,8 @@ def export_bucket_of(rank: TrainerRank, index: int, bucket_mb: float,
 
 
 def refit_from(rank: TrainerRank, generator, colocated: bool) -> dict | None:
-    """Every rank gathers each full parameter in turn; rank 0 streams them, in the engine's dtype, to the generator:
-    engines that serve LoRA (--vllm.max_lora_rank) get the adapter alone (update_adapter, no pause needed), others
-    every trained weight, a LoRA merged in (update_weights, paused). Rank 0 keeps its first router copy: it holds the
+    """Rank 0 streams each gathered parameter, in the engine's dtype, to the generator: the adapter alone to engines
+    that serve LoRA, else every trained weight, a LoRA merged in. Rank 0 keeps its first router copy: it holds the
     NCCL group a refit to other GPUs opens once."""
     if rank.router is None or rank.router.id != generator.id:
         rank.router = generator
@@ -1107,8 +1095,8 @@ def write_hf_dir(rank: TrainerRank, path: str, merged: bool | None = None) -> No
                if rank.rank == 0}  # every rank joins each gather; only rank 0 copies to host
     if rank.rank == 0:
         os.makedirs(path, exist_ok=True)
-        weights = "adapter_model.safetensors" if adapter else "model.safetensors"
-        save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, weights), metadata={"format": "pt"})
+        weights = os.path.join(path, "adapter_model.safetensors" if adapter else "model.safetensors")
+        save_file({k: v.contiguous() for k, v in tensors.items()}, weights, metadata={"format": "pt"})
         if adapter:
             with open(os.path.join(path, "adapter_config.json"), "w") as f:
                 json.dump(peft_config(rank.train, rank.model_path), f, indent=2)
@@ -1131,8 +1119,7 @@ def checkpoint_dirs(root: str) -> list[str]:
 
 
 def checkpoint_state(rank: TrainerRank) -> dict:
-    """The DCP state: sharded model and optimizer state dicts (critic's too). With LoRA, the adapter and its
-    optimizer state only: the frozen base is model_path's, loaded at setup."""
+    """The DCP state: sharded model and optimizer state dicts (critic's too); with LoRA, of the adapter alone."""
     model_sd, optim_sd = get_state_dict(rank.model, rank.optimizer)
     if rank.adapted:  # a tied head is no parameter of its own: frozen-parameter filters miss it
         model_sd = {k: v for k, v in model_sd.items() if ".lora_" in k}
