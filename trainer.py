@@ -302,8 +302,7 @@ class TrainerRank:
         self.version = 0  # policy version: train steps taken, one refit each (0 = the loaded weights)
         self.optimizer_steps = 0  # AdamW steps (epochs x minibatches per train step): the lr schedule's clock
         self.router = None  # the Generator this rank refits (rank 0)
-        # --train.routing_replay: (MoE layers, top_k, experts), and this forward's (b, t, layers, top_k) expert ids
-        self.moe, self.replay = None, None
+        self.moe, self.replay = None, None  # --train.routing_replay: (layers, top_k, experts); this forward's ids
         self.adapted = set()  # --train.lora_rank: the policy's modules that carry an adapter
 
     def setup(self, master_addr: str, master_port: int) -> str:
@@ -430,8 +429,7 @@ class TrainerRank:
             batch["returns"] = returns
         records.append((1.0, metrics))
 
-        # --- epochs x minibatches: each minibatch is one optimizer step over every rank's microbatches; the critic's
-        # pass follows the policy's (its loss does not depend on the policy's)
+        # --- epochs x minibatches: one optimizer step per minibatch; the critic's pass follows the policy's
         for _ in range(self.train.epochs):
             for minibatch in plan:
                 rows = [i for rank_rows in minibatch for micro in rank_rows for i in micro]
