@@ -129,8 +129,7 @@ class FsdpArgs:
         "help": "forward/backward dtype; master weights and AdamW state stay float32; float16 scales the loss "
                 "(dynamic) and needs --vllm.dtype float16", "choices": PARAM_DTYPES})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute layer activations in backward"})
-    compile_logprobs: bool = field(default=True, metadata={
-        "help": "GPU: compile the log-probs into two fused passes over the logits that keep only their logsumexp"})
+    compile_logprobs: bool = field(default=True, metadata={"help": "GPU: torch.compile log-probs into fused passes"})
 
     def __post_init__(self):
         if self.offload not in OFFLOADS or self.param_dtype not in PARAM_DTYPES:
