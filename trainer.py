@@ -493,10 +493,9 @@ class TrainerRank:
         """One optimizer step of token NLL on the action tokens at temperature 1; MoE layers route live (unsampled)."""
         batch = collate(segments, vlm=self.processor is not None)
         mask, records = batch["mask"], []
-        plan = self.plan(batch, 1)
         denoms = step_denoms(mask, torch.arange(len(mask)))[0]  # each SFT row is its own group
         step_loss = torch.zeros((), device=self.device)
-        for micro in plan[0][self.dp_rank]:
+        for micro in self.plan(batch, 1)[0][self.dp_rank]:
             x = self.microbatch(batch, micro)
             loss, metrics = sft_loss(self.policy_logprobs(self.model, x, 1.0)[0], x["mask"], denoms=denoms)
             (loss * self.dp_size * self.scaler.scale).backward()
