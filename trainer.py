@@ -633,7 +633,8 @@ class TrainerGroup:
         return self.call("logprobs", ray.put(segments), temperature)[0]
 
     def refit(self, generator) -> dict:
-        """Load the current weights into every engine of a paused generator as self.version; -> rank 0's report."""
+        """Load the current weights into every engine of a paused generator as self.version; -> rank 0's
+        update_weights (or update_adapter) report, its "metrics" the generator/refit_* metrics."""
         report = self.call("refit", generator, self.colocated)[0]
         generator.version = self.version
         return report
@@ -797,7 +798,8 @@ def enable_batch_invariant_kernels() -> None:
 
 
 def join_process_group(rank: TrainerRank, master_addr: str, master_port: int) -> None:
-    """Join the process group, seed every RNG, build NeMo AutoModel's device mesh: rank.dist_setup, dp_rank, ..."""
+    """Join the process group, seed every RNG, build NeMo AutoModel's device mesh; sets rank.compute_dtype,
+    dist_setup, dp_rank, dp_size, dp_group."""
     os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank.rank),
                       WORLD_SIZE=str(rank.world_size), LOCAL_RANK="0")
     if rank.cuda:
@@ -897,7 +899,8 @@ def install_replay(rank: TrainerRank, model) -> tuple[int, int, int]:
 
 
 def reduce_parallel_grads(rank: TrainerRank, model) -> None:
-    """Gradients that NeMo's parallel plans leave partial or scaled, made as one rank's would be (policy only)."""
+    """Gradients that NeMo's parallel plans leave partial or scaled, made as one rank's would be (expert parallelism
+    is the policy's alone: a critic with --fsdp.ep_size is refused)."""
     if rank.fsdp.ep_size > 1:  # experts sum every ep rank's tokens, and FSDP averages them over dp / ep_size
         for name, p in model.named_parameters():  # ranks, not dp: ep_size x the scale of the others
             if ".experts." in name and p.grad is not None:
@@ -1000,7 +1003,8 @@ def peft_config(train: TrainArgs, model_path: str) -> dict:
 
 
 def merge_lora(pairs, adapted: set[str], scale: float):
-    """(name, full tensor) pairs of a LoRA model -> the base model's, each adapted W as W + scale B A (no lora_A/B)."""
+    """(name, full tensor) pairs of a LoRA model -> the base model's, each adapted weight merged in: W + scale B A
+    (W (out, in), B (out, r), A (r, in)); the lora_A / lora_B tensors themselves are left out."""
     held = {}
     for name, tensor in pairs:
         stem = name.removesuffix(".weight")
@@ -1051,8 +1055,8 @@ def export_bucket_of(rank: TrainerRank, index: int, bucket_mb: float,
 
 def refit_from(rank: TrainerRank, generator, colocated: bool) -> dict | None:
     """Rank 0 streams each gathered parameter, in the engine's dtype, to the generator: the adapter alone to engines
-    that serve LoRA, else every trained weight, a LoRA merged in. Rank 0 keeps its first router copy: it holds the
-    NCCL group a refit to other GPUs opens once."""
+    that serve LoRA (update_adapter, no pause needed), else every trained weight, a LoRA merged in (update_weights,
+    paused). Rank 0 keeps its first router copy: it holds the NCCL group a refit to other GPUs opens once."""
     if rank.router is None or rank.router.id != generator.id:
         rank.router = generator
     dtype, params = getattr(torch, generator.dtype), list(rank.model.named_parameters())
@@ -1115,7 +1119,8 @@ def checkpoint_dirs(root: str) -> list[str]:
 
 
 def checkpoint_state(rank: TrainerRank) -> dict:
-    """The DCP state: sharded model and optimizer state dicts (critic's too); with LoRA, of the adapter alone."""
+    """The DCP state: sharded model and optimizer state dicts (critic's too); with LoRA, of the adapter alone (the
+    frozen base is model_path's, loaded at setup)."""
     model_sd, optim_sd = get_state_dict(rank.model, rank.optimizer)
     if rank.adapted:  # a tied head is no parameter of its own: frozen-parameter filters miss it
         model_sd = {k: v for k, v in model_sd.items() if ".lora_" in k}
