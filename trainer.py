@@ -1037,37 +1037,28 @@ def full_params(rank: TrainerRank, params: list[tuple[str, torch.nn.Parameter]])
                     else [(name, full)])
 
 
-def export_bucket_of(rank: TrainerRank, index: int, bucket_mb: float,
-                     dtype: torch.dtype | None) -> tuple[list | None, int]:
-    """Bucket `index` of [(HF name, full CPU tensor)] on rank 0 (None elsewhere), and the number of buckets."""
-    buckets, size = [[]], 0
-    for name, param in rank.model.named_parameters():
-        nbytes = param.numel() * (dtype or param.dtype).itemsize
-        if buckets[-1] and size + nbytes > bucket_mb * 2**20:
-            buckets.append([])
-            size = 0
-        buckets[-1].append((name, param))
-        size += nbytes
-    out = [(name, full.to("cpu", dtype or full.dtype, copy=True)) for name, full in full_params(rank, buckets[index])
-           if rank.rank == 0]  # every rank joins each gather; only rank 0 copies to host
-    return (out if rank.rank == 0 else None), len(buckets)
+def refit_pairs(rank: TrainerRank, dtype: torch.dtype, adapter: bool):
+    """(HF name, full tensor in dtype) of what a refit sends: peft's adapter alone (adapter), else every trained
+    weight, a LoRA merged in; every rank must iterate (see full_params)."""
+    if adapter or rank.adapted:
+        full = hf_params(rank, adapter)
+    else:
+        full = full_params(rank, [(n, p) for n, p in rank.model.named_parameters() if p.requires_grad])
+    return ((name, tensor.to(dtype)) for name, tensor in full)
 
 
 def refit_from(rank: TrainerRank, generator, colocated: bool) -> dict | None:
-    """Rank 0 streams each gathered parameter, in the engine's dtype, to the generator: the adapter alone to engines
-    that serve LoRA (update_adapter, no pause needed), else every trained weight, a LoRA merged in (update_weights,
-    paused). Rank 0 keeps its first router copy: it holds the NCCL group a refit to other GPUs opens once."""
+    """Rank 0 streams refit_pairs, in the engine's dtype, to the generator: engines that serve LoRA get the adapter
+    alone (update_adapter, no pause needed), others update_weights (paused). Rank 0 keeps its first router copy: it
+    holds the NCCL group a refit to other GPUs opens once."""
     if rank.router is None or rank.router.id != generator.id:
         rank.router = generator
-    dtype, params = getattr(torch, generator.dtype), list(rank.model.named_parameters())
-    trained = [(n, p) for n, p in params if p.requires_grad]
+    pairs = refit_pairs(rank, getattr(torch, generator.dtype), generator.serves_adapters)
     if generator.serves_adapters:
-        pairs = ((name, full.to(dtype)) for name, full in hf_params(rank, adapter=True))
         update = lambda: rank.router.update_adapter(pairs, peft_config(rank.train, rank.model_path), rank.version)
     else:  # keep: --train.freeze_vision's tower (never fused); a LoRA's frozen base goes out merged
+        params = rank.model.named_parameters()
         keep = () if rank.adapted else [export_name(n) for n, p in params if not p.requires_grad]
-        full = hf_params(rank, adapter=False) if rank.adapted else full_params(rank, trained)
-        pairs = ((name, tensor.to(dtype)) for name, tensor in full)
         update = lambda: rank.router.update_weights(pairs, rank.version, colocated=colocated, keep=keep)
     try:
         if rank.rank == 0:

@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from estimators import EstimatorArgs
 from generator import Segment
 from losses import LossArgs
-from trainer import (CkptArgs, FsdpArgs, TrainArgs, TrainerGroup, TrainerRank, check_args, collate, export_bucket_of,
-                     lr_at, pad_frac, plan_step, sft_batch, token_logprobs)
+from trainer import (CkptArgs, FsdpArgs, TrainArgs, TrainerGroup, TrainerRank, check_args, collate, lr_at, pad_frac,
+                     plan_step, refit_pairs, sft_batch, token_logprobs)
 
 VOCAB = 72  # tiny_chars_model
 
@@ -213,8 +213,9 @@ def test_recomputed_logprobs_equal_hf_forward(ws2, tiny_chars_model):
     assert (ours[1.0][0] - ours[0.7][0]).abs().max() > 0.1  # the temperature reaches the log-probs
 
 
-def test_refit_export_covers_every_parameter_once_with_its_dtype(tiny_chars_model):
-    """The refit's buckets (export_bucket_of) from a fresh TrainerRank in this process (gloo, world size 1)."""
+def test_refit_export_covers_every_parameter_once_in_the_engines_dtype(tiny_chars_model):
+    """What a refit sends (refit_pairs) from a fresh TrainerRank in this process (gloo, world size 1); the engine
+    packs it into buckets (generator.py's iter_buckets, tested in test_generator.py)."""
     threads = torch.get_num_threads()  # a CPU rank takes one thread: give the session's back after
     rank = TrainerRank(0, 1, tiny_chars_model, TrainArgs(), FsdpArgs(), CkptArgs(), LossArgs(), EstimatorArgs(),
                        temperature=1.0)
@@ -224,17 +225,13 @@ def test_refit_export_covers_every_parameter_once_with_its_dtype(tiny_chars_mode
     rank.setup("127.0.0.1", port)
     try:
         on_disk = load_file(os.path.join(tiny_chars_model, "model.safetensors"))  # tied: no lm_head.weight in the file
-        count = export_bucket_of(rank, 0, 0.1, None)[1]  # 0.1 MiB: several buckets, a larger tensor alone in its own
-        buckets = [export_bucket_of(rank, i, 0.1, None)[0] for i in range(count)]
-        names = [name for bucket in buckets for name, _ in bucket]
-        assert len(buckets) > 1 and len(names) == len(set(names)) and set(names) == set(on_disk)
-        for bucket in buckets:
-            assert len(bucket) == 1 or sum(t.numel() * t.element_size() for _, t in bucket) <= 0.1 * 2**20
-            for name, tensor in bucket:
-                assert tensor.dtype == on_disk[name].dtype and torch.equal(tensor, on_disk[name]), name
-        count = export_bucket_of(rank, 0, 1, torch.bfloat16)[1]
-        cast = [t for i in range(count) for _, t in export_bucket_of(rank, i, 1, torch.bfloat16)[0]]
-        assert len(cast) == len(on_disk) and all(t.dtype == torch.bfloat16 for t in cast)
+        sent = list(refit_pairs(rank, torch.float32, adapter=False))  # a float32 engine (the checkpoint's dtype)
+        names = [name for name, _ in sent]
+        assert len(names) == len(set(names)) and set(names) == set(on_disk)
+        for name, tensor in sent:
+            assert tensor.dtype == on_disk[name].dtype and torch.equal(tensor, on_disk[name]), name
+        cast = list(refit_pairs(rank, torch.bfloat16, adapter=False))  # a bfloat16 engine
+        assert [n for n, _ in cast] == names and all(t.dtype == torch.bfloat16 for _, t in cast)
     finally:
         rank.shutdown()
         torch.set_num_threads(threads)
