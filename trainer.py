@@ -10,7 +10,7 @@ denominators from the whole batch; besides the model's own collectives, ranks on
 (a gather) and each step's loss (a metric). Qwen3-MoE trains as NeMo's MoE class (--fsdp.ep_size shards its experts,
 --train.routing_replay replays recorded routed_experts), every other model as its HF class; --train.lora_rank trains
 NeMo AutoModel's LoRA, the rest frozen. Not here: sampling and the refit transport (generator.py), advantage and loss
-math (estimators.py, losses.py), the loop (launch.py). Refused: context parallelism, TP on Qwen3-MoE, EP or routing
+math (estimators.py, losses.py), the loop (launch.py), context parallelism. Refused: TP on Qwen3-MoE, EP or routing
 replay off it. Reading order: the flags, the pure functions, TrainerRank and its train_step; below the banner:
 TrainerGroup (the driver), input checks, loading (NeMo AutoModel, a VLM, LoRA), refit and HF export, checkpoints.
 """
