@@ -5,15 +5,14 @@ Contract: TrainerGroup(model_path, train, fsdp, ckpt, loss, estimator, temperatu
 actors, one rank each, in one process group (gloo on CPU, NCCL on GPU). train_step(segments) -> metrics: one RL step;
 sft_step(segments): token NLL on the action tokens; logprobs(segments) -> [(T,)] under logits / temperature;
 refit(generator) loads the current weights into a paused Generator from rank 0 (on GPU they never leave it);
-save/load/--ckpt.resume use torch.distributed.checkpoint. Every rank receives the whole batch and derives the same
-plan, advantages and loss denominators; besides the model's own collectives, ranks only all-reduce the no-grad
-pass's rows (a gather) and each step's loss (a metric).
-Qwen3-MoE trains as NeMo's MoE class (--fsdp.ep_size shards its experts, --train.routing_replay replays recorded
-routed_experts), every other model as its HF class; --train.lora_rank trains NeMo AutoModel's LoRA, the rest frozen.
-Not here: sampling and the refit transport (generator.py), advantage and loss math (estimators.py, losses.py), the
-loop (launch.py). Refused: context parallelism, TP on Qwen3-MoE, EP or routing replay off it.
-Reading order: the flags, the pure functions, TrainerRank and its train_step; below the banner: TrainerGroup (the
-driver), input checks, loading (NeMo AutoModel, a VLM, LoRA), refit and HF export, checkpoints.
+save/load/--ckpt.resume use torch.distributed.checkpoint. Every rank derives the same plan, advantages and loss
+denominators from the whole batch; besides the model's own collectives, ranks only all-reduce the no-grad pass's rows
+(a gather) and each step's loss (a metric). Qwen3-MoE trains as NeMo's MoE class (--fsdp.ep_size shards its experts,
+--train.routing_replay replays recorded routed_experts), every other model as its HF class; --train.lora_rank trains
+NeMo AutoModel's LoRA, the rest frozen. Not here: sampling and the refit transport (generator.py), advantage and loss
+math (estimators.py, losses.py), the loop (launch.py), context parallelism. Refused: TP on Qwen3-MoE, EP or routing
+replay off it. Reading order: the flags, the pure functions, TrainerRank and its train_step; below the banner:
+TrainerGroup (the driver), input checks, loading (NeMo AutoModel, a VLM, LoRA), refit and HF export, checkpoints.
 """
 import asyncio
 import functools
@@ -123,7 +122,6 @@ class TrainArgs:
 class FsdpArgs:
     tp_size: int = field(default=1, metadata={"help": "tensor-parallel ranks (NeMo AutoModel's plan: heads, MLP and "
                                                       "vocab split); must divide world_size"})
-    cp_size: int = field(default=1, metadata={"help": "context-parallel ranks (refused: CP attention is CUDA-only)"})
     ep_size: int = field(default=1, metadata={"help": "expert-parallel ranks (Qwen3-MoE); must divide world_size"})
     offload: str = field(default="none", metadata={
         "help": "optimizer: FSDP2 CPUOffloadPolicy: params, grads, AdamW in host memory (GPU)", "choices": OFFLOADS})
@@ -131,19 +129,14 @@ class FsdpArgs:
         "help": "forward/backward dtype; master weights and AdamW state stay float32; float16 scales the loss "
                 "(dynamic) and needs --vllm.dtype float16", "choices": PARAM_DTYPES})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute layer activations in backward"})
-    compile_logprobs: bool = field(default=True, metadata={"help": "GPU: compile log-probs: ~3x faster, half memory"})
+    compile_logprobs: bool = field(default=True, metadata={"help": "GPU: torch.compile log-probs into fused passes"})
 
     def __post_init__(self):
         if self.offload not in OFFLOADS or self.param_dtype not in PARAM_DTYPES:
             raise ValueError(f"--fsdp.offload {self.offload!r} / --fsdp.param_dtype {self.param_dtype!r}: "
                              f"choose from {OFFLOADS} / {PARAM_DTYPES}")
-        if min(self.tp_size, self.cp_size, self.ep_size) < 1:
-            raise ValueError("--fsdp.tp_size, --fsdp.cp_size, --fsdp.ep_size must be >= 1")
-        if self.cp_size > 1:
-            raise ValueError("--fsdp.cp_size > 1: torch's context-parallel attention splits only the CUDA SDPA "
-                             "kernels (on CPU gloo: 'Operator aten._scaled_dot_product_flash_attention_for_cpu.default"
-                             " does not have a sharding strategy registered'), so it has never run here, and "
-                             "trainer.py does not build sequence-sharded inputs; set 1")
+        if min(self.tp_size, self.ep_size) < 1:
+            raise ValueError("--fsdp.tp_size, --fsdp.ep_size must be >= 1")
 
 
 @dataclass
@@ -166,16 +159,14 @@ class CkptArgs:
 
 # --- pure functions: batch layout, log-probs, schedule, metrics
 
-
 def collate(segments: list[Segment], moe: tuple[int, int, int] | None = None, vlm: bool = False) -> dict:
     """The whole batch as right-padded (B, T) tensors plus per-row (B,) ones; ValueError names the first bad segment.
-    moe = (MoE layers, top_k, experts) adds "routed" (B, T, layers, top_k) int16, -1 where not recorded; vlm adds
-    "images": each row's decoded images, which microbatch turns into the model's image inputs."""
+    moe = (MoE layers, top_k, experts) adds "routed" (B, T, layers, top_k), -1 unrecorded; vlm: each row's "images"."""
     check_segments(segments)
     B, T = len(segments), max(len(seg.token_ids) for seg in segments)
     ids, mask = np.zeros((B, T), dtype=np.int64), np.zeros((B, T), dtype=bool)  # (B, T)
     rollout_logp, versions = np.zeros((B, T), dtype=np.float32), np.full((B, T), -1, dtype=np.int64)  # (B, T)
-    for i, seg in enumerate(segments):  # numpy reads Python lists ~5x faster than torch.tensor does
+    for i, seg in enumerate(segments):  # numpy reads Python lists faster than torch.tensor
         n = len(seg.token_ids)
         ids[i, :n], mask[i, :n] = seg.token_ids, seg.action_mask
         rollout_logp[i, :n], versions[i, :n] = seg.logprobs, seg.versions
@@ -253,8 +244,7 @@ def rows_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: floa
 
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float, *, entropy: bool, entropy_grad: bool,
                    compiled: bool = False):
-    """log p(ids_t | ids_<t) under softmax(logits / temperature) (B, T), and when asked the entropy of that
-    distribution (B, T), both 0 at t = 0. Full-vocabulary tensors exist only for this microbatch."""
+    """log p(ids_t | ids_<t) under softmax(logits / temperature) (B, T), and its entropy (B, T) if asked; 0 at t = 0."""
     B, T, V = logits.shape
     targets = torch.nn.functional.pad(ids[:, 1:], (0, 1))  # (B, T): position t predicts t + 1; the last one nothing
     fn = compiled_rows_logprobs if compiled else rows_logprobs
@@ -297,7 +287,6 @@ def merge_metrics(records: list[tuple[float, dict[str, float]]]) -> dict[str, fl
 
 # --- one rank: its shard of the policy (and critic, reference), its optimizers; a Ray actor
 
-
 class TrainerRank:
     """One trainer rank. The driver (TrainerGroup) calls every method on every rank at once."""
 
@@ -312,8 +301,7 @@ class TrainerRank:
         self.version = 0  # policy version: train steps taken, one refit each (0 = the loaded weights)
         self.optimizer_steps = 0  # AdamW steps (epochs x minibatches per train step): the lr schedule's clock
         self.router = None  # the Generator this rank refits (rank 0)
-        # --train.routing_replay: (MoE layers, top_k, experts), and this forward's (b, t, layers, top_k) expert ids
-        self.moe, self.replay = None, None
+        self.moe, self.replay = None, None  # --train.routing_replay: (layers, top_k, experts); this forward's ids
         self.adapted = set()  # --train.lora_rank: the policy's modules that carry an adapter
 
     def setup(self, master_addr: str, master_port: int) -> str:
@@ -321,7 +309,7 @@ class TrainerRank:
         join_process_group(self, master_addr, master_port)  # also seeds every RNG and builds NeMo's device mesh
         self.model = build_model(self, AutoModelForCausalLM, lora=self.train.lora_rank > 0)
         setup_policy_extras(self)  # a VLM's processor, image_id and blank row; routing replay's moe; fused names
-        # fused: one kernel per step over all tensors (the default foreach makes ~a dozen passes); lr: set each step
+        # fused: one kernel per step over all tensors (foreach makes several passes); lr: set each step
         adamw = lambda params: torch.optim.AdamW(params, lr=0.0, betas=self.train.betas,
                                                  weight_decay=self.train.weight_decay, fused=True)
         self.optimizer = adamw([p for p in self.model.parameters() if p.requires_grad])   # --train.freeze_vision, LoRA
@@ -347,8 +335,8 @@ class TrainerRank:
                          max_tokens=self.train.max_tokens_per_microbatch)
 
     def microbatch(self, batch: dict, rows: list[int]) -> dict[str, torch.Tensor]:
-        """The rows' tensors cropped to their longest row, on this rank's device; no rows give one masked pad token.
-        A VLM's "images" become the model's image inputs for the rows' images in order."""
+        """The rows' tensors cropped to their longest row, and a VLM's image inputs, on this rank's device; no rows give
+        one masked pad token."""
         tensors = {k: v for k, v in batch.items() if k != "images"}
         if not rows:
             return {k: torch.full_like(v[:1, :1] if v.ndim >= 2 else v[:1], -1 if k == "routed" else 0).to(self.device)
@@ -392,8 +380,7 @@ class TrainerRank:
 
     @torch.no_grad()
     def forward_rows(self, model, batch: dict, plan: list, temperature: float = 1.0) -> torch.Tensor:
-        """model's (b, t) log-probs at temperature (the critic's: its values) over this rank's planned rows, assembled
-        into the batch's (B, T) on every rank."""
+        """model's log-probs at temperature (the critic's: its values) of this rank's rows, as (B, T) on every rank."""
         out = torch.zeros(batch["ids"].shape, device=self.device)  # (B, T)
         self.model.train(not self.train.lora_dropout)  # --train.lora_dropout: not here, nor in the engine
         for minibatch in plan:
@@ -410,8 +397,7 @@ class TrainerRank:
     # --- the train step: one flat sequence
 
     def train_step(self, segments: list[Segment]) -> tuple[list[tuple[float, dict]], int]:
-        """One RL step on the whole batch: advantages, old log-probs, then epochs x minibatches optimizer steps.
-        Returns (weight, metrics) records for the driver to merge, and the policy version after the step."""
+        """One RL step on the whole batch -> (weight, metrics) records for the driver to merge, the new version."""
         # --- rollout batch: the same padded tensors and the same plan on every rank
         batch = collate(segments, self.moe, vlm=self.processor is not None)
         mask = batch["mask"]  # (B, T)
@@ -435,16 +421,14 @@ class TrainerRank:
             batch["values"] = self.forward_rows(self.critic, batch, plan)
 
         # --- advantages over the whole batch (estimators.py); gae turns the critic's values into returns
-        batch["adv"], returns, metrics = compute_advantages(self.estimator, batch["rewards"],
-                                                            batch["group_ids"], batch["episode_ids"], mask,
-                                                            values=batch.get("values"), kl=kl,
-                                                            truncated=batch["truncated"])
+        batch["adv"], returns, metrics = compute_advantages(
+            self.estimator, batch["rewards"], batch["group_ids"], batch["episode_ids"], mask,
+            values=batch.get("values"), kl=kl, truncated=batch["truncated"])
         if returns is not None:
             batch["returns"] = returns
         records.append((1.0, metrics))
 
-        # --- epochs x minibatches: each minibatch is one optimizer step over every rank's microbatches; the critic's
-        # pass follows the policy's (its loss does not depend on the policy's)
+        # --- epochs x minibatches: one optimizer step per minibatch; the critic's pass follows the policy's
         for _ in range(self.train.epochs):
             for minibatch in plan:
                 rows = [i for rank_rows in minibatch for micro in rank_rows for i in micro]
@@ -482,8 +466,7 @@ class TrainerRank:
         return records + [(1.0, {"train/critic_grad_norm": grad_norm})]
 
     def optimizer_step(self, model, optimizer, base_lr: float, scaler: "LossScale") -> tuple[float, float]:
-        """Clip model's gradients, take one AdamW step at the scheduled lr; -> (gradient norm before clipping, lr).
-        The gradients are of the loss x scaler.scale; a float16 step whose gradient is not finite is skipped."""
+        """Clip model's gradients (of loss x scaler.scale), AdamW at the scheduled lr; -> (norm before clipping, lr)."""
         reduce_parallel_grads(self, model)  # --fsdp.tp_size, --fsdp.ep_size: NeMo's plans leave gradients partial
         grad_norm = clip_grad_norm(list(model.parameters()), self.train.grad_clip, scaler.scale)
         lr = lr_at(self.optimizer_steps, lr=base_lr, warmup_steps=self.train.warmup_steps, schedule=self.train.schedule,
@@ -507,14 +490,12 @@ class TrainerRank:
         return metrics
 
     def sft_step(self, segments: list[Segment]) -> tuple[list[tuple[float, dict]], int]:
-        """One optimizer step of token NLL on the action tokens, at temperature 1 (the model's own distribution);
-        MoE layers route live (SFT rows were never sampled, so there is no routing to replay)."""
+        """One optimizer step of token NLL on the action tokens at temperature 1; MoE layers route live (unsampled)."""
         batch = collate(segments, vlm=self.processor is not None)
         mask, records = batch["mask"], []
-        plan = self.plan(batch, 1)
         denoms = step_denoms(mask, torch.arange(len(mask)))[0]  # each SFT row is its own group
         step_loss = torch.zeros((), device=self.device)
-        for micro in plan[0][self.dp_rank]:
+        for micro in self.plan(batch, 1)[0][self.dp_rank]:
             x = self.microbatch(batch, micro)
             loss, metrics = sft_loss(self.policy_logprobs(self.model, x, 1.0)[0], x["mask"], denoms=denoms)
             (loss * self.dp_size * self.scaler.scale).backward()
@@ -531,7 +512,7 @@ class TrainerRank:
         logp = self.forward_rows(self.model, batch, self.plan(batch, 1), temperature)
         return [logp[i, :n] for i, n in enumerate(batch["lengths"].tolist())] if self.rank == 0 else None
 
-    # --- the driver's calls: the rendezvous, then the machinery below the banner (refit, HF export, checkpoints)
+    # --- the driver's calls: the rendezvous; refit, write_hf, save and load are machinery, bound at the file's end
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a free port: rank 0 hosts the process group's rendezvous."""
@@ -542,35 +523,17 @@ class TrainerRank:
     def enable_batch_invariance(self) -> None:
         enable_batch_invariant_kernels()
 
-    def export_bucket(self, index: int, bucket_mb: float, dtype: torch.dtype | None) -> tuple[list | None, int]:
-        return export_bucket_of(self, index, bucket_mb, dtype)
-
-    def refit(self, generator, colocated: bool) -> dict | None:
-        return refit_from(self, generator, colocated)
-
-    def write_hf(self, path: str, merged: bool | None = None) -> None:
-        write_hf_dir(self, path, merged)
-
-    def save(self, root: str, step: int, data_position: dict | None) -> str:
-        return save_checkpoint(self, root, step, data_position)
-
-    def load(self, path: str) -> dict:
-        return load_checkpoint(self, path)
-
     def shutdown(self) -> None:
         dist.destroy_process_group()
 
 
 # === machinery: model loading, refit and HF export, checkpoint files, Ray ranks; read it when you change a dependency
 
-
 # --- the driver: starts the ranks, hands each the batch, merges their metrics
 
-
 class TrainerGroup:
-    """--train.world_size TrainerRank actors in one process group, driven from here. colocated: the refit's engines
-    share this GPU (--launch.colocate: CUDA IPC over NCCL); batch_invariant: the engines' --vllm.batch_invariant,
-    whose kernels the ranks then run too; rank_options: each rank's Ray actor options (--launch.placement)."""
+    """--train.world_size TrainerRank actors in one process group. colocated: --launch.colocate (CUDA IPC refits);
+    batch_invariant: the ranks run --vllm.batch_invariant's kernels too; rank_options: --launch.placement's per rank."""
 
     def __init__(self, model_path: str, train: TrainArgs, fsdp: FsdpArgs, ckpt: CkptArgs, loss: LossArgs,
                  estimator: EstimatorArgs, *, temperature: float, gpus_per_rank: float | None = None,
@@ -669,18 +632,9 @@ class TrainerGroup:
         collate(segments, vlm=self.vlm)  # refused here, before any rank sees it
         return self.call("logprobs", ray.put(segments), temperature)[0]
 
-    def export_weights(self, bucket_mb: float = 256, *, dtype: torch.dtype | None = None):
-        """Yield lists of (checkpoint name, full CPU tensor), at most bucket_mb each (a larger tensor alone), every
-        parameter exactly once (fused experts as one tensor per expert), in its own dtype unless dtype is given."""
-        index, count = 0, 1
-        while index < count:
-            bucket, count = self.call("export_bucket", index, bucket_mb, dtype)[0]
-            yield bucket
-            index += 1
-
     def refit(self, generator) -> dict:
-        """Load the current weights into every engine of a paused generator (launch.refit pauses) as self.version;
-        -> rank 0's update_weights (or update_adapter) report, its "metrics" the generator/refit_* metrics."""
+        """Load the current weights into every engine of a paused generator as self.version; -> rank 0's
+        update_weights (or update_adapter) report, its "metrics" the generator/refit_* metrics."""
         report = self.call("refit", generator, self.colocated)[0]
         generator.version = self.version
         return report
@@ -721,7 +675,6 @@ class TrainerGroup:
 
 # --- input checks and rows: flags against the machine, segments, routing replay's expert ids, SFT rows from chat
 
-
 def check_args(train: TrainArgs, fsdp: FsdpArgs, loss: LossArgs, estimator: EstimatorArgs, *, cuda: bool) -> None:
     """Rules that span files or depend on the machine; checked before any actor starts."""
     if not cuda and fsdp.param_dtype != "float32":
@@ -730,12 +683,10 @@ def check_args(train: TrainArgs, fsdp: FsdpArgs, loss: LossArgs, estimator: Esti
     if not cuda and fsdp.offload != "none":
         raise ValueError("--fsdp.offload optimizer on CPU: the weights already live in host memory; "
                          "set --fsdp.offload none")
-    if train.world_size % fsdp.tp_size:
-        raise ValueError(f"--fsdp.tp_size {fsdp.tp_size} with --train.world_size {train.world_size}: tensor-parallel "
-                         "groups split the ranks evenly; set a tp_size that divides world_size")
-    if train.world_size % fsdp.ep_size:
-        raise ValueError(f"--fsdp.ep_size {fsdp.ep_size} with --train.world_size {train.world_size}: expert-parallel "
-                         "groups split the ranks evenly; set an ep_size that divides world_size")
+    for flag, size, kind in (("tp_size", fsdp.tp_size, "tensor"), ("ep_size", fsdp.ep_size, "expert")):
+        if train.world_size % size:
+            raise ValueError(f"--fsdp.{flag} {size} with --train.world_size {train.world_size}: {kind}-parallel "
+                             f"groups split the ranks evenly; set a --fsdp.{flag} that divides world_size")
     if fsdp.offload != "none" and train.world_size == 1:
         raise ValueError("--fsdp.offload optimizer with one data-parallel rank: NeMo's FSDP2 does not shard "
                          "(nor offload) then; set --fsdp.offload none or raise --train.world_size")
@@ -766,9 +717,8 @@ def check_segments(segments: list[Segment]) -> None:
 
 
 def collate_routing(segments: list[Segment], T: int, layers: int, top_k: int, experts: int) -> np.ndarray:
-    """(B, T, layers, top_k) int16 expert ids from each segment's routed_experts, -1 where none was recorded;
-    ValueError names a bad segment. A row whose action tokens carry several versions (a partial rollout across a
-    refit) routes live: no one recording reproduces both the old weights' routing and the new weights' KV cache."""
+    """(B, T, layers, top_k) int16 expert ids from routed_experts, -1 where none; ValueError names a bad segment. A row
+    sampled across a refit routes live: no one recording has both the old weights' routing and the new KV cache."""
     if all(seg.routed_experts is None for seg in segments):
         raise ValueError("--train.routing_replay: no segment of the batch carries routed_experts; record them "
                          "(--vllm.return_routed_experts) or leave the flag off")
@@ -805,16 +755,16 @@ def sft_batch(examples: list[dict], tokenizer, *, end_token: str = "<|im_end|>",
         if images and getattr(template, "processor", None) is None:   # before any render: a text template may fail
             raise ValueError(f"example {i}: has images; pass template=ChatTemplate(model) of a VLM (a model whose "
                              "config.json names an image_token_id)")
-        ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=False)
+        render = functools.partial(tokenizer.apply_chat_template, tools=tools, tokenize=True, return_dict=False)
+        ids = render(messages)
         mask = [False] * len(ids)
         for turn, message in enumerate(messages):
             if message["role"] != "assistant" or message.get("weight", 1) == 0:   # OpenAI's fine-tuning format
                 continue
             if turn == 0:
                 raise ValueError(f"example {i}: starts with an assistant turn; nothing precedes it to condition on")
-            start = len(before := tokenizer.apply_chat_template(messages[:turn], tools=tools, tokenize=True,
-                                                                add_generation_prompt=True, return_dict=False))
-            upto = tokenizer.apply_chat_template(messages[:turn + 1], tools=tools, tokenize=True, return_dict=False)
+            start = len(before := render(messages[:turn], add_generation_prompt=True))
+            upto = render(messages[:turn + 1])
             if ids[:start] != before or ids[:len(upto)] != upto or end_id not in upto[start:]:
                 raise ValueError(f"example {i}, message {turn}: the chat template does not render this prefix as a "
                                  f"token prefix of the conversation (or the turn lacks {end_token}); "
@@ -837,7 +787,6 @@ def sft_batch(examples: list[dict], tokenizer, *, end_token: str = "<|im_end|>",
 
 # --- the models: the process group, NeMo AutoModel's FSDP2, a VLM's extras; gradient norm, float16; LoRA
 
-
 def enable_batch_invariant_kernels() -> None:
     """--vllm.batch_invariant: this rank's matmuls, log-softmax and mean run the kernels its engines run (vLLM's)."""
     os.environ["VLLM_BATCH_INVARIANT"] = "1"
@@ -849,8 +798,8 @@ def enable_batch_invariant_kernels() -> None:
 
 
 def join_process_group(rank: TrainerRank, master_addr: str, master_port: int) -> None:
-    """Set torch.distributed's environment, join the process group, seed every RNG, and build NeMo AutoModel's
-    device mesh from --fsdp.*: rank.compute_dtype, dist_setup, dp_rank, dp_size, dp_group."""
+    """Join the process group, seed every RNG, build NeMo AutoModel's device mesh; sets rank.compute_dtype,
+    dist_setup, dp_rank, dp_size, dp_group."""
     os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank.rank),
                       WORLD_SIZE=str(rank.world_size), LOCAL_RANK="0")
     if rank.cuda:
@@ -859,23 +808,21 @@ def join_process_group(rank: TrainerRank, master_addr: str, master_port: int) ->
     torch.manual_seed(rank.train.seed)
     random.seed(rank.train.seed)
     np.random.seed(rank.train.seed)
-    from nemo_automodel.components.distributed.config import DistributedSetup, FSDP2Config  # rank-only: ~10 s
+    from nemo_automodel.components.distributed.config import DistributedSetup, FSDP2Config  # rank-only: a slow import
     from nemo_automodel.components.distributed.mesh import ParallelismSizes
     compute_dtype = rank.compute_dtype = getattr(torch, rank.fsdp.param_dtype)
     rank.dist_setup = DistributedSetup.build(
         FSDP2Config(mp_policy=MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32),
                     offload_policy=CPUOffloadPolicy() if rank.fsdp.offload == "optimizer" else None),
-        parallelism_sizes=ParallelismSizes(tp_size=rank.fsdp.tp_size, cp_size=rank.fsdp.cp_size,
-                                           ep_size=rank.fsdp.ep_size),
+        parallelism_sizes=ParallelismSizes(tp_size=rank.fsdp.tp_size, cp_size=1, ep_size=rank.fsdp.ep_size),
         activation_checkpointing=rank.fsdp.gradient_checkpointing, world_size=rank.world_size)
     dp_mesh = rank.dist_setup.mesh_context.device_mesh["dp"]
     rank.dp_rank, rank.dp_size, rank.dp_group = dp_mesh.get_local_rank(), dp_mesh.size(), dp_mesh.get_group()
 
 
 def build_model(rank: TrainerRank, auto_class, lora: bool = False, **kwargs) -> torch.nn.Module:
-    """Load model_path in float32 (master weights) and shard it with NeMo AutoModel's FSDP2 parallelizer: a
-    Qwen3-MoE policy as NeMo's MoE class (expert parallelism, the replay hook in its gate), other models, the critic
-    too, as their transformers class. lora: add --train.lora_* adapters and freeze the rest (the policy only)."""
+    """Load model_path in float32 (master weights), sharded by NeMo AutoModel's FSDP2 parallelizer: a Qwen3-MoE policy
+    as NeMo's MoE class, other models as their transformers class. lora: the policy's --train.lora_* adapters."""
     config = AutoConfig.from_pretrained(rank.model_path)
     if auto_class is AutoModelForCausalLM and hasattr(config, "vision_config"):   # a VLM: its own class
         auto_class = AutoModelForImageTextToText
@@ -971,9 +918,8 @@ def image_inputs(rank: TrainerRank, images: list) -> dict[str, torch.Tensor]:
 
 
 def add_blank_row(rank: TrainerRank, ids: torch.Tensor, images: dict) -> tuple[torch.Tensor, dict]:
-    """A VLM on several ranks: FSDP shards each vision layer as its own unit, so every rank runs the tower in every
-    forward (else one rank's vision all-gather meets another's text one): a forward without an image gets one more
-    row, a blank image's run (setup_policy_extras), whose logits policy_logprobs drops."""
+    """A VLM on several ranks runs the tower in every forward (FSDP gathers each vision layer: else one rank's vision
+    all-gather meets another's text one): without an image, one more row, a blank image's, whose logits are dropped."""
     if images or rank.blank is None:
         return ids, images
     run, images = rank.blank
@@ -1031,7 +977,6 @@ compiled_rows_logprobs = torch.compile(rows_logprobs, dynamic=True, options={"tr
 
 # --- LoRA (--train.lora_rank): NeMo AutoModel's adapter linears; peft's names and config for refit and export
 
-
 def add_lora(model: torch.nn.Module, train: TrainArgs) -> set[str]:
     """Freeze model and give each linear module named in --train.lora_targets NeMo's LoRA: y = W x + (alpha / r)
     B A dropout(x), B zero at the start. -> the adapted modules' names; ValueError names a target with no module."""
@@ -1058,8 +1003,8 @@ def peft_config(train: TrainArgs, model_path: str) -> dict:
 
 
 def merge_lora(pairs, adapted: set[str], scale: float):
-    """(name, full tensor) pairs of a LoRA model -> the base model's pairs, each adapted weight merged in:
-    W + scale B A (W (out, in), B (out, r), A (r, in)); the lora_A / lora_B tensors themselves are left out."""
+    """(name, full tensor) pairs of a LoRA model -> the base model's, each adapted weight merged in: W + scale B A
+    (W (out, in), B (out, r), A (r, in)); the lora_A / lora_B tensors themselves are left out."""
     held = {}
     for name, tensor in pairs:
         stem = name.removesuffix(".weight")
@@ -1076,57 +1021,44 @@ def merge_lora(pairs, adapted: set[str], scale: float):
 
 # --- refit and HF export: full tensors under HF names, in buckets
 
-
 def export_name(name: str) -> str:
     """The HF parameter name: activation checkpointing and torch.compile wrap modules and insert these segments."""
     return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
 def full_params(rank: TrainerRank, params: list[tuple[str, torch.nn.Parameter]]):
-    """(checkpoint name, whole tensor) of each parameter in turn, as save_pretrained writes them (what vLLM loads);
-    every rank must iterate (the gathers are collective). A tied lm_head.weight comes once, as the embedding;
-    fused experts become one tensor per expert (NeMo's state_dict_adapter, or transformers' reverse conversion)."""
+    """(checkpoint name, whole tensor) of each parameter, as save_pretrained writes them (what vLLM loads: a tied head
+    once, fused experts one tensor per expert); every rank must iterate (the gathers are collective)."""
     adapter = getattr(rank.model, "state_dict_adapter", None)
     for name, param in params:
-        name, full = export_name(name), (param.detach().full_tensor() if isinstance(param, DTensor)
-                                         else param.detach())
+        name, full = export_name(name), param.detach().full_tensor() if isinstance(param, DTensor) else param.detach()
         yield from (adapter.convert_single_tensor_to_hf(name, full) if adapter is not None
                     else revert_weight_conversion(rank.model, {name: full}).items() if name in rank.fused
                     else [(name, full)])
 
 
-def export_bucket_of(rank: TrainerRank, index: int, bucket_mb: float,
-                     dtype: torch.dtype | None) -> tuple[list | None, int]:
-    """Bucket `index` of [(HF name, full CPU tensor)] on rank 0 (None elsewhere), and the number of buckets."""
-    buckets, size = [[]], 0
-    for name, param in rank.model.named_parameters():
-        nbytes = param.numel() * (dtype or param.dtype).itemsize
-        if buckets[-1] and size + nbytes > bucket_mb * 2**20:
-            buckets.append([])
-            size = 0
-        buckets[-1].append((name, param))
-        size += nbytes
-    out = [(name, full.to("cpu", dtype or full.dtype, copy=True)) for name, full in full_params(rank, buckets[index])
-           if rank.rank == 0]  # every rank joins each gather; only rank 0 copies to host
-    return (out if rank.rank == 0 else None), len(buckets)
+def refit_pairs(rank: TrainerRank, dtype: torch.dtype, adapter: bool):
+    """(HF name, full tensor in dtype) of what a refit sends: peft's adapter alone (adapter), else every trained
+    weight, a LoRA merged in; every rank must iterate (see full_params)."""
+    if adapter or rank.adapted:
+        full = hf_params(rank, adapter)
+    else:
+        full = full_params(rank, [(n, p) for n, p in rank.model.named_parameters() if p.requires_grad])
+    return ((name, tensor.to(dtype)) for name, tensor in full)
 
 
 def refit_from(rank: TrainerRank, generator, colocated: bool) -> dict | None:
-    """Every rank gathers each full parameter in turn; rank 0 streams them, in the engine's dtype, to the generator:
-    engines that serve LoRA (--vllm.max_lora_rank) get the adapter alone (update_adapter, no pause needed), others
-    every trained weight, a LoRA merged in (update_weights, paused). Rank 0 keeps its first router copy: it holds the
-    NCCL group a refit to other GPUs opens once."""
+    """Rank 0 streams refit_pairs, in the engine's dtype, to the generator: engines that serve LoRA get the adapter
+    alone (update_adapter, no pause needed), others update_weights (paused). Rank 0 keeps its first router copy: it
+    holds the NCCL group a refit to other GPUs opens once."""
     if rank.router is None or rank.router.id != generator.id:
         rank.router = generator
-    dtype, params = getattr(torch, generator.dtype), list(rank.model.named_parameters())
-    trained = [(n, p) for n, p in params if p.requires_grad]
+    pairs = refit_pairs(rank, getattr(torch, generator.dtype), generator.serves_adapters)
     if generator.serves_adapters:
-        pairs = ((name, full.to(dtype)) for name, full in hf_params(rank, adapter=True))
         update = lambda: rank.router.update_adapter(pairs, peft_config(rank.train, rank.model_path), rank.version)
     else:  # keep: --train.freeze_vision's tower (never fused); a LoRA's frozen base goes out merged
+        params = rank.model.named_parameters()
         keep = () if rank.adapted else [export_name(n) for n, p in params if not p.requires_grad]
-        full = hf_params(rank, adapter=False) if rank.adapted else full_params(rank, trained)
-        pairs = ((name, tensor.to(dtype)) for name, tensor in full)
         update = lambda: rank.router.update_weights(pairs, rank.version, colocated=colocated, keep=keep)
     try:
         if rank.rank == 0:
@@ -1154,9 +1086,8 @@ def write_hf_dir(rank: TrainerRank, path: str, merged: bool | None = None) -> No
                if rank.rank == 0}  # every rank joins each gather; only rank 0 copies to host
     if rank.rank == 0:
         os.makedirs(path, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in tensors.items()},
-                  os.path.join(path, "adapter_model.safetensors" if adapter else "model.safetensors"),
-                  metadata={"format": "pt"})
+        weights = os.path.join(path, "adapter_model.safetensors" if adapter else "model.safetensors")
+        save_file({k: v.contiguous() for k, v in tensors.items()}, weights, metadata={"format": "pt"})
         if adapter:
             with open(os.path.join(path, "adapter_config.json"), "w") as f:
                 json.dump(peft_config(rank.train, rank.model_path), f, indent=2)
@@ -1167,7 +1098,6 @@ def write_hf_dir(rank: TrainerRank, path: str, merged: bool | None = None) -> No
 
 
 # --- checkpoints: sharded model + optimizer (DCP), RNG per rank, counters and data position
-
 
 def checkpoint_dirs(root: str) -> list[str]:
     """Complete checkpoints under root, oldest first: step_NNNNNN, else its .old (set aside while the same step was
@@ -1180,8 +1110,8 @@ def checkpoint_dirs(root: str) -> list[str]:
 
 
 def checkpoint_state(rank: TrainerRank) -> dict:
-    """The DCP state: sharded model and optimizer state dicts (critic's too). With LoRA, the adapter and its
-    optimizer state only: the frozen base is model_path's, loaded at setup."""
+    """The DCP state: sharded model and optimizer state dicts (critic's too); with LoRA, of the adapter alone (the
+    frozen base is model_path's, loaded at setup)."""
     model_sd, optim_sd = get_state_dict(rank.model, rank.optimizer)
     if rank.adapted:  # a tied head is no parameter of its own: frozen-parameter filters miss it
         model_sd = {k: v for k, v in model_sd.items() if ".lora_" in k}
@@ -1269,3 +1199,8 @@ def load_checkpoint(rank: TrainerRank, path: str) -> dict:
     if rank.scaler.dynamic and "loss_scale" in meta:  # float16: resume at the scale the run had reached
         rank.scaler.scale, rank.scaler.good_steps, rank.scaler.skipped = meta["loss_scale"]
     return meta
+
+
+# TrainerRank's methods that are machinery: TrainerGroup.call invokes them by name on the Ray actors
+TrainerRank.refit, TrainerRank.write_hf = refit_from, write_hf_dir
+TrainerRank.save, TrainerRank.load = save_checkpoint, load_checkpoint

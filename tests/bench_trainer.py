@@ -6,7 +6,7 @@ Models: the tiny test model (hidden 128, 2 layers) and a random ~50M-parameter Q
 torch thread, so world size 1 uses one core and world size 2 both. A step is one RL train_step
 (GRPO, PPO surrogate, on-policy: no old-log-prob pass) over a fixed random batch; the first step
 is a warm-up and not timed. Tokens/s counts every token of the batch (prompt and completion).
-Refit export: the time of one full export_weights(256 MiB) pass (every parameter gathered to rank 0).
+Export: the time of one HF export (export_hf: every parameter gathered to rank 0, written as one safetensors file).
 SmolLM2-135M-Instruct (recipes/smollm2.py, fp32): our sft_step at world size 1 vs plain transformers training
 of the same model with the same numerics (fp32, token NLL on the same action tokens, grad clip 1.0, AdamW)
 on the same 8x128-token batch, both on one torch thread, 5 alternating steps after one warm-up each; tokens/s,
@@ -24,6 +24,7 @@ import time
 import psutil
 import ray
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -69,9 +70,11 @@ def bench(name: str, path: str, world_size: int, rows: int, tokens: int, steps: 
             metrics = group.train_step(make_batch(vocab, rows, tokens, version=group.version, seed=s + 1))
             rates.append(metrics["train/tokens_per_s"])
             step_s.append(metrics["train/step_s"])
-        start = time.perf_counter()
-        tensors = [t for bucket in group.export_weights(256) for _, t in bucket]
-        export_s = time.perf_counter() - start
+        with tempfile.TemporaryDirectory() as out:
+            start = time.perf_counter()
+            group.export_hf(out)
+            export_s = time.perf_counter() - start
+            tensors = list(load_file(os.path.join(out, "model.safetensors")).values())
     finally:
         group.shutdown()
     n_params = sum(t.numel() for t in tensors)
@@ -79,7 +82,7 @@ def bench(name: str, path: str, world_size: int, rows: int, tokens: int, steps: 
     print(f"trainer {name} ({n_params / 1e6:.1f}M params) world_size={world_size}: "
           f"{sum(rates) / len(rates):,.0f} train tokens/s (mean of {steps} steps of {rows}x{tokens} tokens, "
           f"{sum(step_s) / len(step_s):.2f} s/step; start-up {started:.1f} s)", flush=True)
-    print(f"refit export {name} world_size={world_size}: {len(tensors)} tensors, "
+    print(f"HF export {name} world_size={world_size}: {len(tensors)} tensors, "
           f"{mbytes:.1f} MiB in {export_s:.3f} s", flush=True)
 
 

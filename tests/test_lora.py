@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import random
+import tempfile
 
 import pytest
 import torch
@@ -69,9 +70,14 @@ def trained(group: TrainerGroup) -> TrainerGroup:
     return group
 
 
-def weights(group: TrainerGroup) -> dict[str, torch.Tensor]:
-    """Every parameter of the trainer (base and adapter) under its HF name."""
-    return {name: tensor for bucket in group.export_weights(1) for name, tensor in bucket}
+def weights(group: TrainerGroup, model_path: str) -> dict[str, torch.Tensor]:
+    """Every parameter of the trainer under its HF name: the adapter as the trainer's peft export holds it, the
+    frozen base as model_path's file does (test_add_lora_freezes_the_base... shows the base never trains)."""
+    with tempfile.TemporaryDirectory() as path:
+        group.call("write_hf", path, False)
+        adapter = load_file(os.path.join(path, "adapter_model.safetensors"))
+    return {**load_file(os.path.join(model_path, "model.safetensors")),
+            **{name.removeprefix(PEFT_PREFIX): tensor for name, tensor in adapter.items()}}
 
 
 def merged_by_hand(model_path: str, params: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -175,7 +181,7 @@ def test_engine_with_the_adapter_gives_the_trainers_logprobs(engine, trainer, ti
     outs = sample(engine, PROMPTS)
     rows = [as_segment(p, o) for p, o in zip(PROMPTS, outs)]
     recomputed = trainer.logprobs(rows)
-    params = weights(trainer)
+    params = weights(trainer, tiny_model)
     merged, base = merged_by_hand(tiny_model, params), AutoModelForCausalLM.from_pretrained(tiny_model).eval()
     for p, o, r in zip(PROMPTS, outs, recomputed):
         assert o.versions == [2] * len(o.token_ids)
@@ -217,9 +223,9 @@ def refitted(engine, trainer) -> int:
 
 def test_a_request_in_flight_keeps_its_adapter_across_a_refit(engine, trainer, tiny_model):
     v = refitted(engine, trainer)
-    old = merged_by_hand(tiny_model, weights(trainer))
+    old = merged_by_hand(tiny_model, weights(trainer, tiny_model))
     trainer.train_step(segments(v, seed=10))
-    new = merged_by_hand(tiny_model, weights(trainer))
+    new = merged_by_hand(tiny_model, weights(trainer, tiny_model))
     prompt = PROMPTS[0]
 
     async def scenario():
@@ -273,16 +279,17 @@ def test_lora_checkpoint_holds_the_adapter_alone_and_resumes_bit_exactly(trainer
     saved = trained(trainer).save({"index": 3})
     keys = FileSystemReader(os.path.join(saved, "dcp")).read_metadata().state_dict_metadata.keys()
     # the adapter and its AdamW moments, nothing of the frozen base
-    assert {k for k in keys if k.startswith("model.")} == {f"model.{n}" for n in weights(trainer) if ".lora_" in n}
+    adapter = {f"model.{n}" for n in weights(trainer, tiny_model) if ".lora_" in n}
+    assert {k for k in keys if k.startswith("model.")} == adapter
     assert all(".lora_" in k for k in keys if k.startswith("optim.state."))
     version = trainer.version
     trainer.train_step(segments(version, seed=20))  # step n + 1, uninterrupted
-    uninterrupted = weights(trainer)
+    uninterrupted = weights(trainer, tiny_model)
     resumed = start_trainer(tiny_model, CkptArgs(dir=trainer.ckpt.dir, resume=True))
     try:
         assert resumed.version == version and resumed.data_position == {"index": 3}
         resumed.train_step(segments(version, seed=20))
-        after = weights(resumed)
+        after = weights(resumed, tiny_model)
     finally:
         resumed.shutdown()
     assert after.keys() == uninterrupted.keys()
@@ -291,23 +298,28 @@ def test_lora_checkpoint_holds_the_adapter_alone_and_resumes_bit_exactly(trainer
 
 
 def test_hf_export_is_a_peft_adapter_or_the_merged_model(trainer, tiny_model, tmp_path):
-    params = weights(trained(trainer))
+    trained(trainer)
     adapter_dir, merged_dir = str(tmp_path / "adapter"), str(tmp_path / "merged")
     trainer.export_hf(adapter_dir)  # --ckpt.hf_merged off: peft's format
     trainer.call("write_hf", merged_dir, True)
     assert sorted(os.listdir(adapter_dir)) == ["adapter_config.json", "adapter_model.safetensors"]
     tensors = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
-    assert tensors.keys() == {PEFT_PREFIX + n for n in params if ".lora_" in n}
-    assert all(torch.equal(t, params[n.removeprefix(PEFT_PREFIX)]) for n, t in tensors.items())
+    # the adapter alone: A and B of the default targets, attention's four projections and the MLP's three, per layer
+    targets = [f"self_attn.{p}_proj" for p in "qkvo"] + [f"mlp.{p}_proj" for p in ("gate", "up", "down")]
+    assert tensors.keys() == {f"{PEFT_PREFIX}model.layers.{i}.{t}.lora_{x}.weight" for i in range(2)
+                              for t in targets for x in "AB"}
     config = json.load(open(os.path.join(adapter_dir, "adapter_config.json")))
     assert (config["peft_type"], config["r"], config["lora_alpha"], config["bias"]) == ("LORA", RANK, ALPHA, "none")
+    # the adapter file as peft applies it (W + alpha / r B A, by hand) and the merged export give the trainer's model
+    by_hand = merged_by_hand(tiny_model, weights(trainer, tiny_model))
     merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
     assert not any(".lora_" in n for n in load_file(os.path.join(merged_dir, "model.safetensors")))
     rows = segments(trainer.version, seed=30)
     for seg, r in zip(rows, trainer.logprobs(rows)):
         start = seg.action_mask.index(True)
-        expected = hf_logprobs(merged, seg.token_ids[:start], seg.token_ids[start:])
-        assert (r[start:] - expected).abs().max().item() <= 1e-5
+        for model in (by_hand, merged):
+            expected = hf_logprobs(model, seg.token_ids[:start], seg.token_ids[start:])
+            assert (r[start:] - expected).abs().max().item() <= 1e-5
 
 
 # --- the loop: GRPO with LoRA through launch.py

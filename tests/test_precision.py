@@ -17,7 +17,7 @@ from estimators import EstimatorArgs
 from generator import Segment, VllmArgs, build_engine_args, check_tensor, checkpoint_shapes
 from losses import LossArgs
 from trainer import (CkptArgs, FsdpArgs, LossScale, TrainArgs, TrainerGroup, TrainerRank, check_args, clip_grad_norm,
-                     collate)
+                     collate, refit_pairs)
 
 # --- the flags: one predicate ties the two sides' float16 together; CPU refuses what it cannot run
 
@@ -162,8 +162,8 @@ def test_fp16_refit_export_is_what_a_float16_engine_loads(fp16_rank, tiny_chars_
     """The refit casts to the engine's dtype (Generator.dtype: float16 under --vllm.dtype float16) and the engine's
     check accepts exactly that; a float32 tensor is refused (a refit never casts)."""
     shapes, seen = checkpoint_shapes(tiny_chars_model), set()
-    bucket, count = fp16_rank.export_bucket(0, 1024, torch.float16)
-    assert count == 1 and {n for n, _ in bucket} == set(shapes)
+    bucket = list(refit_pairs(fp16_rank, torch.float16, adapter=False))
+    assert len(bucket) == len(shapes) and {n for n, _ in bucket} == set(shapes)
     for name, tensor in bucket:
         assert tensor.dtype == torch.float16
         check_tensor(name, tensor, shapes, "float16", seen)

@@ -109,10 +109,12 @@ def sampled(smollm2_generator, smollm2_model, trainer) -> list[Segment]:
 
 
 @pytest.fixture(scope="module")
-def stepped(trainer, sampled) -> dict:
-    """One RL step at LR on the sampled batch; the exported weights after it, by HF name."""
+def stepped(trainer, sampled, tmp_path_factory) -> dict:
+    """One RL step at LR on the sampled batch; the weights after it, by HF name, as the HF export writes them."""
     trainer.train_step(sampled)
-    return {name: t for bucket in trainer.export_weights(256) for name, t in bucket}
+    path = str(tmp_path_factory.mktemp("stepped"))
+    trainer.export_hf(path)
+    return load_file(os.path.join(path, "model.safetensors"))
 
 
 # --- recipes/smollm2.py: the package's file, checked, converted
