@@ -98,8 +98,9 @@ async def run_env_episode(env: Env, generator: Generator, template: ChatTemplate
             truncated = result.truncated
             break
         message, images = user_turn(result.observation, template)
+        observation = template.render_delta([message])  # first: its error names the roles and the template
         bridge = template.bridge(out.token_ids)
-        observation, new = template.expand_images(template.render_delta([message]), images, len(ids) + len(bridge))
+        observation, new = template.expand_images(observation, images, len(ids) + len(bridge))
         delta = bridge + observation
         if len(ids) + len(delta) >= args.max_context or state["turn"] >= args.max_turns:
             break  # no sample would follow it: the row ends at the last action
