@@ -651,9 +651,9 @@ def bench_longtail(model: str, steps: int = 8) -> dict:
     a step, on the GPU the engine shares). Not built yet."""
     import launch
     agent, res = os.path.join(ROOT, "recipes", "longtail_agent.py"), {}
-    # draining at its best window (more groups would only lengthen each drain); partial rollouts with four
-    # batches' worth of groups in flight: a long episode keeps sampling across refits and never goes stale
-    for mode, extra in (("drain", ()), ("partial", ("--launch.partial_rollout", "--launch.in_flight", "48"))):
+    # both at the default window, K + 1 batches in flight: more would only lengthen each drain, and with partial
+    # rollouts more than one batch could finish during a train step, the surplus older than K at the next
+    for mode, extra in (("drain", ()), ("partial", ("--launch.partial_rollout",))):
         out_dir = os.path.join(ROOT, "runs", f"bench_longtail_{mode}")
         argv = ["--launch.model", model, "--launch.out_dir", out_dir, "--launch.steps", str(steps),
                 "--agent.path", agent, "--data.path", agent, "--launch.batch_prompts", "16",
