@@ -26,8 +26,12 @@ def draw_length(rng: random.Random) -> int:
 
 
 class LongTailAgent(ChatAgent):
+    drawn: dict[str, int] = {}  # prompt -> its episodes so far, in this process: runs launched alike draw alike
+
     async def run(self, ctx: ChatContext) -> Result:
-        length = draw_length(random.Random())
+        prompt = ctx.messages[-1]["content"]
+        self.drawn[prompt] = k = self.drawn.get(prompt, -1) + 1
+        length = draw_length(random.Random(f"{prompt}/{k}"))
         client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key)
         await client.chat.completions.create(model=ctx.model, messages=ctx.messages, max_tokens=length)
         return Result(reward=length / CAP, info={"asked_tokens": float(length)})

@@ -33,6 +33,8 @@ built locally. Each section measures ours and its baseline side by side in one r
   longtail   partial rollouts vs draining: the loop at K=1 on one GPU shared, a ChatAgent asking for lognormal
              completion lengths (recipes/longtail_agent.py: median 256, capped at 8,192), with and without
              --launch.partial_rollout: loop tokens/s, the engine's tokens/s and idle share. Target >= 1.3x.
+  plan       the trainer's forward and backward over plan_step's microbatches vs microbatches filled to the
+             bound, on long-tail lengths: seconds and padding share.
   moe        the loop (K=0, one GPU shared) on a random Qwen3-MoE (32 experts, top-4, 8 layers), routing
              recorded: the trainer routing live vs --train.routing_replay: tokens/s and mismatch.
   vlm        the colour-square task (recipes/colour_agent.py) on the tiny Idefics3 in bf16, one GPU shared,
@@ -62,6 +64,7 @@ Peak memory: trainer (torch max allocated) and engine (GPU memory taken by its s
 import asyncio
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -684,6 +687,54 @@ def bench_longtail(model: str, steps: int = 8) -> dict:
                   lengths="lognormal median 256 sigma 1.0 cap 8192 (mean ~422, p90 ~925, p99 ~2,611)")
 
 
+# --- plan: microbatches cut to cut padding vs filled to the bound, on long-tail lengths
+
+def bench_plan(model: str, rows: int = 128, max_tokens: int = 16384, batches: int = 3) -> dict:
+    """The trainer's forward and backward (bf16 autocast, checkpointed, the 0.6B shape) over the microbatch shapes
+    of trainer.plan_step, which cuts where padded positions plus max_tokens / 16 per forward are least, and of
+    filling each microbatch to the bound (its rule until 2026-12-04), on batches of recipes/longtail_agent.py's
+    lengths (+ a 40-token prompt): seconds per batch and padding share, each."""
+    from transformers import AutoModelForCausalLM
+
+    from recipes.longtail_agent import draw_length
+    from trainer import pad_frac, plan_step
+    net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="sdpa").cuda()
+    net.train()
+    net.gradient_checkpointing_enable()
+    net.config.use_cache = False
+
+    def filled(lengths: list[int]) -> list:  # longest first, each microbatch filled while rows x longest fits
+        micro = []
+        for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+            if micro and (len(micro[-1]) + 1) * lengths[micro[-1][0]] <= max_tokens:
+                micro[-1].append(i)
+            else:
+                micro.append([i])
+        return [[micro]]
+
+    def run(lengths: list[int], plan: list) -> float:
+        start = time.perf_counter()
+        for micro in plan[0][0]:
+            x = torch.randint(0, 1000, (len(micro), max(lengths[i] for i in micro)), device="cuda")
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                net(input_ids=x, labels=x).loss.backward()
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    res = {"cut": {"s": [], "pad_frac": [], "forwards": []}, "filled": {"s": [], "pad_frac": [], "forwards": []}}
+    for b in range(batches + 1):  # batch 0 warms up
+        rng = random.Random(b)
+        lengths = [draw_length(rng) + 40 for _ in range(rows)]
+        for name, plan in (("cut", plan_step(lengths, minibatches=1, dp_size=1, max_tokens=max_tokens)),
+                           ("filled", filled(lengths))):
+            seconds = run(lengths, plan)
+            if b:
+                res[name]["s"].append(seconds)
+                res[name]["pad_frac"].append(pad_frac(lengths, plan))
+                res[name]["forwards"].append(len(plan[0][0]))
+    return report("plan", **res, ratio=sum(res["filled"]["s"]) / sum(res["cut"]["s"]), target=1.0)
+
+
 # --- MoE: routing replay on vs off
 
 def bench_moe(steps: int = 4) -> dict:
@@ -987,6 +1038,8 @@ def main() -> None:
             bench_peer_k1()
         elif s == "longtail":
             bench_longtail(model)
+        elif s == "plan":
+            bench_plan(model)
         elif s == "moe":
             bench_moe()
         elif s == "vlm":
