@@ -191,9 +191,9 @@ def collate(segments: list[Segment], moe: tuple[int, int, int] | None = None, vl
 
 def plan_step(lengths: list[int], *, minibatches: int, dp_size: int, max_tokens: int) -> list[list[list[list[int]]]]:
     """Row indices as [minibatch][dp rank][microbatch]. Minibatches are contiguous slices of the batch; a minibatch's
-    rows go longest first to the least-loaded rank; a rank's rows, longest first, are cut into microbatches of at most
-    max_tokens padded tokens (rows x longest row). Short ranks get empty microbatches: every FSDP rank runs every
-    forward."""
+    rows go longest first to the least-loaded rank; a rank's rows fill microbatches of at most max_tokens padded tokens
+    (rows x longest row): fewer, fuller forwards beat less padding (bench_gpu.py plan). Short ranks get empty
+    microbatches, because every FSDP rank must run every forward."""
     if len(lengths) < minibatches:
         raise ValueError(f"--train.minibatches {minibatches}: the batch has only {len(lengths)} segments")
     for i, n in enumerate(lengths):
@@ -208,28 +208,16 @@ def plan_step(lengths: list[int], *, minibatches: int, dp_size: int, max_tokens:
             r = load.index(min(load))
             per_rank[r].append(i)
             load[r] += lengths[i]
-        micro = [cut_microbatches(rank_rows, lengths, max_tokens) for rank_rows in per_rank]
+        micro = [[] for _ in range(dp_size)]
+        for r, rank_rows in enumerate(per_rank):
+            for i in rank_rows:  # longest first, so a microbatch's first row sets its padded length
+                if micro[r] and (len(micro[r][-1]) + 1) * lengths[micro[r][-1][0]] <= max_tokens:
+                    micro[r][-1].append(i)
+                else:
+                    micro[r].append([i])
         depth = max(len(m) for m in micro)
         plan.append([m + [[] for _ in range(depth - len(m))] for m in micro])
     return plan
-
-
-def cut_microbatches(rows: list[int], lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """rows (longest first) cut where the padded positions plus a fixed cost per forward, max_tokens / 16 positions (a
-    guess: launches and FSDP's gathers), are least: filling each microbatch to the bound would pad a long tail's short
-    rows to the longest of them (a quarter of the positions at lengths drawn like recipes/longtail_agent.py's;
-    a tenth when cut here)."""
-    overhead, best, cut = max_tokens / 16, [0.0] + [math.inf] * len(rows), [0] * (len(rows) + 1)
-    for j in range(1, len(rows) + 1):  # best[j]: rows[:j]'s least cost; its last microbatch is rows[cut[j]:j]
-        for i in range(j - 1, -1, -1):
-            if (j - i) * lengths[rows[i]] > max_tokens:  # rows[i] is the longest of rows[i:j]
-                break
-            if best[i] + (j - i) * lengths[rows[i]] + overhead < best[j]:
-                best[j], cut[j] = best[i] + (j - i) * lengths[rows[i]] + overhead, i
-    micro, j = [], len(rows)
-    while j:
-        micro, j = [rows[cut[j]:j]] + micro, cut[j]
-    return micro
 
 
 def pad_frac(lengths: list[int], plan: list) -> float:

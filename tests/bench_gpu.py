@@ -33,8 +33,8 @@ built locally. Each section measures ours and its baseline side by side in one r
   longtail   partial rollouts vs draining: the loop at K=1 on one GPU shared, a ChatAgent asking for lognormal
              completion lengths (recipes/longtail_agent.py: median 256, capped at 8,192), with and without
              --launch.partial_rollout: loop tokens/s, the engine's tokens/s and idle share. Target >= 1.3x.
-  plan       the trainer's forward and backward over plan_step's microbatches vs microbatches filled to the
-             bound, on long-tail lengths: seconds and padding share.
+  plan       the trainer's forward and backward over plan_step's microbatches (filled to the bound) vs cut
+             to pad less, on long-tail lengths: seconds and padding share.
   moe        the loop (K=0, one GPU shared) on a random Qwen3-MoE (32 experts, top-4, 8 layers), routing
              recorded: the trainer routing live vs --train.routing_replay: tokens/s and mismatch.
   vlm        the colour-square task (recipes/colour_agent.py) on the tiny Idefics3 in bf16, one GPU shared,
@@ -405,7 +405,10 @@ def smollm2_argv(out_dir: str, steps: int, lr: str, k: int, eval_every: int) -> 
 
 def bench_smollm2(steps: int = 20, lr: str = "2e-5", k: int = 0) -> dict:
     """K=0: the loop strictly on-policy, so its gap to the bound is our overhead. K=1: the next batch samples
-    while the trainer steps (both on the one GPU), the loop as it is meant to run."""
+    while the trainer steps (both on the one GPU), the loop as it is meant to run.
+    H200, 2026-12-04, K=1 alone in a call (506 s with the install): loop 12,314 tokens/s, raw vLLM 14,144, train
+    24,828, sync bound 9,011: 1.37x; step 4.6 s, refit 0.11 s, mismatch 0.038; held-out 0.48 -> 0.825 (step 10)
+    -> 0.96 (step 20)."""
     import launch
     from recipes.compare_agent import rows
     from recipes.smollm2 import smollm2_dir
@@ -647,11 +650,13 @@ def bench_longtail(model: str, steps: int = 8) -> dict:
     """The loop at K=1 on one H200 shared by engine and trainer, lengths from recipes/longtail_agent.py
     (lognormal, median 256, capped at 8,192), with and without --launch.partial_rollout. Draining waits at
     every refit for the longest request in flight; partial rollouts refit at once and keep it running.
-    H200, 2026-12-04: drain 4,788 loop tokens/s (step 10.7 s, train 3.5 s), partial 6,210 (9.1 s, train 5.9 s):
-    1.297x. Partial: 18 finished groups were older than K when taken and went back to the queue (their prompts
-    sampled again, no prompt lost; their samples not trained); 200 rows mixed versions. train/pad_frac 0.28 in
-    both: packing would cut at most that share of the trainer's forward and backward (~1.6 s of partial's 5.9 s
-    a step, on the GPU the engine shares). Not built yet."""
+    H200, 2026-12-04, partial with --launch.in_flight 48 (3 batches): drain 4,788 loop tokens/s (step 10.7 s,
+    train 3.5 s), partial 6,210 (9.1 s, train 5.9 s): 1.297x. Partial: 18 finished groups were older than K when
+    taken and went back to the queue (their prompts sampled again, no prompt lost; their samples not trained); 200
+    rows mixed versions. Hence the default window now (K + 1 batches): at most one batch is in flight while the
+    trainer steps, so none can wait past K. A second lease the same day did not fit both modes in one 10-minute call
+    (drain alone: 8 steps in 167 s, its drains 12-20 s a step, the lengths then unseeded); the default window is not
+    measured yet. train/pad_frac 0.28 in both: see bench_plan for why microbatches stay filled."""
     import launch
     agent, res = os.path.join(ROOT, "recipes", "longtail_agent.py"), {}
     # both at the default window, K + 1 batches in flight: more would only lengthen each drain, and with partial
@@ -687,13 +692,18 @@ def bench_longtail(model: str, steps: int = 8) -> dict:
                   lengths="lognormal median 256 sigma 1.0 cap 8192 (mean ~422, p90 ~925, p99 ~2,611)")
 
 
-# --- plan: microbatches cut to cut padding vs filled to the bound, on long-tail lengths
+# --- plan: microbatches filled to the bound (plan_step) vs cut to pad less, on a long tail of lengths
 
 def bench_plan(model: str, rows: int = 128, max_tokens: int = 16384, batches: int = 3) -> dict:
-    """The trainer's forward and backward (bf16 autocast, checkpointed, the 0.6B shape) over the microbatch shapes
-    of trainer.plan_step, which cuts where padded positions plus max_tokens / 16 per forward are least, and of
-    filling each microbatch to the bound (its rule until 2026-12-04), on batches of recipes/longtail_agent.py's
-    lengths (+ a 40-token prompt): seconds per batch and padding share, each."""
+    """The trainer's forward and backward (bf16 autocast, checkpointed, the 0.6B shape) over the microbatch shapes of
+    trainer.plan_step, which fills each microbatch up to the bound, and of cutting where padded positions plus
+    max_tokens / 16 per forward are least (a dynamic programme), on batches of recipes/longtail_agent.py's lengths
+    (+ a 40-token prompt): seconds per batch and padding share, each.
+    H200, 2026-12-04: filled 3.1 / 3.0 / 5.1 s in 5 forwards, padding 0.26 / 0.25 / 0.30; cut 5.3 / 5.1 / 4.8 s in
+    10 / 9 / 9, padding 0.09 / 0.12 / 0.13: filled 1.35x faster in all. The long-tail loop agreed (its train phase
+    5.6 s median cut, 3.5 s filled). Fewer, fuller forwards beat less padding here, so plan_step fills; what
+    would pay is packing (rows concatenated, attention kept within each): filled forwards with no padding, at most
+    that quarter of the positions. Not built."""
     from transformers import AutoModelForCausalLM
 
     from recipes.longtail_agent import draw_length
@@ -703,13 +713,18 @@ def bench_plan(model: str, rows: int = 128, max_tokens: int = 16384, batches: in
     net.gradient_checkpointing_enable()
     net.config.use_cache = False
 
-    def filled(lengths: list[int]) -> list:  # longest first, each microbatch filled while rows x longest fits
-        micro = []
-        for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-            if micro and (len(micro[-1]) + 1) * lengths[micro[-1][0]] <= max_tokens:
-                micro[-1].append(i)
-            else:
-                micro.append([i])
+    def cut(lengths: list[int]) -> list:  # longest first; best[j]: the least cost of the first j rows
+        order, overhead = sorted(range(len(lengths)), key=lambda i: -lengths[i]), max_tokens / 16
+        best, last = [0.0] + [float("inf")] * len(order), [0] * (len(order) + 1)
+        for j in range(1, len(order) + 1):
+            for i in range(j - 1, -1, -1):  # rows i..j-1 as the last microbatch, order[i] its longest
+                if (j - i) * lengths[order[i]] > max_tokens:
+                    break
+                if best[i] + (j - i) * lengths[order[i]] + overhead < best[j]:
+                    best[j], last[j] = best[i] + (j - i) * lengths[order[i]] + overhead, i
+        micro, j = [], len(order)
+        while j:
+            micro, j = [order[last[j]:j]] + micro, last[j]
         return [[micro]]
 
     def run(lengths: list[int], plan: list) -> float:
@@ -721,18 +736,18 @@ def bench_plan(model: str, rows: int = 128, max_tokens: int = 16384, batches: in
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    res = {"cut": {"s": [], "pad_frac": [], "forwards": []}, "filled": {"s": [], "pad_frac": [], "forwards": []}}
+    res = {"filled": {"s": [], "pad_frac": [], "forwards": []}, "cut": {"s": [], "pad_frac": [], "forwards": []}}
     for b in range(batches + 1):  # batch 0 warms up
         rng = random.Random(b)
         lengths = [draw_length(rng) + 40 for _ in range(rows)]
-        for name, plan in (("cut", plan_step(lengths, minibatches=1, dp_size=1, max_tokens=max_tokens)),
-                           ("filled", filled(lengths))):
+        for name, plan in (("filled", plan_step(lengths, minibatches=1, dp_size=1, max_tokens=max_tokens)),
+                           ("cut", cut(lengths))):
             seconds = run(lengths, plan)
             if b:
                 res[name]["s"].append(seconds)
                 res[name]["pad_frac"].append(pad_frac(lengths, plan))
                 res[name]["forwards"].append(len(plan[0][0]))
-    return report("plan", **res, ratio=sum(res["filled"]["s"]) / sum(res["cut"]["s"]), target=1.0)
+    return report("plan", **res, ratio=sum(res["cut"]["s"]) / sum(res["filled"]["s"]), target=1.0)
 
 
 # --- MoE: routing replay on vs off
