@@ -33,6 +33,7 @@ built locally. Each section measures ours and its baseline side by side in one r
   longtail   partial rollouts vs draining: the loop at K=1 on one GPU shared, a ChatAgent asking for lognormal
              completion lengths (recipes/longtail_agent.py: median 256, capped at 8,192), with and without
              --launch.partial_rollout: loop tokens/s, the engine's tokens/s and idle share. Target >= 1.3x.
+             longtail_drain, longtail_partial: one mode alone (both do not always fit in one 10-minute call).
   plan       the trainer's forward and backward over plan_step's microbatches (filled to the bound) vs cut
              to pad less, on long-tail lengths: seconds and padding share.
   moe        the loop (K=0, one GPU shared) on a random Qwen3-MoE (32 experts, top-4, 8 layers), routing
@@ -646,7 +647,7 @@ def peer_report(section: str, ours: dict, trl_: dict, target: float) -> dict:
 
 # --- partial rollouts vs draining, on a long tail of completion lengths
 
-def bench_longtail(model: str, steps: int = 8) -> dict:
+def bench_longtail(model: str, steps: int = 8, modes: tuple[str, ...] = ("drain", "partial")) -> dict:
     """The loop at K=1 on one H200 shared by engine and trainer, lengths from recipes/longtail_agent.py
     (lognormal, median 256, capped at 8,192), with and without --launch.partial_rollout. Draining waits at
     every refit for the longest request in flight; partial rollouts refit at once and keep it running.
@@ -661,7 +662,7 @@ def bench_longtail(model: str, steps: int = 8) -> dict:
     agent, res = os.path.join(ROOT, "recipes", "longtail_agent.py"), {}
     # both at the default window, K + 1 batches in flight: more would only lengthen each drain, and with partial
     # rollouts more than one batch could finish during a train step, the surplus older than K at the next
-    for mode, extra in (("drain", ()), ("partial", ("--launch.partial_rollout",))):
+    for mode, extra in [m for m in (("drain", ()), ("partial", ("--launch.partial_rollout",))) if m[0] in modes]:
         out_dir = os.path.join(ROOT, "runs", f"bench_longtail_{mode}")
         argv = ["--launch.model", model, "--launch.out_dir", out_dir, "--launch.steps", str(steps),
                 "--agent.path", agent, "--data.path", agent, "--launch.batch_prompts", "16",
@@ -687,7 +688,7 @@ def bench_longtail(model: str, steps: int = 8) -> dict:
                      / sum(r["rollout/episodes"] for r in timed),
                      "mismatch_abs": statistics.median(r["loss/mismatch_abs"] for r in timed),
                      "pad_frac": statistics.mean(r["train/pad_frac"] for r in timed)}
-    ratio = res["partial"]["loop_tokens_per_s"] / res["drain"]["loop_tokens_per_s"]
+    ratio = res["partial"]["loop_tokens_per_s"] / res["drain"]["loop_tokens_per_s"] if len(res) == 2 else None
     return report("longtail", **res, ratio=ratio, target=1.3, steps=steps,
                   lengths="lognormal median 256 sigma 1.0 cap 8192 (mean ~422, p90 ~925, p99 ~2,611)")
 
@@ -1051,8 +1052,8 @@ def main() -> None:
             bench_peer()
         elif s == "peer_k1":
             bench_peer_k1()
-        elif s == "longtail":
-            bench_longtail(model)
+        elif s in ("longtail", "longtail_drain", "longtail_partial"):  # both modes, or one
+            bench_longtail(model, modes=(s.removeprefix("longtail_"),) if "_" in s else ("drain", "partial"))
         elif s == "plan":
             bench_plan(model)
         elif s == "moe":
