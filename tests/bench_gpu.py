@@ -655,9 +655,12 @@ def bench_longtail(model: str, steps: int = 8, modes: tuple[str, ...] = ("drain"
     train 3.5 s), partial 6,210 (9.1 s, train 5.9 s): 1.297x. Partial: 18 finished groups were older than K when
     taken and went back to the queue (their prompts sampled again, no prompt lost; their samples not trained); 200
     rows mixed versions. Hence the default window now (K + 1 batches): at most one batch is in flight while the
-    trainer steps, so none can wait past K. A second lease the same day did not fit both modes in one 10-minute call
-    (drain alone: 8 steps in 167 s, its drains 12-20 s a step, the lengths then unseeded); the default window is not
-    measured yet. train/pad_frac 0.28 in both: see bench_plan for why microbatches stay filled."""
+    trainer steps, so none can wait past K. A third lease that day ran longtail_partial alone at the default window
+    (the lengths seeded): 5,021 loop tokens/s (step 10.9 s, train 5.2 s, 4-7 s a step waiting for the batch), none
+    re-sampled, 30 rows mixed versions: 1.05x the first lease's drain, 0.81x partial at 48. So the 1.3x needs more
+    groups in flight than K + 1 batches, and some of them finish too early and wait past K. (The second lease's
+    drain, 8 steps in 167 s with 12-20 s drains, ran with microbatches cut, not filled: see bench_plan.)
+    train/pad_frac 0.26-0.28 in every run: see bench_plan for why microbatches stay filled."""
     import launch
     agent, res = os.path.join(ROOT, "recipes", "longtail_agent.py"), {}
     # both at the default window, K + 1 batches in flight: more would only lengthen each drain, and with partial
