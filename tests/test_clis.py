@@ -162,6 +162,7 @@ class Stalled:
         return await self.script.generate(prompt_ids, **kw)
 
 
+@pytest.mark.slow
 def test_claude_code_past_its_time_limit_is_killed_and_raises(loop, tiny_model):
     agent = ClaudeCodeAgent(cli("claude"), CLAUDE_ARGS, timeout_s=5)
     stalled = Stalled(tiny_model)

@@ -160,7 +160,8 @@ def loop_flags(model: str, out: str, agent: str, *extra: str) -> list[str]:
 # --- kill -9 mid-step, resume: every position of the data order trained exactly once
 
 
-@pytest.mark.parametrize("partial", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["drain", "partial"])
+@pytest.mark.slow
+@pytest.mark.parametrize("partial", [False, True], ids=["drain", "partial"])
 def test_kill_9_mid_step_then_resume_trains_every_prompt_exactly_once(copy_model, tmp_path, partial):
     steps, batch = 5, 2
     seed = random.randrange(1 << 30)

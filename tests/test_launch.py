@@ -358,6 +358,7 @@ def test_agent_exception_drops_episode_and_run_continues(ray_local, copy_model, 
     assert any("every other episode" in e for e in result["errors"])
 
 
+@pytest.mark.slow
 def test_agent_that_always_fails_stops_the_run_with_its_error(ray_local, copy_model, tmp_path):
     agent = write_agent(tmp_path, FLAKY_ENV.replace("next(calls) % 2 == 0", "True"), "broken.py")
     with pytest.raises(RuntimeError, match="every other episode"):
