@@ -192,8 +192,8 @@ def collate(segments: list[Segment], moe: tuple[int, int, int] | None = None, vl
 def plan_step(lengths: list[int], *, minibatches: int, dp_size: int, max_tokens: int) -> list[list[list[list[int]]]]:
     """Row indices as [minibatch][dp rank][microbatch]. Minibatches are contiguous slices of the batch; a minibatch's
     rows go longest first to the least-loaded rank; a rank's rows fill microbatches of at most max_tokens padded tokens
-    (rows x longest row): fewer, fuller forwards beat less padding (bench_gpu.py plan). Short ranks get empty
-    microbatches, because every FSDP rank must run every forward."""
+    (rows x longest row; fuller beats less padded: bench_gpu.py plan). Every FSDP rank runs every forward: short ranks
+    get empty microbatches."""
     if len(lengths) < minibatches:
         raise ValueError(f"--train.minibatches {minibatches}: the batch has only {len(lengths)} segments")
     for i, n in enumerate(lengths):
