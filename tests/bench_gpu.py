@@ -59,7 +59,8 @@ built locally. Each section measures ours and its baseline side by side in one r
 Peak memory: trainer (torch max allocated) and engine (GPU memory taken by its start) are reported.
 
     python tests/bench_gpu.py [logprobs] [trainer] [generator] [refit] [loop1] [loop2] [smollm2] [smollm2_k1]
-                              [longtail] [moe] [vlm] [lora] [lora_smollm2] [precision] [precision_runs]   # all;
+                              [longtail | longtail_drain | longtail_partial] [plan] [moe] [vlm] [lora]
+                              [lora_smollm2] [precision] [precision_runs]   # all;
                                                                         # results also appended to $BENCH_OUT
 """
 import asyncio
@@ -724,8 +725,9 @@ def bench_plan(model: str, rows: int = 128, max_tokens: int = 16384, batches: in
             for i in range(j - 1, -1, -1):  # rows i..j-1 as the last microbatch, order[i] its longest
                 if (j - i) * lengths[order[i]] > max_tokens:
                     break
-                if best[i] + (j - i) * lengths[order[i]] + overhead < best[j]:
-                    best[j], last[j] = best[i] + (j - i) * lengths[order[i]] + overhead, i
+                cost = best[i] + (j - i) * lengths[order[i]] + overhead
+                if cost < best[j]:
+                    best[j], last[j] = cost, i
         micro, j = [], len(order)
         while j:
             micro, j = [order[last[j]:j]] + micro, last[j]
@@ -1016,7 +1018,7 @@ def main() -> None:
         return
     import ray
     sections = sys.argv[1:] or ["logprobs", "trainer", "generator", "refit", "loop1", "loop2", "smollm2", "smollm2_k1",
-                                "longtail", "moe", "vlm", "lora", "lora_smollm2", "precision"]
+                                "longtail", "plan", "moe", "vlm", "lora", "lora_smollm2", "precision"]
     own_model = {"logprobs", "smollm2", "smollm2_k1", "moe", "vlm", "lora_smollm2", "precision", "precision_smollm2",
                  "precision_qwen3_0_6b", "peer", "peer_k1"}  # the rest use the random 0.6B shape
     model = model_dir() if any(s not in own_model and not s.startswith("precision_runs") for s in sections) else None
