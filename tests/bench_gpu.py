@@ -33,9 +33,12 @@ built locally. Each section measures ours and its baseline side by side in one r
   longtail   partial rollouts vs draining: the loop at K=1 on one GPU shared, a ChatAgent asking for lognormal
              completion lengths (recipes/longtail_agent.py: median 256, capped at 8,192), with and without
              --launch.partial_rollout: loop tokens/s, the engine's tokens/s and idle share. Target >= 1.3x.
-             longtail_drain, longtail_partial: one mode alone (both do not always fit in one 10-minute call).
+             longtail_drain, longtail_partial: one mode alone (both do not always fit in one 10-minute call);
+             longtail_drain_k2, longtail_partial_k2: at K=2 (three batches in flight by default).
   plan       the trainer's forward and backward over plan_step's microbatches (filled to the bound) vs cut
-             to pad less, on long-tail lengths: seconds and padding share.
+             to pad less vs packed (rows concatenated, flex_attention kept within each), on long-tail lengths:
+             seconds and padding share.
+  sampling   raw vLLM on smollm2's requests: unseeded with log-probs (the loop's) vs seeded vs without log-probs.
   moe        the loop (K=0, one GPU shared) on a random Qwen3-MoE (32 experts, top-4, 8 layers), routing
              recorded: the trainer routing live vs --train.routing_replay: tokens/s and mismatch.
   vlm        the colour-square task (recipes/colour_agent.py) on the tiny Idefics3 in bf16, one GPU shared,
@@ -59,7 +62,7 @@ built locally. Each section measures ours and its baseline side by side in one r
 Peak memory: trainer (torch max allocated) and engine (GPU memory taken by its start) are reported.
 
     python tests/bench_gpu.py [logprobs] [trainer] [generator] [refit] [loop1] [loop2] [smollm2] [smollm2_k1]
-                              [longtail | longtail_drain | longtail_partial] [plan] [moe] [vlm] [lora]
+                              [longtail | longtail_drain | longtail_partial][_k2] [plan] [sampling] [moe] [vlm] [lora]
                               [lora_smollm2] [precision] [precision_runs]   # all;
                                                                         # results also appended to $BENCH_OUT
 """
@@ -370,27 +373,58 @@ SMOLLM2_LOOP = ("--launch.batch_prompts", "128", "--launch.samples_per_prompt", 
                 "--vllm.max_num_seqs", "1024")  # one wave for the 1,024 requests of a step, in the loop and raw
 
 
-async def raw_vllm_rate(model: str, prompts: list[list[int]], samples: int, vllm, rollout, rounds: int = 3) -> float:
-    """Sampled tokens/s of a raw AsyncLLM on these prompts, `samples` requests each,
-    stopping at eos as the loop does."""
+async def raw_vllm_rate(model: str, prompts: list[list[int]], samples: int, vllm, rollout, rounds: int = 3,
+                        variants: tuple[str, ...] = ("unseeded",)) -> dict:
+    """Sampled tokens/s (median of `rounds` after one warm-up) of a raw AsyncLLM on these prompts, `samples` requests
+    each, stopping at eos as the loop does, per variant, the variants alternating: unseeded with the sampled token's
+    log-prob (as the loop's requests), seeded (each request sampled with a generator of its own), no_logprobs."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from generator import build_engine_args, build_sampling_params
     raw = AsyncLLM.from_engine_args(build_engine_args(model, vllm, cuda=True))
 
-    async def one(i, p, tag):
-        params = build_sampling_params(rollout, max_new_tokens=None, stop_token_ids=None, seed=i, ignore_eos=False)
+    async def one(i, p, tag, variant):
+        params = build_sampling_params(rollout, max_new_tokens=None, stop_token_ids=None,
+                                       seed=i if variant == "seeded" else None, ignore_eos=False)
+        params.logprobs = None if variant == "no_logprobs" else params.logprobs
         async for out in raw.generate({"prompt_token_ids": p}, params, f"{tag}-{i}"):
             pass
         return len(out.outputs[0].token_ids)
 
-    rates, requests = [], [p for p in prompts for _ in range(samples)]
+    rates, requests = {v: [] for v in variants}, [p for p in prompts for _ in range(samples)]
     for r in range(rounds + 1):  # round 0 warms up
-        start = time.perf_counter()
-        counts = await asyncio.gather(*(one(i, p, f"r{r}") for i, p in enumerate(requests)))
-        rates.append(sum(counts) / (time.perf_counter() - start))
+        for v in variants:
+            start = time.perf_counter()
+            counts = await asyncio.gather(*(one(i, p, f"{v}{r}", v) for i, p in enumerate(requests)))
+            rates[v].append(sum(counts) / (time.perf_counter() - start))
     raw.shutdown()
-    return statistics.median(rates[1:])
+    return {v: statistics.median(rs[1:]) for v, rs in rates.items()}
+
+
+def smollm2_prompts(model: str, n: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from recipes.compare_agent import rows
+    tok = AutoTokenizer.from_pretrained(model)
+    return [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
+                                    return_dict=False) for r in rows("train")[:n]]
+
+
+def bench_sampling() -> dict:
+    """What a sampled token costs raw vLLM on SmolLM2's job (128 prompts x 8, <= 64 tokens, temperature 0.7, 1,024
+    sequences a step): unseeded with its log-prob (the loop's requests) vs seeded vs without log-probs.
+    H200, 2026-12-04: unseeded 12,386 tokens/s, seeded 11,348 (0.92x), no log-probs 14,646 (1.18x). ~4.5 s for a
+    step's ~56k tokens is ~70 ms per decode step of a 135M model: the engine is host-bound here, and both we and
+    TRL pay the log-prob (TRL's importance correction asks for it too). A step's requests are unseeded in the loop,
+    so the sync bounds (bench_smollm2) are measured unseeded since that day; smollm2_k1's 1.37x was measured against
+    a seeded raw engine. Not yet run: CUDA graphs up to 1,024 sequences (vLLM captures up to 512 by default)."""
+    import launch
+    from recipes.smollm2 import smollm2_dir
+    cfg = launch.parse_args(smollm2_argv(os.path.join(ROOT, "runs", "bench_sampling"), 1, "2e-5", 0, 1))
+    rates = asyncio.run(raw_vllm_rate(smollm2_dir(), smollm2_prompts(smollm2_dir(), cfg["launch"].batch_prompts), 8,
+                                      cfg["vllm"], cfg["rollout"], variants=("unseeded", "seeded", "no_logprobs")))
+    return report("sampling", **rates, seeded_ratio=rates["seeded"] / rates["unseeded"],
+                  no_logprobs_ratio=rates["no_logprobs"] / rates["unseeded"])
 
 
 def smollm2_argv(out_dir: str, steps: int, lr: str, k: int, eval_every: int) -> list[str]:
@@ -410,11 +444,12 @@ def bench_smollm2(steps: int = 20, lr: str = "2e-5", k: int = 0) -> dict:
     while the trainer steps (both on the one GPU), the loop as it is meant to run.
     H200, 2026-12-04, K=1 alone in a call (506 s with the install): loop 12,314 tokens/s, raw vLLM 14,144, train
     24,828, sync bound 9,011: 1.37x; step 4.6 s, refit 0.11 s, mismatch 0.038; held-out 0.48 -> 0.825 (step 10)
-    -> 0.96 (step 20)."""
+    -> 0.96 (step 20). (Its raw engine's requests were seeded then, ~8% slower than the loop's: see bench_sampling.)
+    K=0, the same day, another lease (494 s with the install): loop 8,971 tokens/s, raw vLLM 11,674 (unseeded, as
+    the loop), train 41,943, sync bound 9,132: 0.98x; step 6.8 s (rollout 5.2 s), refit 0.11 s, mismatch 0.037;
+    held-out 0.48 -> 0.94 (step 10) -> 0.99 (step 20)."""
     import launch
-    from recipes.compare_agent import rows
     from recipes.smollm2 import smollm2_dir
-    from transformers import AutoTokenizer
     model, out_dir = smollm2_dir(), os.path.join(ROOT, "runs", f"bench_smollm2_k{k}")
     cfg = launch.parse_args(smollm2_argv(out_dir, steps, lr, k, eval_every=10))
     asyncio.run(launch.run_rl(cfg))
@@ -428,10 +463,8 @@ def bench_smollm2(steps: int = 20, lr: str = "2e-5", k: int = 0) -> dict:
              if "eval/reward_mean" not in r and "eval/reward_mean" not in prev]
     total = lambda key: sum(r[key] for r in timed)
     tokens = total("rollout/action_tokens")
-    tok = AutoTokenizer.from_pretrained(model)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
-                                       return_dict=False) for r in rows("train")[:cfg["launch"].batch_prompts]]
-    gen = asyncio.run(raw_vllm_rate(model, prompts, 8, cfg["vllm"], cfg["rollout"]))
+    gen = asyncio.run(raw_vllm_rate(model, smollm2_prompts(model, cfg["launch"].batch_prompts), 8, cfg["vllm"],
+                                    cfg["rollout"]))["unseeded"]
     train, loop = tokens / total("launch/train_s"), tokens / total("launch/step_s")
     bound = 1 / (1 / gen + 1 / train)
     wall = sum(r["rollout/action_tokens"] for r in rows_[3:]) / (rows_[-1]["time"] - rows_[2]["time"])  # evals too
@@ -611,7 +644,11 @@ def bench_peer(steps: int = 20) -> dict:
     step: generate 3.88 s, sync_weights 0.052 s, the rest (rewards, its extra IS forward, 4 micro-batches) 1.23 s.
     Ours samples longer completions here (60.6 vs 52.5 tokens per sample), so its sampled tokens/s gain is mostly
     length: per step the two are even. Ours ran second (inductor's caches warm from TRL's engine) and still took
-    101 s longer to its first step (Ray, engine actor, NeMo trainer, eval before). 510 s of device time."""
+    101 s longer to its first step (Ray, engine actor, NeMo trainer, eval before). 510 s of device time.
+    Why the 1.5x (and K=1's 2x) cannot come from the loop on this job: both frameworks sample on the same vLLM, and
+    sampling is ~75% of a step at K=0 (ours: 5.2 of 6.8 s on 12-04; TRL: 3.9 of 5.2 s), host-bound at ~70 ms a decode
+    step (bench_sampling). Ours at K=0 is 0.98x of its own sync bound (bench_smollm2), so K=0 can at most match TRL;
+    K=1 hides the train phase under sampling, at most 1 / 0.75 = ~1.3x."""
     import subprocess
     runs = lambda: [json.loads(line) for line in open(OUT) if '"peer_trl"' in line] if os.path.exists(OUT) else []
     done = len(runs())
@@ -648,7 +685,7 @@ def peer_report(section: str, ours: dict, trl_: dict, target: float) -> dict:
 
 # --- partial rollouts vs draining, on a long tail of completion lengths
 
-def bench_longtail(model: str, steps: int = 8, modes: tuple[str, ...] = ("drain", "partial")) -> dict:
+def bench_longtail(model: str, steps: int = 8, modes: tuple[str, ...] = ("drain", "partial"), k: int = 1) -> dict:
     """The loop at K=1 on one H200 shared by engine and trainer, lengths from recipes/longtail_agent.py
     (lognormal, median 256, capped at 8,192), with and without --launch.partial_rollout. Draining waits at
     every refit for the longest request in flight; partial rollouts refit at once and keep it running.
@@ -661,17 +698,21 @@ def bench_longtail(model: str, steps: int = 8, modes: tuple[str, ...] = ("drain"
     re-sampled, 30 rows mixed versions: 1.05x the first lease's drain, 0.81x partial at 48. So the 1.3x needs more
     groups in flight than K + 1 batches, and some of them finish too early and wait past K. (The second lease's
     drain, 8 steps in 167 s with 12-20 s drains, ran with microbatches cut, not filled: see bench_plan.)
+    At K=2 (longtail_partial_k2, longtail_drain_k2: one call each, one lease, 2026-12-04), the default window is
+    three batches, 48 groups, and a finished group may wait two steps: partial 7,637 loop tokens/s (step 7.4 s,
+    train 5.2 s beside the sampling), drain 4,709 (step 11.8 s, train 3.6 s): **1.62x, none re-sampled** (177 rows
+    mixed versions, lag 0.10 of a version on average), mismatch 0.0057 both.
     train/pad_frac 0.26-0.28 in every run: see bench_plan for why microbatches stay filled."""
     import launch
     agent, res = os.path.join(ROOT, "recipes", "longtail_agent.py"), {}
     # both at the default window, K + 1 batches in flight: more would only lengthen each drain, and with partial
     # rollouts more than one batch could finish during a train step, the surplus older than K at the next
     for mode, extra in [m for m in (("drain", ()), ("partial", ("--launch.partial_rollout",))) if m[0] in modes]:
-        out_dir = os.path.join(ROOT, "runs", f"bench_longtail_{mode}")
+        out_dir = os.path.join(ROOT, "runs", f"bench_longtail_{mode}_k{k}")
         argv = ["--launch.model", model, "--launch.out_dir", out_dir, "--launch.steps", str(steps),
                 "--agent.path", agent, "--data.path", agent, "--launch.batch_prompts", "16",
                 "--launch.samples_per_prompt", "8", "--rollout.max_new_tokens", "8192", "--vllm.max_model_len", "8448",
-                "--launch.max_staleness", "1", "--loss.is_level", "token", "--launch.colocate", "--train.lr", "1e-6",
+                "--launch.max_staleness", str(k), "--loss.is_level", "token", "--launch.colocate", "--train.lr", "1e-6",
                 "--vllm.gpu_memory_utilization", "0.3", "--no-vllm.enforce_eager", "--fsdp.param_dtype", "bfloat16",
                 "--train.max_tokens_per_microbatch", "16384", "--no-fsdp.compile_logprobs", *extra]
         asyncio.run(launch.run_rl(launch.parse_args(argv)))
@@ -693,7 +734,7 @@ def bench_longtail(model: str, steps: int = 8, modes: tuple[str, ...] = ("drain"
                      "mismatch_abs": statistics.median(r["loss/mismatch_abs"] for r in timed),
                      "pad_frac": statistics.mean(r["train/pad_frac"] for r in timed)}
     ratio = res["partial"]["loop_tokens_per_s"] / res["drain"]["loop_tokens_per_s"] if len(res) == 2 else None
-    return report("longtail", **res, ratio=ratio, target=1.3, steps=steps,
+    return report("longtail", **res, ratio=ratio, target=1.3, steps=steps, max_staleness=k,
                   lengths="lognormal median 256 sigma 1.0 cap 8192 (mean ~422, p90 ~925, p99 ~2,611)")
 
 
@@ -708,7 +749,11 @@ def bench_plan(model: str, rows: int = 128, max_tokens: int = 16384, batches: in
     10 / 9 / 9, padding 0.09 / 0.12 / 0.13: filled 1.35x faster in all. The long-tail loop agreed (its train phase
     5.6 s median cut, 3.5 s filled). Fewer, fuller forwards beat less padding here, so plan_step fills; what
     would pay is packing (rows concatenated, attention kept within each): filled forwards with no padding, at most
-    that quarter of the positions. Not built."""
+    that quarter of the positions. `packed` measures it: first fit of the rows, longest first, into rows of
+    max_tokens (4 forwards where filled takes 5), position ids restarting at each row so that transformers masks
+    attention to within it, flex_attention (compiled for the one shape). Not yet run to completion: its first
+    lease (2026-12-04) stopped the section at 170 s, after a probe that left an engine starting; each batch now
+    prints its seconds."""
     from transformers import AutoModelForCausalLM
 
     from recipes.longtail_agent import draw_length
@@ -742,18 +787,57 @@ def bench_plan(model: str, rows: int = 128, max_tokens: int = 16384, batches: in
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    res = {"filled": {"s": [], "pad_frac": [], "forwards": []}, "cut": {"s": [], "pad_frac": [], "forwards": []}}
+    def pack(lengths: list[int]) -> list[list[int]]:  # first fit, longest first, up to max_tokens a row
+        rows_, room = [], []
+        for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+            j = next((j for j, r in enumerate(room) if r >= lengths[i]), len(rows_))
+            if j == len(rows_):
+                rows_.append([]), room.append(max_tokens)
+            rows_[j].append(i)
+            room[j] -= lengths[i]
+        return rows_
+
+    def run_packed(lengths: list[int], packed: list[list[int]]) -> float:
+        # one max_tokens row per forward (one shape: flex_attention compiles once), position ids restarting at each
+        # row so that transformers masks attention to within it; the rest of the row is one more (filler) row
+        start = time.perf_counter()
+        for row in packed:
+            used = sum(lengths[i] for i in row)
+            pos = torch.cat([torch.arange(lengths[i]) for i in row] + [torch.arange(max_tokens - used)]).cuda()[None]
+            x = torch.randint(0, 1000, (1, max_tokens), device="cuda")
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                net(input_ids=x, position_ids=pos, labels=x).loss.backward()
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    res = {k: {"s": [], "pad_frac": [], "forwards": []} for k in ("filled", "cut", "packed")}
     for b in range(batches + 1):  # batch 0 warms up
         rng = random.Random(b)
         lengths = [draw_length(rng) + 40 for _ in range(rows)]
         for name, plan in (("filled", plan_step(lengths, minibatches=1, dp_size=1, max_tokens=max_tokens)),
                            ("cut", cut(lengths))):
+            net.set_attn_implementation("sdpa")
             seconds = run(lengths, plan)
+            print(f"plan batch {b} {name}: {seconds:.2f} s", flush=True)
             if b:
                 res[name]["s"].append(seconds)
                 res[name]["pad_frac"].append(pad_frac(lengths, plan))
                 res[name]["forwards"].append(len(plan[0][0]))
-    return report("plan", **res, ratio=sum(res["cut"]["s"]) / sum(res["filled"]["s"]), target=1.0)
+        net.set_attn_implementation("flex_attention")
+        packed = pack(lengths)
+        try:
+            seconds = run_packed(lengths, packed)
+        except Exception as e:  # noqa: BLE001 (filled and cut are reported either way)
+            res["packed"]["error"] = repr(e)[:500]
+            continue
+        print(f"plan batch {b} packed: {seconds:.2f} s", flush=True)
+        if b:
+            res["packed"]["s"].append(seconds)
+            res["packed"]["pad_frac"].append(1 - sum(lengths) / (len(packed) * max_tokens))
+            res["packed"]["forwards"].append(len(packed))
+    return report("plan", **res, ratio=sum(res["cut"]["s"]) / sum(res["filled"]["s"]),
+                  packed_ratio=sum(res["filled"]["s"]) / sum(res["packed"]["s"]) if res["packed"]["s"] else None,
+                  target=1.0)
 
 
 # --- MoE: routing replay on vs off
@@ -1019,8 +1103,8 @@ def main() -> None:
     import ray
     sections = sys.argv[1:] or ["logprobs", "trainer", "generator", "refit", "loop1", "loop2", "smollm2", "smollm2_k1",
                                 "longtail", "plan", "moe", "vlm", "lora", "lora_smollm2", "precision"]
-    own_model = {"logprobs", "smollm2", "smollm2_k1", "moe", "vlm", "lora_smollm2", "precision", "precision_smollm2",
-                 "precision_qwen3_0_6b", "peer", "peer_k1"}  # the rest use the random 0.6B shape
+    own_model = {"logprobs", "smollm2", "smollm2_k1", "sampling", "moe", "vlm", "lora_smollm2", "precision",
+                 "precision_smollm2", "precision_qwen3_0_6b", "peer", "peer_k1"}  # the rest use the random 0.6B shape
     model = model_dir() if any(s not in own_model and not s.startswith("precision_runs") for s in sections) else None
     ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     for s in sections:
@@ -1057,10 +1141,13 @@ def main() -> None:
             bench_peer()
         elif s == "peer_k1":
             bench_peer_k1()
-        elif s in ("longtail", "longtail_drain", "longtail_partial"):  # both modes, or one
-            bench_longtail(model, modes=(s.removeprefix("longtail_"),) if "_" in s else ("drain", "partial"))
+        elif s.startswith("longtail"):  # both modes, or one; at K=1, or longtail_partial_k2: K=2
+            mode, _, k = s.removeprefix("longtail").strip("_").partition("_k")
+            bench_longtail(model, modes=(mode,) if mode else ("drain", "partial"), k=int(k or 1))
         elif s == "plan":
             bench_plan(model)
+        elif s == "sampling":
+            bench_sampling()
         elif s == "moe":
             bench_moe()
         elif s == "vlm":
