@@ -751,9 +751,12 @@ def bench_plan(model: str, rows: int = 128, max_tokens: int = 16384, batches: in
     would pay is packing (rows concatenated, attention kept within each): filled forwards with no padding, at most
     that quarter of the positions. `packed` measures it: first fit of the rows, longest first, into rows of
     max_tokens (4 forwards where filled takes 5), position ids restarting at each row so that transformers masks
-    attention to within it, flex_attention (compiled for the one shape). Not yet run to completion: its first
-    lease (2026-12-04) stopped the section at 170 s, after a probe that left an engine starting; each batch now
-    prints its seconds."""
+    attention to within it, flex_attention (compiled for the one shape). Not yet measured: on 2026-12-04 the
+    warm-up batch took filled 6.4 s, cut 4.1 s, then packed had not finished it ~150 s later (twice, the second
+    time alone on the GPU). transformers' flex path builds a new mask function each forward (its document ids
+    are closed over), so torch.compile may be recompiling, and past its limit running flex_attention unfused: the
+    next try calls torch's flex_attention directly, compiled once with the mask's tensors as inputs, or a varlen
+    flash kernel (not staged)."""
     from transformers import AutoModelForCausalLM
 
     from recipes.longtail_agent import draw_length
