@@ -389,7 +389,8 @@ async def raw_vllm_rate(model: str, prompts: list[list[int]], samples: int, vllm
     async def one(i, p, tag, variant):
         params = build_sampling_params(rollout, max_new_tokens=None, stop_token_ids=None,
                                        seed=i if variant == "seeded" else None, ignore_eos=False)
-        params.logprobs = None if variant == "no_logprobs" else params.logprobs
+        if variant == "no_logprobs":
+            params.logprobs = None
         async for out in raw.generate({"prompt_token_ids": p}, params, f"{tag}-{i}"):
             pass
         return len(out.outputs[0].token_ids)
@@ -405,6 +406,7 @@ async def raw_vllm_rate(model: str, prompts: list[list[int]], samples: int, vllm
 
 
 def smollm2_prompts(model: str, n: int) -> list[list[int]]:
+    """The first n training prompts of the comparison task, through the model's chat template."""
     from transformers import AutoTokenizer
 
     from recipes.compare_agent import rows
@@ -425,13 +427,14 @@ def bench_sampling() -> dict:
     import launch
     from recipes.smollm2 import smollm2_dir
     cfg = launch.parse_args(smollm2_argv(os.path.join(ROOT, "runs", "bench_sampling"), 1, "2e-5", 0, 1))
-    prompts = smollm2_prompts(smollm2_dir(), cfg["launch"].batch_prompts)
-    rates = asyncio.run(raw_vllm_rate(smollm2_dir(), prompts, 8, cfg["vllm"], cfg["rollout"],
+    model = smollm2_dir()
+    prompts = smollm2_prompts(model, cfg["launch"].batch_prompts)
+    rates = asyncio.run(raw_vllm_rate(model, prompts, 8, cfg["vllm"], cfg["rollout"],
                                       variants=("unseeded", "seeded", "no_logprobs")))
     report("sampling", **rates, seeded_ratio=rates["seeded"] / rates["unseeded"],
            no_logprobs_ratio=rates["no_logprobs"] / rates["unseeded"])
     # then an engine whose CUDA graphs cover all 1,024 sequences (vLLM's default stops at 512)
-    graphs = asyncio.run(raw_vllm_rate(smollm2_dir(), prompts, 8, cfg["vllm"], cfg["rollout"],
+    graphs = asyncio.run(raw_vllm_rate(model, prompts, 8, cfg["vllm"], cfg["rollout"],
                                        compilation_config={"max_cudagraph_capture_size": 1024}))["unseeded"]
     return report("sampling_graphs_1024", unseeded=graphs, ratio=graphs / rates["unseeded"])
 
@@ -695,8 +698,9 @@ def peer_report(section: str, ours: dict, trl_: dict, target: float) -> dict:
 # --- partial rollouts vs draining, on a long tail of completion lengths
 
 def bench_longtail(model: str, steps: int = 8, modes: tuple[str, ...] = ("drain", "partial"), k: int = 1) -> dict:
-    """The loop at K=1 on one H200 shared by engine and trainer, lengths from recipes/longtail_agent.py
-    (lognormal, median 256, capped at 8,192), with and without --launch.partial_rollout. Draining waits at
+    """The loop at K=k (1; a section ending _k2: 2) on one H200 shared by engine and trainer, lengths from
+    recipes/longtail_agent.py (lognormal, median 256, capped at 8,192), with and without --launch.partial_rollout.
+    Draining waits at
     every refit for the longest request in flight; partial rollouts refit at once and keep it running.
     H200, 2026-12-04, partial with --launch.in_flight 48 (3 batches): drain 4,788 loop tokens/s (step 10.7 s,
     train 3.5 s), partial 6,210 (9.1 s, train 5.9 s): 1.297x. Partial: 18 finished groups were older than K when
@@ -811,7 +815,7 @@ def bench_plan(model: str, rows: int = 128, max_tokens: int = 16384, batches: in
         return rows_
 
     def run_packed(lengths: list[int], packed: list[list[int]]) -> float:
-        # one max_tokens row per forward (one shape: flex_attention compiles once), position ids restarting at each
+        # one max_tokens row per forward (one shape, for flex_attention's compile), position ids restarting at each
         # row so that transformers masks attention to within it; the rest of the row is one more (filler) row
         start = time.perf_counter()
         for row in packed:
@@ -1157,8 +1161,9 @@ def main() -> None:
             bench_peer()
         elif s == "peer_k1":
             bench_peer_k1()
-        elif s.startswith("longtail"):  # both modes, or one; at K=1, or longtail_partial_k2: K=2
-            mode, _, k = s.removeprefix("longtail").strip("_").partition("_k")
+        elif s.startswith("longtail"):  # both modes, or one; at K=1, or with _k2: K=2
+            head, _, k = s.partition("_k")
+            mode = head.removeprefix("longtail").strip("_")
             bench_longtail(model, modes=(mode,) if mode else ("drain", "partial"), k=int(k or 1))
         elif s == "plan":
             bench_plan(model)
