@@ -153,8 +153,7 @@ class Segment:
 
 
 def sampled_record(turns: Iterable[tuple[list, list, list]]) -> tuple[tuple, tuple, tuple]:
-    """A row's action tokens as sampled, (ids, log-probs, versions) each concatenated over its engine calls and
-    frozen where the segment is built (the row's lists stay mutable): launch.py's audit compares the row with it."""
+    """A row's sampled (ids, log-probs, versions) over its engine calls, frozen: launch.py's audit checks the row."""
     turns = list(turns)
     return tuple(tuple(x for turn in turns for x in turn[column]) for column in range(3))
 
@@ -175,8 +174,7 @@ def pick_engine(affinity: str, num_engines: int) -> int:
 
 
 def segment_routing(routed, T: int) -> np.ndarray:
-    """A segment's (T, layers, top_k) int16 routing from the engine call that ran its prompt and every sampled token
-    but the last. Rows it never ran are -1: the trainer routes them live, and nothing trained depends on them."""
+    """(T, layers, top_k) int16 routing of the call that ran all but the last token; rows not run: -1 (routed live)."""
     r = np.asarray(routed)[:T]
     out = np.full((T, *r.shape[1:]), -1, dtype=np.int16)  # (T, layers, top_k)
     out[:len(r)] = r
@@ -184,8 +182,7 @@ def segment_routing(routed, T: int) -> np.ndarray:
 
 
 def token_versions(version: int, marks: list[tuple[int, int]], num_tokens: int) -> list[int]:
-    """Per-token policy versions of a request that started under `version`, from its refit marks [(k, v)]: from
-    output token k on, version v (k: Engine.sampled_counts at the pause; v: Engine.set_version)."""
+    """Per-token versions of a request started under `version`; refit mark (k, v): from output token k on, version v."""
     versions = [version] * num_tokens
     for k, v in marks:
         versions[k:] = [v] * (num_tokens - k)
@@ -200,8 +197,7 @@ class Generator:
         if not ray.is_initialized():
             raise RuntimeError("Generator needs a running Ray: call ray.init() first")
         self.vllm, self.rollout, self.version, self.id = vllm, rollout, 0, uuid.uuid4().hex
-        self._shapes = checkpoint_shapes(model_path)
-        self._bucket_bytes = vllm.refit_bucket_mb * 2**20
+        self._shapes, self._bucket_bytes = checkpoint_shapes(model_path), vllm.refit_bucket_mb * 2**20
         gpus = vllm.tensor_parallel_size if ray.cluster_resources().get("GPU", 0) > 0 else 0
         options = {"num_gpus": gpus, **(actor_options or {})}
         self._engines = [Engine.options(**options).remote(model_path, vllm) for _ in range(vllm.num_engines)]
@@ -258,9 +254,8 @@ class Generator:
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *,
                              colocated: bool = False, keep: Iterable[str] = ()) -> dict:
-        """Stream (checkpoint name, tensor) pairs into the paused engines: every checkpoint parameter once, in the
-        engine's dtype, but those in `keep` (frozen). Tokens sampled next carry `version`. Returns refit_report's dict
-        with "applied" (per bucket, engine 0's (name, dtype) list) and "transport" (refit_transport's choice)."""
+        """Stream (checkpoint name, tensor) into the paused engines: each parameter but `keep`'s once, engine dtype; new
+        tokens carry `version`. refit_report's dict, "applied" (engine 0's (name, dtype) per bucket), "transport"."""
         if not all(await self._all("is_paused")):
             raise ValueError("update_weights while the engines are running: call pause() first")
         start, seen, applied, transport, worker_s, nbytes = time.perf_counter(), set(), [], None, 0.0, 0
@@ -315,8 +310,7 @@ class Generator:
     async def metrics(self) -> dict:
         """Counters summed over engines (requests, tokens, seconds in requests), the last pause's seconds."""
         counts = await self._all("metrics")  # every engine reports the same keys
-        total = {k: sum(c[k] for c in counts) for k in counts[0]}
-        return {**total, **self._timings, "generator/version": self.version}
+        return {**{k: sum(c[k] for c in counts) for k in counts[0]}, **self._timings, "generator/version": self.version}
 
     async def shutdown(self) -> None:
         await self._all("shutdown")
@@ -373,8 +367,7 @@ async def drain_answers(gen: Generator, i: int) -> None:
 
 
 def answer_error(gen: Generator, i: int, name: str, text: str) -> Exception:
-    """One request's failure: it failed, or vLLM's engine died under it (kept in gen.dead: agent.py's run_group
-    reads it, as an episode's own handling may have hidden it)."""
+    """One request's failure, or its engine's death, kept in gen.dead (agent.py reads it: an episode may hide it)."""
     if name != "EngineDeadError":
         return RuntimeError(f"engine {i} failed: {text}")
     gen.dead = EngineDied(f"engine {i} died: {text}")
@@ -508,9 +501,8 @@ class Engine:
         self.paused = True
 
     async def sampled_counts(self) -> dict[str, int]:
-        """Output tokens of each request in flight, all sampled before the pause that just completed. Exact by vLLM's
-        ordering (0.26, 0.32): in keep mode the core answers the pause only when idle, behind every step's outputs,
-        which the output handler takes in order; once it has taken an empty item put in behind them, none is left."""
+        """Output tokens per request in flight, all sampled before the pause: in keep mode (vLLM 0.26, 0.32) the core
+        answers when idle, behind every step's outputs, taken in order: an empty item put behind them is taken last."""
         if not self.refits:
             return {}
         from vllm.v1.engine import EngineCoreOutputs
@@ -532,9 +524,8 @@ class Engine:
         self.adapter_dir = self.adapter_dir or tempfile.mkdtemp(prefix="verbatim-lora-")
         path = os.path.join(self.adapter_dir, str(self.adapter_ids))
         os.makedirs(path)
-        flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        tensors = {name: t.clone() for name, t in unpack(layout, flat)}  # safetensors refuses views of one buffer
-        save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+        tensors = {name: t.clone() for name, t in unpack(layout, torch.frombuffer(bytearray(data), dtype=torch.uint8))}
+        save_file(tensors, os.path.join(path, "adapter_model.safetensors"))  # clones: safetensors refuses shared views
         with open(os.path.join(path, "adapter_config.json"), "w") as f:
             json.dump(config, f)
         adapter = LoRARequest(str(self.adapter_ids), self.adapter_ids, path)
@@ -577,10 +568,9 @@ class Engine:
             await self.llm.reset_prefix_cache()
 
     async def metrics(self) -> dict:
-        return {"generator/requests": self.requests, "generator/tokens": self.tokens,
-                "generator/prompt_tokens": self.prompt_tokens, "generator/request_s": self.request_s,
-                "generator/boundaries_checked": self.checked, "generator/adapters_loaded": len(self.users),
-                "generator/ray_calls": self.calls}
+        return {"generator/prompt_tokens": self.prompt_tokens, "generator/boundaries_checked": self.checked,
+                "generator/request_s": self.request_s, "generator/adapters_loaded": len(self.users),
+                "generator/requests": self.requests, "generator/tokens": self.tokens, "generator/ray_calls": self.calls}
 
     async def shutdown(self) -> None:
         self.llm.shutdown()
@@ -679,8 +669,7 @@ def unpack(layout: list, flat: torch.Tensor) -> Iterator[tuple[str, torch.Tensor
     """Inverse of pack: views of flat with each tensor's dtype and shape (no copy)."""
     for name, dtype, shape, offset in layout:
         dtype = getattr(torch, dtype)
-        size = dtype.itemsize * (torch.Size(shape).numel())
-        yield name, flat[offset:offset + size].view(dtype).reshape(shape)
+        yield name, flat[offset:offset + dtype.itemsize * torch.Size(shape).numel()].view(dtype).reshape(shape)
 
 
 def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
@@ -801,17 +790,15 @@ def build_engine_args(model_path: str, vllm: VllmArgs, *, cuda: bool):
         speculative_config=spec if vllm.num_speculative_tokens > 0 else None,
         enable_return_routed_experts=vllm.return_routed_experts, dtype=engine_dtype(model_path, vllm.dtype),
         logprobs_mode="processed_logprobs",   # the sampled token's log-prob after temperature
-        # compact JSON: an unbounded run of whitespace is legal JSON, and a weak policy samples one
+        # grammars compile over the vocabulary (the tokenizer loads); compact JSON: a weak policy samples endless spaces
         structured_outputs_config=StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True),
-        # ids in, ids out, but the tokenizer loads: constrained decoding compiles its grammar over the vocabulary
         worker_extension_cls="generator.WeightLoader", disable_log_stats=True, **(lora if vllm.max_lora_rank else {}))
 
 
 def build_sampling_params(rollout: RolloutArgs, *, max_new_tokens: int | None, stop_token_ids: list[int] | None,
                           seed: int | None, ignore_eos: bool, constraint: dict | None = None, banned: tuple = ()):
-    """The one place where --rollout.* flags reach vLLM. `constraint`: vLLM StructuredOutputsParams fields (json,
-    regex, structural_tag...); the processed log-probs are then those of the masked distribution sampled from.
-    `banned`: tokens never sampled (a VLM's image token), masked before the processed log-probs too."""
+    """The one place where --rollout.* flags reach vLLM. `constraint`: StructuredOutputsParams fields (json, regex...);
+    `banned`: tokens never sampled (a VLM's image token). The processed log-probs are of the masked distribution."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
     return SamplingParams(
@@ -819,8 +806,7 @@ def build_sampling_params(rollout: RolloutArgs, *, max_new_tokens: int | None, s
         temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k or 0,  # vLLM: 0 = off
         max_tokens=rollout.max_new_tokens if max_new_tokens is None else max_new_tokens,
         stop_token_ids=stop_token_ids, seed=seed, ignore_eos=ignore_eos, bad_words=list(banned) or None,
-        logprobs=0,                      # no alternatives: just the sampled token's own log-prob
-        detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+        detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY, logprobs=0)  # 0: just the sampled token's own
 
 
 class WeightLoader:

@@ -287,22 +287,17 @@ def build_parser() -> argparse.ArgumentParser:
     for prefix, cls in SECTIONS.items():
         group = parser.add_argument_group(f"--{prefix}.*  ({cls.__name__})")
         for f in dataclasses.fields(cls):
-            kind, meta, extra = f.type, f.metadata, {}
-            args = typing.get_args(kind)
-            optional = isinstance(kind, types.UnionType) and type(None) in args
-            if optional:
-                kind = next(a for a in args if a is not type(None))
+            meta, extra, args = f.metadata, {}, typing.get_args(f.type)
+            optional = isinstance(f.type, types.UnionType) and type(None) in args
+            kind = next(a for a in args if a is not type(None)) if optional else f.type
             if kind is bool:  # --x / --no-x
                 extra["action"] = argparse.BooleanOptionalAction
             elif typing.get_origin(kind) is tuple:  # tuple[float, float]: exactly 2 values; tuple[str, ...]: 1 or more
                 inner = typing.get_args(kind)
                 kind, extra["nargs"] = inner[0], "+" if inner[-1] is ... else len(inner)
-            if kind is not bool:
+            if kind is not bool:   # a choice flag's --help lists its choices, any other names its value
                 extra["type"] = none_or(kind) if optional else kind
-            if "choices" in meta:
-                extra["choices"] = meta["choices"]
-            elif kind is not bool:
-                extra["metavar"] = f.name.upper()
+                extra.update({"choices": meta["choices"]} if "choices" in meta else {"metavar": f.name.upper()})
             group.add_argument(f"--{prefix}.{f.name}", dest=f"{prefix}.{f.name}", default=f.default,
                                help=f"{meta['help']} (default: {f.default})", **extra)
     return parser

@@ -766,11 +766,11 @@ def bench_plan(model: str, rows: int = 128, max_tokens: int = 16384, batches: in
     max_tokens (4 forwards where filled takes 5), position ids restarting at each row so that transformers masks
     attention to within it, flex_attention (compiled for the one shape). Not yet measured: on 2026-12-04 the
     warm-up batch took filled 6.4 s, cut 4.1 s, then packed had not finished it ~150 s later (twice, the second
-    time alone on the GPU). transformers' flex path builds a new mask function each forward (its document ids
-    are closed over), so torch.compile may be recompiling, and past its limit running flex_attention unfused: the
-    next try calls torch's flex_attention directly, compiled once with the mask's tensors as inputs, or a varlen
-    flash kernel (not staged). Hence filled and cut are reported first (`plan`), then packed (`plan_packed`), each
-    packed forward timed and dynamo's recompilations logged."""
+    time alone on the GPU). Not recompilation: on CPU (transformers 5.18, torch 2.13, forward only: flex has no
+    CPU backward) six forwards of differently packed rows compiled once (3 s), then ran in 0.01 s each, no
+    recompile logged. So the likely cost is inductor compiling flex's forward and backward kernels for a
+    16,384-token row on first use, which the warm-up batch pays: give `plan_packed` its own call. Hence filled and
+    cut are reported first (`plan`), then packed (`plan_packed`), each forward timed, recompilations logged."""
     from transformers import AutoModelForCausalLM
 
     from recipes.longtail_agent import draw_length
