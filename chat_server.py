@@ -1,8 +1,7 @@
 """Loopback OpenAI / Anthropic / Responses server that records every request as token-exact segments.
 
     server = ChatServer(generator, tokenizer_path, ChatArgs()); base_url = await server.start()
-    ep = server.open_episode()      # Episode(id, api_key, openai_base_url, anthropic_base_url)
-    ...an unmodified harness calls a stock SDK with ep.api_key, or with the episode's base URLs...
+    ep = server.open_episode()      # Episode: .api_key, .openai_base_url, .anthropic_base_url for a stock SDK
     segments = server.close_episode(ep.id)   # list[Segment]: token_ids, action_mask, logprobs, versions (T,)
 Reading order: the chat template as token ids (ChatTemplate, shared with agent.py) -> the canonical request -> the
 matcher, this file's one idea: a request is EXTEND / CONTINUE (a prefill) / RETRY / REWRITE / UNRELATED against the
@@ -79,15 +78,13 @@ class ChatArgs:
 
 
 # --- template: full render, delta render, bridge, and the start-up check that makes deltas safe
-
 MARK = "ASSISTANT-TURN-" + secrets.token_hex(8)   # unguessable: text in a request cannot move the delta's cut
 CALL = {"id": "call_0", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}
 RECENT = 256  # full renders ChatTemplate keeps
 
 
 class ChatTemplate:
-    """The chat template as token ids (shared with agent.py): a sampled turn's ids + bridge(ids) + render_delta(new
-    messages) continue a segment; a role failing the start-up check (append_refusal) lands in `refused`."""
+    """Chat template as token ids (agent.py's too): turn ids + bridge(ids) + render_delta(new msgs) extend a segment."""
 
     def __init__(self, tokenizer_path: str, append_roles: tuple = ("tool", "user")):
         from transformers import AutoConfig, AutoProcessor, AutoTokenizer
@@ -139,9 +136,8 @@ class ChatTemplate:
         return list(ids)
 
     def render_delta(self, messages: list[dict], last_assistant_had_tool_calls: bool = False) -> list[int]:
-        """Tokens of messages appended after a turn and its bridge: what follows a dummy [user, assistant MARK], never
-        a re-render (stock Qwen3 drops earlier reasoning). The dummy calls a tool, MARK in its arguments, when the real
-        turn did (Llama 3.1 drops content next to calls). ValueError when no such delta exists."""
+        """Tokens of messages after a turn and its bridge (else ValueError): what follows a dummy [user, assistant MARK]
+        (calling a tool if the turn did: Llama 3.1 drops content by calls), never a re-render (Qwen3 drops thinking)."""
         def refuse(why: str) -> ValueError:
             return ValueError(f"chat template of {self.tokenizer.name_or_path}: cannot append "
                               f"{[m['role'] for m in messages]} as delta tokens: {why}")
@@ -200,7 +196,6 @@ class ChatTemplate:
 
 
 # --- canonical form: every protocol parses into (system, tools, [Msg]), hashed as a prefix chain
-
 class ApiError(Exception):
     """A request answered with an error status; 503 (engine down) is the only retryable one."""
 
@@ -299,7 +294,6 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 # --- matcher: classify a request against the episode's segments, generate, commit
-
 @dataclass
 class Turn:
     start: int           # first sampled token
@@ -397,8 +391,7 @@ class SegmentStore:
         self.counts = Counter()
 
     def plan_turn(self, ep: EpisodeState, req: ChatRequest, retries: int) -> Plan:
-        """Classify a request against the episode's segments (call under ep.lock). None is ever sealed: a request
-        that rewrites a conversation may be a sub-agent sharing its opening, and the parent goes on extending."""
+        """Classify a request on the episode's segments (hold ep.lock); none is sealed: a rewrite may be a sub-agent."""
         key, reply_id = req.hashes[-1], secrets.token_hex(12)
         if key in ep.pending and (retries > 0 or ep.pending[key].gone):   # an SDK's retry, or a runner's resend
             pending, ep.pending[key].gone = ep.pending[key], False   # (best-of-n requests are all still connected)
@@ -528,10 +521,9 @@ class SegmentStore:
         head = req.msgs[-1].content if req.prefill else ""   # a continued turn is one message: prefill + continuation
         assistant = Msg("assistant", head + content, reasoning, calls)
         t.msgs, t.hashes = req.msgs[:n] + [assistant], req.hashes[:n + 1] + [hash((req.hashes[n], assistant.key()))]
-        resume = None if cut else len(t.tokens) - shut
         t.turns.append(Turn(len(t.tokens) - len(ids), len(t.tokens), self.template.bridge(ids), finish,
-                            (tuple(ids), tuple(logprobs), tuple(versions)), len(t.msgs), resume,
-                            req.constraint[0] is not None, not req.prefill))
+                            (tuple(ids), tuple(logprobs), tuple(versions)), len(t.msgs),
+                            None if cut else len(t.tokens) - shut, req.constraint[0] is not None, not req.prefill))
         t.images = plan.images
         if c.routed_experts is not None:   # this call saw the whole segment
             t.experts = segment_routing(c.routed_experts, len(t.tokens))
@@ -562,49 +554,37 @@ class SegmentStore:
 
 
 # === machinery: reply parsing, wire formats, HTTP, template check; read it when you change a protocol or a route
-
-
 # --- the sampled turn: Hermes tool calls, <think> reasoning, stop strings
-
-TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.S)
+TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.S)   # an unclosed last call runs to the end
 
 
 def parse_reply(text: str) -> tuple[str, str, list[tuple[str, dict]]]:
     """(reasoning, content, [(name, arguments)]) of a sampled turn's text, as vLLM's hermes parser reads it: content
     is the text before the first <tool_call>; a call that is not {"name": str, "arguments": {}} makes it all content."""
-    reasoning = ""
-    if "</think>" in text:
-        head, _, text = text.partition("</think>")
-        reasoning, text = head.removeprefix("<think>").strip("\n"), text.lstrip("\n")
+    head, think, rest = text.partition("</think>")
+    reasoning, text = (head.removeprefix("<think>").strip("\n"), rest.lstrip("\n")) if think else ("", text)
     start = text.find("<tool_call>")
-    if start < 0:
+    try:
+        calls = [json.loads(match.group(1)) for match in TOOL_CALL.finditer(text, start)] if start >= 0 else []
+    except ValueError:
         return reasoning, text, []
-    calls = []
-    for match in TOOL_CALL.finditer(text, start):
-        try:
-            obj = json.loads(match.group(1) if match.group(1) is not None else match.group(2))
-        except ValueError:
-            return reasoning, text, []
-        args = obj.get("arguments", {}) if isinstance(obj, dict) else None
-        if not isinstance(args, dict) or not isinstance(obj.get("name"), str):
-            return reasoning, text, []
-        calls.append((obj["name"], args))
-    return reasoning, text[:start], calls
+    if not calls or not all(isinstance(c, dict) and isinstance(c.get("name"), str)
+                            and isinstance(c.get("arguments", {}), dict) for c in calls):
+        return reasoning, text, []
+    return reasoning, text[:start], [(c["name"], c.get("arguments", {})) for c in calls]
 
 
 def cut_at_stop(template: ChatTemplate, ids: list[int], stops: tuple) -> tuple[int, str, str] | None:
     """(ids kept, stop string, text before it) at the first stop string: the fewest whole ids covering it; or None."""
     text = template.decode(ids)
-    hits = sorted((text.find(s), s) for s in stops if s and s in text)
-    if not hits:
+    pos, stop = min(((text.find(s), s) for s in stops if s and s in text), default=(-1, ""))
+    if pos < 0:
         return None
-    pos, stop = hits[0]
     kept = 1 + bisect.bisect_left(range(1, len(ids)), pos + len(stop), key=lambda k: len(template.decode(ids[:k])))
     return kept, stop, text[:pos]
 
 
 # --- the start-up template check behind ChatTemplate.append_roles
-
 CHECK_TOOLS = [{"type": "function", "function": {"name": "calc", "description": "adds",
                                                  "parameters": {"type": "object"}}}]
 CHECK_CONVERSATIONS = [   # each ends in an assistant turn: plain, reasoning, calls, unicode, blank content
@@ -644,16 +624,14 @@ def append_refusal(t: ChatTemplate, role: str) -> str | None:
                 after = t.render_text(conv + appended, tools)
                 if not after.startswith(before):
                     return "not prefix-preserving: appending it changes the rendered history"
-                delta = t.render_delta(appended, bool(conv[-1].get("tool_calls")))
+                if ids + t.render_delta(appended, bool(conv[-1].get("tool_calls"))) != t.encode(after):
+                    return "delta tokens differ from the full render's tokens"
             except (TemplateError, ValueError) as e:
                 return str(e)
-            if ids + delta != t.encode(after):
-                return "delta tokens differ from the full render's tokens"
     return None
 
 
 # --- wire formats: typed field reads and SSE frames, shared by the three protocols
-
 TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "an array",
               dict: "an object"}
 
@@ -661,12 +639,10 @@ TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a bo
 def get(obj: dict, key: str, types, path: str = "", required: bool = False):
     """obj[key] checked against types; None when absent and optional; else a 400 naming the field."""
     value = obj.get(key)
-    if value is None:
-        if required:
-            raise bad(path + key, "Field required")
-        return None
+    if value is None and required:
+        raise bad(path + key, "Field required")
     types = types if isinstance(types, tuple) else (types,)
-    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+    if value is not None and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
         raise bad(path + key, "expected " + " or ".join(TYPE_NAMES[t] for t in types))
     return value
 
@@ -802,7 +778,6 @@ def event(kind: str, **data) -> str:
 
 
 # --- OpenAI Chat Completions: POST /v1/chat/completions (and /chat/completions)
-
 OPENAI_TOO_LONG = ("This model's maximum context length is {window} tokens. However, your messages resulted in {n} "
                    "tokens. Please reduce the length of the messages.")
 OPENAI_TYPES = {401: "invalid_request_error", 404: "not_found_error", 500: "server_error", 503: "server_error"}
@@ -896,8 +871,7 @@ class OpenAIWriter:
 
     def tail(self, r: Reply) -> list[str]:
         body = openai_body(self.req, r)
-        [choice] = body["choices"]
-        msg = choice["message"]
+        choice, msg = body["choices"][0], body["choices"][0]["message"]
         deltas = [{k: msg[k]} for k in ("reasoning_content", "content") if msg.get(k)]
         if r.calls:
             deltas.append({"tool_calls": [{"index": k, **c} for k, c in enumerate(msg["tool_calls"])]})
@@ -920,7 +894,6 @@ class OpenAIWriter:
 
 
 # --- OpenAI Responses (stateless): POST /v1/responses (and /responses)
-
 def parse_responses(body: dict, handles: dict = {}) -> ChatRequest:
     """A reasoning item whose encrypted_content is one of our `handles` restores its turn's exact reasoning."""
     if body.get("previous_response_id") is not None:
@@ -1026,7 +999,6 @@ class ResponsesWriter(OpenAIWriter):
 
 
 # --- Anthropic Messages: POST /v1/messages, /v1/messages/count_tokens
-
 ANTHROPIC_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large", 500: "api_error",
                    503: "overloaded_error"}   # any other status: invalid_request_error
 
@@ -1085,12 +1057,9 @@ def parse_anthropic(body: dict, counting: bool = False, prior: tuple = (0, None,
 
 
 def anthropic_body(req: ChatRequest, r: Reply) -> dict:
-    if r.calls:
-        stop = "tool_use"
-    elif r.finish == "length":
+    stop = "tool_use" if r.calls else "stop_sequence" if r.stop_sequence else "end_turn"
+    if r.finish == "length" and not r.calls:
         stop = "model_context_window_exceeded" if r.clamped else "max_tokens"
-    else:
-        stop = "stop_sequence" if r.stop_sequence else "end_turn"
     blocks = [{"type": "thinking", "thinking": r.reasoning, "signature": r.handle}] if r.reasoning else []
     if r.content or not r.calls:
         blocks.append({"type": "text", "text": r.content})
@@ -1142,9 +1111,7 @@ class AnthropicWriter:
 
 
 # --- HTTP: the two protocol dispatch points (ChatServer.parse, WRITERS), attribution, routes, streaming
-
-# the one dispatch for everything written back: reply bodies, streams, errors and the model list
-WRITERS = {"openai": OpenAIWriter, "anthropic": AnthropicWriter, "responses": ResponsesWriter}
+WRITERS = {"openai": OpenAIWriter, "anthropic": AnthropicWriter, "responses": ResponsesWriter}   # all written back
 
 
 @dataclass
@@ -1220,19 +1187,16 @@ class ChatServer(SegmentStore):
             if kind == protocol and len(seen) <= len(raw) and raw[:len(seen)] == seen:
                 prior, hashes = (len(seen), old.system, old.msgs), old.hashes
                 break
-        unknown = "The model '{}' does not exist"
         handles = ep.handles if ep is not None else {}
         if protocol == "openai":
             req = parse_openai(body, prior)
         elif protocol == "anthropic":
-            req, unknown = parse_anthropic(body, counting, prior, handles), "model: {}"
-        elif protocol == "responses":   # items merge into turns across items: always parsed whole, never remembered
+            req = parse_anthropic(body, counting, prior, handles)
+        else:   # responses: items merge into turns across items, so always parsed whole, never remembered
             req, raw = parse_responses(body, handles), None
-        else:
-            raise ValueError(f"unknown protocol {protocol!r}")
         if self.args.strict_model and req.model != self.model_name:
-            raise ApiError(404, unknown.format(req.model), param="model", code="model_not_found",
-                           kind="invalid_request_error")
+            unknown = f"model: {req.model}" if protocol == "anthropic" else f"The model '{req.model}' does not exist"
+            raise ApiError(404, unknown, param="model", code="model_not_found", kind="invalid_request_error")
         ignored = sum(body.get(k) is not None for k in ("temperature", "top_p", "top_k"))
         self.counts["chat/ignored_sampling_params"] += ignored   # the generator's --rollout.* settings rule
         if req.changes and self.args.reject_sampling_changes:
