@@ -72,7 +72,6 @@ class EstimatorArgs:
 
 
 # --- helpers: rows <-> episodes, group means, whitening
-
 def to_episodes(rewards: Tensor, group_ids: Tensor, episode_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Collapse rows to unique episodes: rewards (E,), group ids (E,), and each row's episode (B,)."""
     episodes, row_episode = torch.unique(episode_ids, return_inverse=True)  # (E,), (B,)
@@ -109,7 +108,6 @@ def whiten_tokens(x: Tensor, mask: Tensor, eps: float) -> Tensor:
 
 
 # --- estimators, in the order of ESTIMATORS
-
 def reinforce(rewards: Tensor, mask: Tensor, *, kl: Tensor | None = None, kl_coef: float = 0.0, gamma: float = 1.0,
               whiten: bool = True, std_eps: float = 1e-6) -> Tensor:
     """REINFORCE++, https://arxiv.org/abs/2501.03262: A_t = whiten(G_t), G_t = r_t + gamma * G_next,
@@ -182,7 +180,6 @@ def batch_baseline(rewards: Tensor, episode_ids: Tensor, mask: Tensor) -> Tensor
 
 
 # --- reward shaping from rollout facts, then the dispatch: the one place that reads EstimatorArgs
-
 def shape_rewards(args: EstimatorArgs, rewards: Tensor, episode_ids: Tensor, mask: Tensor,
                   truncated: Tensor | None) -> Tensor:
     """Reward shaping from rollout facts, before any estimator reads rewards (B,): mask's row sums are the action
@@ -232,7 +229,6 @@ def compute_advantages(args: EstimatorArgs, rewards: Tensor, group_ids: Tensor, 
 
 
 # === machinery: input checks, packed token scans; read it when you change an input or a token-level sum
-
 def check_inputs(rewards: Tensor, mask: Tensor, *, group_ids: Tensor | None = None, episode_ids: Tensor | None = None,
                  values: Tensor | None = None, kl: Tensor | None = None) -> None:
     """Raise ValueError naming the first input that breaks the contract; None means not given."""

@@ -106,7 +106,6 @@ SECTIONS = {"launch": LaunchArgs, "data": DataArgs, "eval": EvalArgs, "agent": A
 
 
 # --- the loop: audit, metrics, refit, probe, eval; run_rl's stages
-
 def audit(segments: list) -> None:
     """Raise unless every row holds, at each action token, exactly the id, log-prob and version recorded where
     its segment was built (info["sampled"], generator.sampled_record), naming the row and the first difference."""
@@ -274,9 +273,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 # === machinery: the parser, the queue, set-up and teardown, placement, sinks; read it when you change one of them
-
 # --- flags: one parser composed from the dataclasses
-
 def none_or(kind):
     """argparse type for `X | None` flags: the word none gives None."""
     return lambda text: None if text.lower() == "none" else kind(text)
@@ -352,7 +349,6 @@ def check_cross_flags(cfg: dict) -> None:
 
 
 # --- the queue: prompt groups in flight on the agent workers, admitted into batches, and the data position
-
 class GroupQueue:
     """Prompt groups in flight on the agent workers, and the finished ones waiting to be trained."""
 
@@ -477,7 +473,6 @@ class GroupQueue:
 
 
 # --- run_rl's set-up, teardown and clock; Ray placement
-
 async def start_rl(cfg: dict) -> types.SimpleNamespace:
     """run_rl's set-up: engines, trainer ranks (a resume refits the engines), workers, queue, log, baseline eval."""
     launch, data, train, rollout = cfg["launch"], cfg["data"], cfg["train"], cfg["rollout"]
@@ -608,7 +603,6 @@ def probe_segments(prompts: list[list[int]], outs: list, images: list[list]) -> 
 
 
 # --- data and metrics: rows from files; metrics.jsonl always, TensorBoard and W&B when asked, a progress line, a plot
-
 def load_rows(path: str, split: str) -> list[dict]:
     """Rows of a split: a .py file's rows(split), or a JSONL / parquet file (the same rows for every split)."""
     if path.endswith(".py"):

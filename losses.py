@@ -128,7 +128,6 @@ def step_denoms(mask: Tensor, group_ids: Tensor) -> tuple[Denoms, Tensor]:
 
 
 # --- policy surrogates: (logp, old_logp, adv, mask) -> per-token loss (B, T), clipped (B, T) bool
-
 def clipped_surrogate(log_ratio: Tensor, adv: Tensor, mask: Tensor, *, clip_low: float, clip_high: float,
                       dual_clip: float | None) -> tuple[Tensor, Tensor]:
     """PPO's pessimistic clipped loss per token; `clipped` marks tokens whose gradient a clip zeroed."""
@@ -175,7 +174,6 @@ def cispo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_hig
 
 
 # --- importance correction: the trainer's proximal policy (old_logp) over the rollout's behaviour policy
-
 def importance_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, *, level: str, mode: str,
                        band: tuple[float, float]) -> tuple[Tensor, Tensor]:
     """Detached weight (B, T) that multiplies the per-token loss, and the bool (B, T) of tokens the band changed.
@@ -206,7 +204,6 @@ def importance_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, *, 
 
 
 # --- policy versions: exact staleness masking and the on-policy guard
-
 def stale_mask(versions: Tensor, mask: Tensor, *, current_version: int, max_lag: int | None) -> Tensor:
     """mask without the action tokens whose version lags the trainer's by more than max_lag; None keeps all."""
     if max_lag is None:
@@ -231,7 +228,6 @@ def check_versions(versions: Tensor, mask: Tensor, *, current_version: int, is_l
 
 
 # --- KL to a reference, aggregation over the step
-
 def kl_penalty(logp: Tensor, ref_logp: Tensor, mask: Tensor, *, estimator: str) -> Tensor:
     """Per-token KL(policy || ref) estimate (B, T), 0 off mask; http://joschu.net/blog/kl-approx.html with
     d = ref - logp: k1 = -d, k2 = d^2 / 2, k3 = min(exp(d) - d - 1, K3_CAP) on d clamped to +-20. As in verl only
@@ -270,7 +266,6 @@ def aggregate(per_token: Tensor, mask: Tensor, *, agg: str, denoms: Denoms,
 
 
 # --- value, SFT and mismatch: the other losses and the forward-consistency measure
-
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *, clip: float | None,
                denoms: Denoms) -> tuple[Tensor, dict[str, float]]:
     """PPO value loss 1/2 max((v - R)^2, (old + clip(v - old, -c, c) - R)^2), a step-wide token mean, any --loss.agg."""
@@ -308,7 +303,6 @@ def mismatch_metrics(rollout_logp: Tensor, trainer_logp: Tensor, mask: Tensor) -
 
 
 # --- the two entry points: read the flags, dispatch, pass values down
-
 def compute_policy_loss(args: LossArgs, logp: Tensor, old_logp: Tensor, rollout_logp: Tensor, adv: Tensor, mask: Tensor,
                         *, versions: Tensor, current_version: int, denoms: Denoms, group_tokens: Tensor | None = None,
                         ref_logp: Tensor | None = None,
@@ -385,7 +379,6 @@ def compute_value_loss(args: LossArgs, values: Tensor, old_values: Tensor, retur
 
 
 # === machinery: shape checks and masked means; read it when you change an input's shape or a metric
-
 def check_shapes(mask: Tensor, **tensors: Tensor | None) -> None:
     """Raise ValueError naming the first tensor whose shape is not mask's (B, T); None means not given."""
     if mask.dtype != torch.bool or mask.ndim != 2:

@@ -3,17 +3,14 @@
 Shapes: B rows (segments), T tokens (the longest row of the batch or microbatch), V vocabulary.
 Contract: TrainerGroup(model_path, train, fsdp, ckpt, loss, estimator, temperature=...) starts --train.world_size Ray
 actors, one rank each, in one process group (gloo on CPU, NCCL on GPU). train_step(segments) -> metrics: one RL step;
-sft_step(segments): token NLL on the action tokens; logprobs(segments) -> [(T,)] under logits / temperature;
-refit(generator) loads the current weights into a paused Generator from rank 0 (on GPU they never leave it);
-save/load/--ckpt.resume use torch.distributed.checkpoint. Every rank derives the same plan, advantages and loss
-denominators from the whole batch; besides the model's own collectives, ranks only all-reduce the no-grad pass's rows
-(a gather) and each step's loss (a metric). Qwen3-MoE trains as NeMo's MoE class (--fsdp.ep_size shards its experts,
---train.routing_replay replays recorded routed_experts), every other model as its HF class; --train.lora_rank trains
-NeMo AutoModel's LoRA, the rest frozen. Not here: sampling and the refit transport (generator.py), advantage and loss
-math (estimators.py, losses.py), the loop (launch.py), context parallelism. Refused: TP on Qwen3-MoE, EP or routing
-replay off it. Reading order: the flags, the pure functions, TrainerRank and its train_step; below the banner:
-TrainerGroup (the driver), input checks, loading (NeMo AutoModel, a VLM, LoRA), refit and HF export, checkpoints.
-"""
+sft_step: token NLL on the action tokens; logprobs -> [(T,)] under logits / temperature; refit(generator): the weights
+into a paused Generator from rank 0 (on GPU they never leave it); save/load/--ckpt.resume: torch.distributed.checkpoint.
+Ranks derive the same plan, advantages and loss denominators from the whole batch; besides the model's collectives
+they only all-reduce the no-grad pass's rows (a gather) and each step's loss. Qwen3-MoE trains as NeMo's MoE class
+(only it: --fsdp.ep_size, --train.routing_replay; no TP), others as their HF class; --train.lora_rank: NeMo's LoRA,
+the rest frozen. Not here: sampling, the refit transport (generator.py), advantage and loss math (estimators.py,
+losses.py), the loop (launch.py), context parallelism. Reading order: flags, pure functions, TrainerRank.train_step;
+below the banner: the driver (TrainerGroup), input checks, loading (a VLM, LoRA), refit, HF export, checkpoints."""
 import asyncio
 import functools
 import glob
@@ -74,8 +71,7 @@ class TrainArgs:
         "help": "AdamW lr of the critic (a value head on a model copy); set iff --estimator.name gae"})
     routing_replay: bool = field(default=False, metadata={"help": "Qwen3-MoE: forwards replay Segment.routed_experts"})
     freeze_vision: bool = field(default=False, metadata={
-        "help": "VLM: the vision tower keeps its loaded weights (no gradient, no AdamW state, left out of refits); "
-                "the connector and the language model train"})
+        "help": "VLM: the vision tower keeps its loaded weights (no grad, no AdamW state, no refit); the rest trains"})
     lora_rank: int = field(default=0, metadata={
         "help": "LoRA rank r: train only low-rank adapters on --train.lora_targets, the base frozen; 0 = every weight"})
     lora_alpha: float = field(default=32.0, metadata={"help": "LoRA: an adapter adds (alpha / rank) B A x"})
@@ -106,8 +102,7 @@ class TrainArgs:
                 self.warmup_steps < 0:
             raise ValueError("--train.epochs, --train.minibatches, --train.max_tokens_per_microbatch, "
                              "--train.world_size must be >= 1; --train.warmup_steps >= 0")
-        if self.lora_rank < 0 or not self.lora_alpha > 0.0 or not 0.0 <= self.lora_dropout < 1.0 or \
-                not self.lora_targets:
+        if self.lora_rank < 0 or not self.lora_alpha > 0 or not 0 <= self.lora_dropout < 1 or not self.lora_targets:
             raise ValueError(f"--train.lora_rank {self.lora_rank} / --train.lora_alpha {self.lora_alpha} / "
                              f"--train.lora_dropout {self.lora_dropout} / --train.lora_targets {self.lora_targets}: "
                              "need rank >= 0, alpha > 0, dropout in [0, 1) and at least one target")
@@ -158,7 +153,6 @@ class CkptArgs:
 
 
 # --- pure functions: batch layout, log-probs, schedule, metrics
-
 def collate(segments: list[Segment], moe: tuple[int, int, int] | None = None, vlm: bool = False) -> dict:
     """The whole batch as right-padded (B, T) tensors plus per-row (B,) ones; ValueError names the first bad segment.
     moe = (MoE layers, top_k, experts) adds "routed" (B, T, layers, top_k), -1 unrecorded; vlm: each row's "images"."""
@@ -191,9 +185,8 @@ def collate(segments: list[Segment], moe: tuple[int, int, int] | None = None, vl
 
 def plan_step(lengths: list[int], *, minibatches: int, dp_size: int, max_tokens: int) -> list[list[list[list[int]]]]:
     """Row indices as [minibatch][dp rank][microbatch]. Minibatches are contiguous slices of the batch; a minibatch's
-    rows go longest first to the least-loaded rank; a rank's rows fill microbatches of at most max_tokens padded tokens
-    (rows x longest row; fuller beats less padded: bench_gpu.py plan). Every FSDP rank runs every forward: short ranks
-    get empty microbatches."""
+    rows go longest first to the least-loaded rank, whose microbatches each hold <= max_tokens padded tokens (rows x
+    longest row; fuller beats less padded: bench_gpu.py plan). All ranks run each forward: short ones get empty ones."""
     if len(lengths) < minibatches:
         raise ValueError(f"--train.minibatches {minibatches}: the batch has only {len(lengths)} segments")
     for i, n in enumerate(lengths):
@@ -203,18 +196,14 @@ def plan_step(lengths: list[int], *, minibatches: int, dp_size: int, max_tokens:
     plan = []
     for chunk in torch.arange(len(lengths)).tensor_split(minibatches):
         rows = sorted(chunk.tolist(), key=lambda i: -lengths[i])  # stable: ties keep batch order
-        per_rank, load = [[] for _ in range(dp_size)], [0] * dp_size
-        for i in rows:
+        micro, load = [[] for _ in range(dp_size)], [0] * dp_size
+        for i in rows:  # longest first, so a microbatch's first row sets its padded length
             r = load.index(min(load))
-            per_rank[r].append(i)
             load[r] += lengths[i]
-        micro = [[] for _ in range(dp_size)]
-        for r, rank_rows in enumerate(per_rank):
-            for i in rank_rows:  # longest first, so a microbatch's first row sets its padded length
-                if micro[r] and (len(micro[r][-1]) + 1) * lengths[micro[r][-1][0]] <= max_tokens:
-                    micro[r][-1].append(i)
-                else:
-                    micro[r].append([i])
+            if micro[r] and (len(micro[r][-1]) + 1) * lengths[micro[r][-1][0]] <= max_tokens:
+                micro[r][-1].append(i)
+            else:
+                micro[r].append([i])
         depth = max(len(m) for m in micro)
         plan.append([m + [[] for _ in range(depth - len(m))] for m in micro])
     return plan
@@ -228,13 +217,9 @@ def pad_frac(lengths: list[int], plan: list) -> float:
 
 
 def rows_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool, entropy_grad: bool):
-    """(N,) log p(targets) under softmax(logits / temperature) for (N, V) logits, and its (N,) entropy when asked
-    (else None). Eager: one fp32 copy scaled in place (none for fp32 logits at T = 1) and its log-softmax, the only
-    tensor backward keeps; compiled (CUDA): two fused passes over the logits that keep only their logsumexp."""
-    if temperature == 1.0:
-        scaled = logits.to(torch.float32)  # (N, V)
-    else:
-        scaled = logits.to(torch.float32, copy=True).div_(temperature)  # (N, V)
+    """(N,) log p(targets) under softmax((N, V) logits / temperature), (N,) entropy if asked (else None). Eager: an
+    fp32 copy scaled in place and its log-softmax, all backward keeps; compiled (CUDA): two fused passes (logsumexp)."""
+    scaled = logits.to(torch.float32) if temperature == 1.0 else logits.to(torch.float32, copy=True).div_(temperature)
     logsm = torch.log_softmax(scaled, dim=-1)  # (N, V)
     logp = logsm.gather(-1, targets[:, None]).squeeze(-1)  # (N,)
     if not entropy:
@@ -258,13 +243,12 @@ def lr_at(step: int, *, lr: float, warmup_steps: int, schedule: str, total_steps
     """Learning rate of optimizer step `step` (0-based): linear warmup, then constant, or cosine to 0 at total_steps."""
     if step < warmup_steps:
         return lr * (step + 1) / warmup_steps
+    if schedule not in SCHEDULES:
+        raise ValueError(f"--train.schedule {schedule!r}: unknown; choose one of {', '.join(SCHEDULES)}")
     if schedule == "constant":
         return lr
-    elif schedule == "cosine":
-        progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
-        return lr * 0.5 * (1.0 + math.cos(math.pi * progress))
-    else:
-        raise ValueError(f"--train.schedule {schedule!r}: unknown; choose one of {', '.join(SCHEDULES)}")
+    progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))  # cosine
+    return lr * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 EXTREMES = {"estimator/adv_max": max, "estimator/adv_min": min, "loss/mismatch_max_abs": max, "train/peak_gib": max,
@@ -272,22 +256,19 @@ EXTREMES = {"estimator/adv_max": max, "estimator/adv_min": min, "loss/mismatch_m
 
 
 def merge_metrics(records: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
-    """Each key's mean over every rank's (weight, metrics) records, weighted by the count a record's means are over
-    (1 per step): the full batch's value; EXTREMES take their max or min; an all-count-0 key is 0, as in losses.py."""
+    """Each key's count-weighted mean over all ranks' (weight, metrics) records; EXTREMES: max/min; all-count-0: 0."""
     out, weights = {}, {}
     for weight, metrics in records:
         for key, value in metrics.items():
-            if key in EXTREMES:
-                if weight > 0:
-                    out[key] = EXTREMES[key](out.get(key, value), value)
-            else:  # a count-0 record's value (possibly NaN) never enters the sum
+            if key not in EXTREMES:  # a count-0 record's value (possibly NaN) never enters the sum
                 out[key] = out.get(key, 0.0) + (weight * value if weight > 0 else 0.0)
                 weights[key] = weights.get(key, 0.0) + max(weight, 0.0)
+            elif weight > 0:
+                out[key] = EXTREMES[key](out.get(key, value), value)
     return {k: v / weights[k] if weights.get(k) else v for k, v in out.items()}
 
 
 # --- one rank: its shard of the policy (and critic, reference), its optimizers; a Ray actor
-
 class TrainerRank:
     """One trainer rank. The driver (TrainerGroup) calls every method on every rank at once."""
 
@@ -310,12 +291,10 @@ class TrainerRank:
         join_process_group(self, master_addr, master_port)  # also seeds every RNG and builds NeMo's device mesh
         self.model = build_model(self, AutoModelForCausalLM, lora=self.train.lora_rank > 0)
         setup_policy_extras(self)  # a VLM's processor, image_id and blank row; routing replay's moe; fused names
-        # fused: one kernel per step over all tensors (foreach makes several passes); lr: set each step
-        adamw = lambda params: torch.optim.AdamW(params, lr=0.0, betas=self.train.betas,
-                                                 weight_decay=self.train.weight_decay, fused=True)
+        adamw = lambda params: torch.optim.AdamW(params, lr=0.0, betas=self.train.betas,  # lr: set each step
+                                                 weight_decay=self.train.weight_decay, fused=True)  # fused: one kernel
         self.optimizer = adamw([p for p in self.model.parameters() if p.requires_grad])   # --train.freeze_vision, LoRA
-        # float16: each optimizer's gradients come from a scaled loss (one scale for the policy, one for the critic)
-        fp16 = self.compute_dtype == torch.float16
+        fp16 = self.compute_dtype == torch.float16  # each optimizer's gradients come from its own scaled loss
         self.scaler, self.critic_scaler = (LossScale(fp16, 2.0 ** 16 if fp16 else 1.0) for _ in range(2))
         self.ref = self.critic = self.critic_optimizer = None
         if self.loss.needs_ref_model:
@@ -330,14 +309,12 @@ class TrainerRank:
         return self.compute_dtype != torch.float32 and not isinstance(model, FSDPModule)
 
     # --- forwards: microbatches of rows, and the no-grad pass that every rank assembles into (B, T)
-
     def plan(self, batch: dict, minibatches: int) -> list:
         return plan_step(batch["lengths"].tolist(), minibatches=minibatches, dp_size=self.dp_size,
                          max_tokens=self.train.max_tokens_per_microbatch)
 
     def microbatch(self, batch: dict, rows: list[int]) -> dict[str, torch.Tensor]:
-        """The rows' tensors cropped to their longest row, and a VLM's image inputs, on this rank's device; no rows give
-        one masked pad token."""
+        """The rows' tensors cropped to their longest row, a VLM's image inputs, on this device; no rows: one pad."""
         tensors = {k: v for k, v in batch.items() if k != "images"}
         if not rows:
             return {k: torch.full_like(v[:1, :1] if v.ndim >= 2 else v[:1], -1 if k == "routed" else 0).to(self.device)
@@ -365,9 +342,8 @@ class TrainerRank:
                               compiled=self.cuda and self.fsdp.compile_logprobs)
 
     def replayed_ids(self, layer: int, live: torch.Tensor) -> torch.Tensor:
-        """MoE layer `layer`'s (N, K) expert ids, N = b * t: the recorded ids where >= 0, live elsewhere. The gate
-        gathers its softmax at these ids, so it keeps its gradient. self.replay is bound per microbatch, so an
-        activation-checkpoint recompute in backward (before the next microbatch's forward) replays the same ids."""
+        """MoE layer `layer`'s (N, K) expert ids, N = b * t: recorded where >= 0, else live; the gate's softmax keeps
+        its gradient. self.replay is bound per microbatch: a checkpoint recompute in backward replays the same ids."""
         if self.replay is None:
             return live
         recorded = self.replay[:, :, layer].reshape(live.shape).long()  # (N, K)
@@ -396,20 +372,16 @@ class TrainerRank:
         return out.cpu()
 
     # --- the train step: one flat sequence
-
     def train_step(self, segments: list[Segment]) -> tuple[list[tuple[float, dict]], int]:
         """One RL step on the whole batch -> (weight, metrics) records for the driver to merge, the new version."""
-        # --- rollout batch: the same padded tensors and the same plan on every rank
-        batch = collate(segments, self.moe, vlm=self.processor is not None)
+        batch = collate(segments, self.moe, vlm=self.processor is not None)  # every rank: the same tensors and plan
         mask = batch["mask"]  # (B, T)
         plan = self.plan(batch, self.train.minibatches)
         records = [(1.0, {"train/pad_frac": pad_frac(batch["lengths"].tolist(), plan)})]
         if "routed" in batch:  # share of the batch's (token, MoE layer) positions whose recorded experts are replayed
             real = torch.arange(mask.shape[1]) < batch["lengths"][:, None]  # (B, T)
             records.append((1.0, {"train/replayed_frac": float((batch["routed"][..., 0] >= 0)[real].float().mean())}))
-
-        # --- no-grad pass: old log-probs (the proximal policy), reference log-probs, critic values.
-        # Exactly on-policy with one optimizer step per batch, old = new.detach() and the pass is skipped.
+        # --- no-grad pass: old (proximal) and ref log-probs, values; on-policy in one step, old = new.detach(): skipped
         on_policy = (self.train.epochs == 1 and self.train.minibatches == 1
                      and bool((batch["versions"][mask] == self.version).all()))
         kl = None
@@ -420,7 +392,6 @@ class TrainerRank:
             kl = torch.where(mask, batch["old_logp"] - batch["ref_logp"], 0.0)  # (B, T) k1: the estimator's KL reward
         if self.critic is not None:
             batch["values"] = self.forward_rows(self.critic, batch, plan)
-
         # --- advantages over the whole batch (estimators.py); gae turns the critic's values into returns
         batch["adv"], returns, metrics = compute_advantages(
             self.estimator, batch["rewards"], batch["group_ids"], batch["episode_ids"], mask,
@@ -428,7 +399,6 @@ class TrainerRank:
         if returns is not None:
             batch["returns"] = returns
         records.append((1.0, metrics))
-
         # --- epochs x minibatches: one optimizer step per minibatch; the critic's pass follows the policy's
         for _ in range(self.train.epochs):
             for minibatch in plan:
@@ -458,11 +428,10 @@ class TrainerRank:
         for micro in micros:
             x = self.microbatch(batch, micro)
             v = self.critic_values(x["ids"])  # (b, t)
-            value_loss, value_metrics = compute_value_loss(self.loss, v, x["values"], x["returns"], x["mask"],
-                                                           denoms=denoms)
-            (value_loss * self.dp_size * self.critic_scaler.scale).backward()
-            value_metrics["train/value_mean"] = float((v.detach() * x["mask"]).sum() / x["mask"].sum().clamp(min=1))
-            records.append((float(x["mask"].sum()), value_metrics))
+            loss, metrics = compute_value_loss(self.loss, v, x["values"], x["returns"], x["mask"], denoms=denoms)
+            (loss * self.dp_size * self.critic_scaler.scale).backward()
+            metrics["train/value_mean"] = float((v.detach() * x["mask"]).sum() / x["mask"].sum().clamp(min=1))
+            records.append((float(x["mask"].sum()), metrics))
         grad_norm, _ = self.optimizer_step(self.critic, self.critic_optimizer, self.train.critic_lr, self.critic_scaler)
         return records + [(1.0, {"train/critic_grad_norm": grad_norm})]
 
@@ -493,9 +462,8 @@ class TrainerRank:
     def sft_step(self, segments: list[Segment]) -> tuple[list[tuple[float, dict]], int]:
         """One optimizer step of token NLL on the action tokens at temperature 1; MoE layers route live (unsampled)."""
         batch = collate(segments, vlm=self.processor is not None)
-        mask, records = batch["mask"], []
+        mask, records, step_loss = batch["mask"], [], torch.zeros((), device=self.device)
         denoms = step_denoms(mask, torch.arange(len(mask)))[0]  # each SFT row is its own group
-        step_loss = torch.zeros((), device=self.device)
         for micro in self.plan(batch, 1)[0][self.dp_rank]:
             x = self.microbatch(batch, micro)
             loss, metrics = sft_loss(self.policy_logprobs(self.model, x, 1.0)[0], x["mask"], denoms=denoms)
@@ -513,8 +481,7 @@ class TrainerRank:
         logp = self.forward_rows(self.model, batch, self.plan(batch, 1), temperature)
         return [logp[i, :n] for i, n in enumerate(batch["lengths"].tolist())] if self.rank == 0 else None
 
-    # --- the driver's calls: the rendezvous; refit, write_hf, save and load are machinery, bound at the file's end
-
+    # --- the driver's calls: the rendezvous, batch invariance; refit, write_hf, save, load: bound at the file's end
     def address(self) -> tuple[str, int]:
         """This node's IP and a free port: rank 0 hosts the process group's rendezvous."""
         with socket.socket() as s:
@@ -529,9 +496,7 @@ class TrainerRank:
 
 
 # === machinery: model loading, refit and HF export, checkpoint files, Ray ranks; read it when you change a dependency
-
 # --- the driver: starts the ranks, hands each the batch, merges their metrics
-
 class TrainerGroup:
     """--train.world_size TrainerRank actors in one process group. colocated: --launch.colocate (CUDA IPC refits);
     batch_invariant: the ranks run --vllm.batch_invariant's kernels too; rank_options: --launch.placement's per rank."""
@@ -580,17 +545,15 @@ class TrainerGroup:
             raise
         self.step, self.version, self.data_position, self.saved = 0, 0, None, (-1, None)
         if ckpt.resume:
-            found = checkpoint_dirs(ckpt.dir)
-            if not found:
+            if not (found := checkpoint_dirs(ckpt.dir)):
                 raise ValueError(f"--ckpt.resume: no complete checkpoint under --ckpt.dir {ckpt.dir}; "
                                  "drop --ckpt.resume to start fresh")
             self.data_position = self.load(found[-1])
             self.saved = (self.step, found[-1])
 
     def call(self, method: str, *args) -> list:
-        """method(*args) on every rank, their results in rank order. A dead rank raises at once, naming it: the
-        others may be waiting for it in a collective, and will never answer. A rank whose collective broke first
-        (a peer's node was lost: gloo's "connection closed") waits up to PEER_DEATH_S for Ray to name that peer."""
+        """method(*args) on every rank, results in rank order. A dead rank raises at once, named (the others may wait
+        for it in a collective); a rank whose collective broke first waits PEER_DEATH_S for Ray to name the peer."""
         refs = [getattr(a, method).remote(*args) for a in self.actors]
         waiting, failed = list(refs), None
         while waiting:
@@ -634,8 +597,7 @@ class TrainerGroup:
         return self.call("logprobs", ray.put(segments), temperature)[0]
 
     def refit(self, generator) -> dict:
-        """Load the current weights into every engine of a paused generator as self.version; -> rank 0's
-        update_weights (or update_adapter) report, its "metrics" the generator/refit_* metrics."""
+        """The weights into a paused generator's engines as self.version; -> rank 0's report ("metrics": refit_*)."""
         report = self.call("refit", generator, self.colocated)[0]
         generator.version = self.version
         return report
@@ -675,7 +637,6 @@ class TrainerGroup:
 
 
 # --- input checks and rows: flags against the machine, segments, routing replay's expert ids, SFT rows from chat
-
 def check_args(train: TrainArgs, fsdp: FsdpArgs, loss: LossArgs, estimator: EstimatorArgs, *, cuda: bool) -> None:
     """Rules that span files or depend on the machine; checked before any actor starts."""
     if not cuda and fsdp.param_dtype != "float32":
@@ -740,10 +701,9 @@ def collate_routing(segments: list[Segment], T: int, layers: int, top_k: int, ex
 
 
 def sft_batch(examples: list[dict], tokenizer, *, end_token: str = "<|im_end|>", template=None) -> list[Segment]:
-    """Chat examples ({"messages", optional "tools"}) -> Segments (version 0) whose action tokens are each assistant
-    turn's after `<|im_start|>assistant\\n` up to and including end_token; "weight": 0 makes a turn context only.
-    Each message prefix must render as a token prefix of the whole, else ValueError. A VLM's {"type": "image",
-    "image": bytes} parts: `template` (chat_server.ChatTemplate) expands each into its placeholder run (mask 0)."""
+    """Chat examples ({"messages", optional "tools"}) -> Segments (version 0); action tokens: each assistant turn's
+    after `<|im_start|>assistant\\n` through end_token ("weight": 0: context only); each message prefix must render as a
+    token prefix of the whole, else ValueError. Image parts: `template` (a VLM's ChatTemplate) expands each (mask 0)."""
     end_id = tokenizer.convert_tokens_to_ids(end_token)
     if end_id is None or end_id == tokenizer.unk_token_id:
         raise ValueError(f"end_token {end_token!r}: not a single token of this tokenizer; "
@@ -787,7 +747,6 @@ def sft_batch(examples: list[dict], tokenizer, *, end_token: str = "<|im_end|>",
 
 
 # --- the models: the process group, NeMo AutoModel's FSDP2, a VLM's extras; gradient norm, float16; LoRA
-
 def enable_batch_invariant_kernels() -> None:
     """--vllm.batch_invariant: this rank's matmuls, log-softmax and mean run the kernels its engines run (vLLM's)."""
     os.environ["VLLM_BATCH_INVARIANT"] = "1"
@@ -799,16 +758,14 @@ def enable_batch_invariant_kernels() -> None:
 
 
 def join_process_group(rank: TrainerRank, master_addr: str, master_port: int) -> None:
-    """Join the process group, seed every RNG, build NeMo AutoModel's device mesh; sets rank.compute_dtype,
-    dist_setup, dp_rank, dp_size, dp_group."""
+    """Join the process group, seed every RNG, build NeMo's device mesh; sets rank.compute_dtype, dist_setup, dp_*."""
     os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank.rank),
                       WORLD_SIZE=str(rank.world_size), LOCAL_RANK="0")
     if rank.cuda:
         torch.cuda.set_device(rank.device)
     dist.init_process_group("nccl" if rank.cuda else "gloo", rank=rank.rank, world_size=rank.world_size)
-    torch.manual_seed(rank.train.seed)
-    random.seed(rank.train.seed)
-    np.random.seed(rank.train.seed)
+    for seed in (torch.manual_seed, random.seed, np.random.seed):
+        seed(rank.train.seed)
     from nemo_automodel.components.distributed.config import DistributedSetup, FSDP2Config  # rank-only: a slow import
     from nemo_automodel.components.distributed.mesh import ParallelismSizes
     compute_dtype = rank.compute_dtype = getattr(torch, rank.fsdp.param_dtype)
@@ -822,8 +779,7 @@ def join_process_group(rank: TrainerRank, master_addr: str, master_port: int) ->
 
 
 def build_model(rank: TrainerRank, auto_class, lora: bool = False, **kwargs) -> torch.nn.Module:
-    """Load model_path in float32 (master weights), sharded by NeMo AutoModel's FSDP2 parallelizer: a Qwen3-MoE policy
-    as NeMo's MoE class, other models as their transformers class. lora: the policy's --train.lora_* adapters."""
+    """Load model_path in float32, sharded by NeMo's FSDP2: a Qwen3-MoE policy as NeMo's MoE class, others as HF's."""
     config = AutoConfig.from_pretrained(rank.model_path)
     if auto_class is AutoModelForCausalLM and hasattr(config, "vision_config"):   # a VLM: its own class
         auto_class = AutoModelForImageTextToText
@@ -854,22 +810,19 @@ def build_model(rank: TrainerRank, auto_class, lora: bool = False, **kwargs) -> 
         rank.adapted = add_lora(model, rank.train)
     if auto_class is AutoModelForTokenClassification:
         model.dropout.p = 0.0  # transformers' head default is 0.1: the no-grad pass's old values are the values
-        with torch.no_grad():  # the value head starts at V = 0, the same on every rank
-            model.score.weight.zero_()
-            model.score.bias.zero_()
+        torch.nn.init.zeros_(model.score.weight)  # the value head starts at V = 0, the same on every rank
+        torch.nn.init.zeros_(model.score.bias)
     from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
     model.train()  # from_pretrained returns eval mode, in which HF's (NeMo's) activation checkpointing is off
     model = parallelize_model(model.to(rank.device), rank.dist_setup.mesh_context)
-    if nemo_moe and not isinstance(model, FSDPModule):  # one rank: NeMo skips fully_shard and its bf16 cast;
-        # autocast instead (as for HF classes) puts this class twice as far from the engine's bf16 log-probs
-        fully_shard(model, mesh=rank.dist_setup.mesh_context.device_mesh["dp"],
+    if nemo_moe and not isinstance(model, FSDPModule):  # one rank: NeMo skips fully_shard and its bf16 cast, and
+        fully_shard(model, mesh=rank.dist_setup.mesh_context.device_mesh["dp"],  # autocast is 2x further from vLLM
                     mp_policy=rank.dist_setup.mesh_context.strategy_config.mp_policy)
     return model
 
 
 def setup_policy_extras(rank: TrainerRank) -> None:
-    """After the policy is built: a VLM's processor (the engine's), image id and blank row; routing replay's hook in
-    every MoE gate (rank.moe); the names transformers keeps fused (rank.fused), which an export reverts."""
+    """After the policy: a VLM's processor, image id and blank row; replay's gate hooks (rank.moe); fused names."""
     config = AutoConfig.from_pretrained(rank.model_path)
     rank.processor = AutoProcessor.from_pretrained(rank.model_path) if hasattr(config, "vision_config") else None
     rank.image_id = getattr(config, "image_token_id", None)
@@ -900,22 +853,19 @@ def install_replay(rank: TrainerRank, model) -> tuple[int, int, int]:
 
 
 def reduce_parallel_grads(rank: TrainerRank, model) -> None:
-    """Gradients that NeMo's parallel plans leave partial or scaled, made as one rank's would be (expert parallelism
-    is the policy's alone: a critic with --fsdp.ep_size is refused)."""
+    """Gradients that NeMo's parallel plans leave partial or scaled, made as one rank's would be (EP: the policy's)."""
     if rank.fsdp.ep_size > 1:  # experts sum every ep rank's tokens, and FSDP averages them over dp / ep_size
         for name, p in model.named_parameters():  # ranks, not dp: ep_size x the scale of the others
             if ".experts." in name and p.grad is not None:
                 p.grad.div_(rank.fsdp.ep_size)
-    if rank.fsdp.tp_size > 1:  # NeMo's plan keeps Qwen3's q_norm/k_norm whole while each rank normalizes its own
-        # heads: its recipes (not parallelize_model) sum the ranks' partial gradients, so we do it here
+    if rank.fsdp.tp_size > 1:  # NeMo's plan keeps Qwen3's q_norm/k_norm whole, each rank normalizing its own heads:
         from nemo_automodel.components.distributed.tp_replicas import synchronize_tp_replica_gradients
-        synchronize_tp_replica_gradients([model], rank.dist_setup.mesh_context.device_mesh)
+        synchronize_tp_replica_gradients([model], rank.dist_setup.mesh_context.device_mesh)  # (NeMo's recipes do it)
 
 
 def image_inputs(rank: TrainerRank, images: list) -> dict[str, torch.Tensor]:
     """A VLM's inputs for decoded images, all its processor returns (pixel_values, ...), on this rank's device."""
-    inputs = rank.processor.image_processor(images=images, return_tensors="pt")
-    return {k: v.to(rank.device) for k, v in inputs.items()}
+    return {k: v.to(rank.device) for k, v in rank.processor.image_processor(images=images, return_tensors="pt").items()}
 
 
 def add_blank_row(rank: TrainerRank, ids: torch.Tensor, images: dict) -> tuple[torch.Tensor, dict]:
@@ -930,16 +880,13 @@ def add_blank_row(rank: TrainerRank, ids: torch.Tensor, images: dict) -> tuple[t
 
 
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None, scale: float = 1.0) -> float:
-    """Global L2 norm over all ranks of the gradients of loss x scale (LossScale), the scale divided out in the clip's
-    own pass, clipped to max_norm. Grouped by device mesh: a DTensor norm reduces over its own mesh only."""
+    """Global L2 norm of the gradients of loss x scale over all ranks and meshes, / scale; then clipped to max_norm."""
     groups = {}
     for p in params:
         if p.grad is not None:
             groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
-    norms = []
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)  # () partial over ranks for DTensors
-        norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float().cpu())
+    norms = [torch.nn.utils.get_total_norm(grads, norm_type=2.0) for grads in groups.values()]  # DTensors: partial
+    norms = [(norm.full_tensor() if isinstance(norm, DTensor) else norm).float().cpu() for norm in norms]
     total = float(torch.stack(norms).norm()) / scale if norms else 0.0
     factor = (max_norm / (total + 1e-6) if max_norm is not None and total > max_norm else 1.0) / scale
     if factor != 1.0 and math.isfinite(total):
@@ -950,9 +897,8 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None, scale: fl
 
 @dataclass
 class LossScale:
-    """Dynamic loss scaling for float16 compute (Micikevicius et al. 2018, https://arxiv.org/abs/1710.03740): backward
-    runs on loss x scale, so that small gradients do not underflow float16; a step whose gradient is not finite is
-    skipped and halves the scale, `growth_steps` finite steps in a row double it. Not dynamic: scale 1, no skips."""
+    """float16 dynamic loss scaling (https://arxiv.org/abs/1710.03740): backward runs on loss x scale; a non-finite
+    gradient skips its step and halves the scale, `growth_steps` finite steps double it. Not dynamic: 1, no skips."""
     dynamic: bool
     scale: float = 1.0
     growth_steps: int = 2000  # torch.amp.GradScaler's default, as is the start scale 2**16 (trainer's setup)
@@ -977,15 +923,13 @@ compiled_rows_logprobs = torch.compile(rows_logprobs, dynamic=True, options={"tr
 
 
 # --- LoRA (--train.lora_rank): NeMo AutoModel's adapter linears; peft's names and config for refit and export
-
 def add_lora(model: torch.nn.Module, train: TrainArgs) -> set[str]:
     """Freeze model and give each linear module named in --train.lora_targets NeMo's LoRA: y = W x + (alpha / r)
     B A dropout(x), B zero at the start. -> the adapted modules' names; ValueError names a target with no module."""
     from nemo_automodel.components._peft.lora import PeftConfig, apply_lora_to_linear_modules
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in
              train.lora_targets]
-    missing = set(train.lora_targets) - {n.rsplit(".", 1)[-1] for n in names}
-    if missing:
+    if missing := set(train.lora_targets) - {n.rsplit(".", 1)[-1] for n in names}:
         raise ValueError(f"--train.lora_targets {sorted(missing)}: no linear module of the model has that name")
     # exact names (NeMo's matcher reads "*" patterns as regexes); dropout on the adapter's input, as peft does
     config = PeftConfig(target_modules=names, dim=train.lora_rank, alpha=train.lora_alpha, dropout=train.lora_dropout,
@@ -1004,8 +948,7 @@ def peft_config(train: TrainArgs, model_path: str) -> dict:
 
 
 def merge_lora(pairs, adapted: set[str], scale: float):
-    """(name, full tensor) pairs of a LoRA model -> the base model's, each adapted weight merged in: W + scale B A
-    (W (out, in), B (out, r), A (r, in)); the lora_A / lora_B tensors themselves are left out."""
+    """(name, full tensor) pairs of a LoRA model -> the base model's: each adapted W + scale B A, no lora_A / lora_B."""
     held = {}
     for name, tensor in pairs:
         stem = name.removesuffix(".weight")
@@ -1021,15 +964,13 @@ def merge_lora(pairs, adapted: set[str], scale: float):
 
 
 # --- refit and HF export: full tensors under HF names, in buckets
-
 def export_name(name: str) -> str:
     """The HF parameter name: activation checkpointing and torch.compile wrap modules and insert these segments."""
     return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
 def full_params(rank: TrainerRank, params: list[tuple[str, torch.nn.Parameter]]):
-    """(checkpoint name, whole tensor) of each parameter, as save_pretrained writes them (what vLLM loads: a tied head
-    once, fused experts one tensor per expert); every rank must iterate (the gathers are collective)."""
+    """(checkpoint name, whole tensor) of each parameter as save_pretrained writes it; every rank must iterate."""
     adapter = getattr(rank.model, "state_dict_adapter", None)
     for name, param in params:
         name, full = export_name(name), param.detach().full_tensor() if isinstance(param, DTensor) else param.detach()
@@ -1039,27 +980,22 @@ def full_params(rank: TrainerRank, params: list[tuple[str, torch.nn.Parameter]])
 
 
 def refit_pairs(rank: TrainerRank, dtype: torch.dtype, adapter: bool):
-    """(HF name, full tensor in dtype) of what a refit sends: peft's adapter alone (adapter), else every trained
-    weight, a LoRA merged in; every rank must iterate (see full_params)."""
-    if adapter or rank.adapted:
-        full = hf_params(rank, adapter)
-    else:
-        full = full_params(rank, [(n, p) for n, p in rank.model.named_parameters() if p.requires_grad])
+    """(HF name, tensor in dtype) a refit sends: the adapter, else trained weights (LoRA merged); all ranks iterate."""
+    trained = [(n, p) for n, p in rank.model.named_parameters() if p.requires_grad]
+    full = hf_params(rank, adapter) if adapter or rank.adapted else full_params(rank, trained)
     return ((name, tensor.to(dtype)) for name, tensor in full)
 
 
 def refit_from(rank: TrainerRank, generator, colocated: bool) -> dict | None:
-    """Rank 0 streams refit_pairs, in the engine's dtype, to the generator: engines that serve LoRA get the adapter
-    alone (update_adapter, no pause needed), others update_weights (paused). Rank 0 keeps its first router copy: it
-    holds the NCCL group a refit to other GPUs opens once."""
+    """Rank 0 streams refit_pairs in the engine's dtype: to update_adapter (no pause) if the engines serve LoRA, else
+    update_weights (paused). Rank 0 keeps its first router copy: it holds the NCCL group a cross-GPU refit opens."""
     if rank.router is None or rank.router.id != generator.id:
         rank.router = generator
     pairs = refit_pairs(rank, getattr(torch, generator.dtype), generator.serves_adapters)
     if generator.serves_adapters:
         update = lambda: rank.router.update_adapter(pairs, peft_config(rank.train, rank.model_path), rank.version)
     else:  # keep: --train.freeze_vision's tower (never fused); a LoRA's frozen base goes out merged
-        params = rank.model.named_parameters()
-        keep = () if rank.adapted else [export_name(n) for n, p in params if not p.requires_grad]
+        keep = () if rank.adapted else [export_name(n) for n, p in rank.model.named_parameters() if not p.requires_grad]
         update = lambda: rank.router.update_weights(pairs, rank.version, colocated=colocated, keep=keep)
     try:
         if rank.rank == 0:
@@ -1080,12 +1016,11 @@ def hf_params(rank: TrainerRank, adapter: bool):
 
 
 def write_hf_dir(rank: TrainerRank, path: str, merged: bool | None = None) -> None:
-    """An HF model directory: one safetensors file of the full weights, and model_path's other files. With LoRA,
-    peft's adapter directory, unless merged (default --ckpt.hf_merged): then the full weights, the adapter merged in."""
+    """An HF model directory (the weights in one safetensors file, model_path's other files); LoRA: peft's adapter
+    directory, unless merged (default --ckpt.hf_merged): then the full weights, the adapter merged in."""
     adapter = bool(rank.adapted) and not (rank.ckpt.hf_merged if merged is None else merged)
-    tensors = {name: full.to("cpu", copy=True) for name, full in hf_params(rank, adapter)
-               if rank.rank == 0}  # every rank joins each gather; only rank 0 copies to host
-    if rank.rank == 0:
+    tensors = {name: full.to("cpu", copy=True) for name, full in hf_params(rank, adapter) if rank.rank == 0}
+    if rank.rank == 0:  # every rank joined each gather above; only rank 0 copied to host
         os.makedirs(path, exist_ok=True)
         weights = os.path.join(path, "adapter_model.safetensors" if adapter else "model.safetensors")
         save_file({k: v.contiguous() for k, v in tensors.items()}, weights, metadata={"format": "pt"})
@@ -1099,20 +1034,15 @@ def write_hf_dir(rank: TrainerRank, path: str, merged: bool | None = None) -> No
 
 
 # --- checkpoints: sharded model + optimizer (DCP), RNG per rank, counters and data position
-
 def checkpoint_dirs(root: str) -> list[str]:
-    """Complete checkpoints under root, oldest first: step_NNNNNN, else its .old (set aside while the same step was
-    saved again, and a crash came before the replacement took the name). A .tmp (being written) is never listed."""
-    if not os.path.isdir(root):
-        return []
-    names = set(os.listdir(root))
+    """Complete checkpoints under root, oldest first: step_NNNNNN, else its .old (a crash mid re-save); never a .tmp."""
+    names = set(os.listdir(root)) if os.path.isdir(root) else set()
     steps = sorted({int(m.group(1)) for name in names if (m := re.fullmatch(r"step_(\d+)(\.old)?", name))})
     return [os.path.join(root, f"step_{s:06d}" + ("" if f"step_{s:06d}" in names else ".old")) for s in steps]
 
 
 def checkpoint_state(rank: TrainerRank) -> dict:
-    """The DCP state: sharded model and optimizer state dicts (critic's too); with LoRA, of the adapter alone (the
-    frozen base is model_path's, loaded at setup)."""
+    """The DCP state: sharded model and optimizer state dicts (critic's too); with LoRA the adapter's alone."""
     model_sd, optim_sd = get_state_dict(rank.model, rank.optimizer)
     if rank.adapted:  # a tied head is no parameter of its own: frozen-parameter filters miss it
         model_sd = {k: v for k, v in model_sd.items() if ".lora_" in k}
@@ -1123,9 +1053,8 @@ def checkpoint_state(rank: TrainerRank) -> dict:
 
 
 def save_checkpoint(rank: TrainerRank, root: str, step: int, data_position: dict | None) -> str:
-    """Write step_NNNNNN.tmp, then rename it to step_NNNNNN (atomic), then delete all but the newest --ckpt.keep.
-    Killed at any point, the newest complete checkpoint is still listed by checkpoint_dirs. A failed write (a
-    full disk) on any rank removes the .tmp and raises OSError naming the checkpoint and the disk."""
+    """Write step_NNNNNN.tmp, rename it step_NNNNNN (atomic), delete all but the newest --ckpt.keep; killed anywhere,
+    the newest complete one is still listed. A failed write on any rank removes the .tmp; OSError names the disk."""
     final = os.path.join(root, f"step_{step:06d}")
     tmp, old = final + ".tmp", final + ".old"
     if rank.rank == 0:
@@ -1189,9 +1118,8 @@ def load_checkpoint(rank: TrainerRank, path: str) -> dict:
         set_state_dict(rank.critic, rank.critic_optimizer, model_state_dict=state["critic"],
                        optim_state_dict=state["critic_optim"])
     rng = torch.load(os.path.join(path, f"rng_rank{rank.rank}.pt"), weights_only=False)
-    torch.set_rng_state(rng["torch"])
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
+    for key, restore in (("torch", torch.set_rng_state), ("python", random.setstate), ("numpy", np.random.set_state)):
+        restore(rng[key])
     if rank.cuda:
         torch.cuda.set_rng_state_all(rng["cuda"])
     if "optimizer_steps" not in meta:  # written when the version counted AdamW steps and the step train steps
@@ -1203,5 +1131,5 @@ def load_checkpoint(rank: TrainerRank, path: str) -> dict:
 
 
 # TrainerRank's methods that are machinery: TrainerGroup.call invokes them by name on the Ray actors
-TrainerRank.refit, TrainerRank.write_hf = refit_from, write_hf_dir
-TrainerRank.save, TrainerRank.load = save_checkpoint, load_checkpoint
+TrainerRank.refit, TrainerRank.write_hf, TrainerRank.save = refit_from, write_hf_dir, save_checkpoint
+TrainerRank.load = load_checkpoint
