@@ -753,7 +753,7 @@ def bench_longtail(model: str, steps: int = 8, modes: tuple[str, ...] = ("drain"
 
 # --- plan: microbatches filled to the bound (plan_step) vs cut to pad less, on a long tail of lengths
 
-def bench_plan(model: str, rows: int = 128, max_tokens: int = 16384, batches: int = 3) -> dict:
+def bench_plan(model: str, packed: bool = False, rows: int = 128, max_tokens: int = 16384, batches: int = 3) -> dict:
     """The trainer's forward and backward (bf16 autocast, checkpointed, the 0.6B shape) over the microbatch shapes of
     trainer.plan_step, which fills each microbatch up to the bound, and of cutting where padded positions plus
     max_tokens / 16 per forward are least (a dynamic programme), on batches of recipes/longtail_agent.py's lengths
@@ -769,8 +769,8 @@ def bench_plan(model: str, rows: int = 128, max_tokens: int = 16384, batches: in
     time alone on the GPU). Not recompilation: on CPU (transformers 5.18, torch 2.13, forward only: flex has no
     CPU backward) six forwards of differently packed rows compiled once (3 s), then ran in 0.01 s each, no
     recompile logged. So the likely cost is inductor compiling flex's forward and backward kernels for a
-    16,384-token row on first use, which the warm-up batch pays: give `plan_packed` its own call. Hence filled and
-    cut are reported first (`plan`), then packed (`plan_packed`), each forward timed, recompilations logged."""
+    16,384-token row on first use, which the warm-up batch pays. So `plan` runs filled and cut, and `plan_packed`
+    (its own call) filled, then packed, each packed forward timed, recompilations logged."""
     from transformers import AutoModelForCausalLM
 
     from recipes.longtail_agent import draw_length
@@ -836,26 +836,29 @@ def bench_plan(model: str, rows: int = 128, max_tokens: int = 16384, batches: in
     for b in range(batches + 1):  # batch 0 warms up
         lengths = batch(b)
         for name, plan in (("filled", plan_step(lengths, minibatches=1, dp_size=1, max_tokens=max_tokens)),
-                           ("cut", cut(lengths))):
+                           ("cut", None if packed else cut(lengths))):
+            if plan is None:
+                continue
             seconds = run(lengths, plan)
             print(f"plan batch {b} {name}: {seconds:.2f} s", flush=True)
             if b:
                 res[name]["s"].append(seconds)
                 res[name]["pad_frac"].append(pad_frac(lengths, plan))
                 res[name]["forwards"].append(len(plan[0][0]))
-    report("plan", filled=res["filled"], cut=res["cut"], ratio=sum(res["cut"]["s"]) / sum(res["filled"]["s"]),
-           target=1.0)
+    if not packed:
+        return report("plan", filled=res["filled"], cut=res["cut"],
+                      ratio=sum(res["cut"]["s"]) / sum(res["filled"]["s"]), target=1.0)
     net.set_attn_implementation("flex_attention")
     torch._logging.set_logs(recompiles=True)  # if flex_attention recompiles at every forward, this says why
     for b in range(batches + 1):
         lengths = batch(b)
-        packed = pack(lengths)
-        seconds = run_packed(lengths, packed)
+        filled_rows = pack(lengths)
+        seconds = run_packed(lengths, filled_rows)
         print(f"plan batch {b} packed: {seconds:.2f} s", flush=True)
         if b:
             res["packed"]["s"].append(seconds)
-            res["packed"]["pad_frac"].append(1 - sum(lengths) / (len(packed) * max_tokens))
-            res["packed"]["forwards"].append(len(packed))
+            res["packed"]["pad_frac"].append(1 - sum(lengths) / (len(filled_rows) * max_tokens))
+            res["packed"]["forwards"].append(len(filled_rows))
     return report("plan_packed", filled=res["filled"], packed=res["packed"],
                   ratio=sum(res["filled"]["s"]) / sum(res["packed"]["s"]), target=1.0)
 
@@ -1165,8 +1168,8 @@ def main() -> None:
             head, _, k = s.partition("_k")
             mode = head.removeprefix("longtail").strip("_")
             bench_longtail(model, modes=(mode,) if mode else ("drain", "partial"), k=int(k or 1))
-        elif s == "plan":
-            bench_plan(model)
+        elif s in ("plan", "plan_packed"):
+            bench_plan(model, packed=s == "plan_packed")
         elif s == "sampling":
             bench_sampling()
         elif s == "moe":
