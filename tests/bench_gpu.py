@@ -58,7 +58,8 @@ built locally. Each section measures ours and its baseline side by side in one r
   peer       (optional) smollm2's job (128 prompts x 8, <= 64 tokens, temperature 0.7, lr 2e-5, K=0, 20 steps) in TRL's
              GRPOTrainer with its vLLM colocated (use_vllm, vllm_mode="colocate"; TRL 1.16 supports vLLM 0.22-0.31)
              and in ours: steps/s, sampled and trained tokens/s, peak GPU memory, time to first step, held-out
-             reward, mismatch. peer_k1: ours at K=1 against that TRL run.
+             reward, mismatch. peer_k1: ours at K=1 against that TRL run. peer_verl: verl 0.9.1's GRPO (FSDP actor,
+             vLLM colocated) on the same job against that run's ours.
 Peak memory: trainer (torch max allocated) and engine (GPU memory taken by its start) are reported.
 
     python tests/bench_gpu.py [logprobs] [trainer] [generator] [refit] [loop1] [loop2] [smollm2] [smollm2_k1]
@@ -501,10 +502,10 @@ PEER = dict(group=8, new_tokens=64, temperature=0.7, lr=2e-5, max_model_len=512,
 
 class PeakGpu:
     """Peak memory used on GPU 0 by all processes (NVML, every 0.1 s) while the block runs; with `watch`, also the
-    seconds from `t0` until that file first holds a line (our loop's first step)."""
+    seconds from `t0` until that file first holds `lines` lines (a framework's first step)."""
 
-    def __init__(self, t0: float, watch: str | None = None):
-        self.t0, self.watch, self.peak, self.first_s = t0, watch, 0, None
+    def __init__(self, t0: float, watch: str | None = None, lines: int = 1):
+        self.t0, self.watch, self.lines, self.peak, self.first_s = t0, watch, lines, 0, None
 
     def __enter__(self):
         import threading
@@ -517,7 +518,8 @@ class PeakGpu:
         def poll():
             while not self.stop.wait(0.1):
                 self.peak = max(self.peak, pynvml.nvmlDeviceGetMemoryInfo(handle).used)
-                if self.first_s is None and self.watch and os.path.exists(self.watch) and os.path.getsize(self.watch):
+                if self.first_s is None and self.watch and os.path.exists(self.watch) and \
+                        sum(1 for _ in open(self.watch)) >= self.lines:
                     self.first_s = time.perf_counter() - self.t0
         self.thread = threading.Thread(target=poll, daemon=True)
         self.thread.start()
@@ -689,10 +691,97 @@ def bench_peer_k1(steps: int = 20) -> dict:
     return peer_report("peer_k1", peer_ours(steps, 1), trl_, 2.0)
 
 
-def peer_report(section: str, ours: dict, trl_: dict, target: float) -> dict:
-    ratio = lambda key: ours[key] / trl_[key]
-    return report(section, ours=ours, trl=trl_, sampled_tokens_ratio=ratio("sampled_tokens_per_s"),
+def peer_report(section: str, ours: dict, peer: dict, target: float, name: str = "trl") -> dict:
+    ratio = lambda key: ours[key] / peer[key]
+    return report(section, ours=ours, **{name: peer}, sampled_tokens_ratio=ratio("sampled_tokens_per_s"),
                   steps_ratio=ratio("steps_per_s"), trained_tokens_ratio=ratio("trained_tokens_per_s"), target=target)
+
+
+def bench_peer_verl(steps: int = 20) -> dict:
+    """verl on PEER's job (verl_job, in a process of its own), against ours in this machine's last `peer` section.
+    Not yet run: staged on 2026-12-04 with its imports and its configuration checked on CPU only (verl 0.9.1 pins
+    vLLM 0.24.0 and transformers < 5.11; it runs here on the stack's 0.26.0 and 5.18.0, verl's own version gate
+    accepting vLLM >= 0.18)."""
+    out_dir = os.path.join(ROOT, "runs", "bench_peer_verl")
+    shutil.rmtree(out_dir, ignore_errors=True)  # verl's file logger appends
+    with PeakGpu(time.perf_counter(), os.path.join(out_dir, "metrics.jsonl"), lines=2) as peak:
+        try:
+            rc = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", *verl_overrides(steps, out_dir)],
+                                timeout=480, env={**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
+                                                  "VERL_FILE_LOGGER_PATH": peak.watch}).returncode  # its own Ray
+        except subprocess.TimeoutExpired:
+            rc = "timed out after 480 s"
+    verl = verl_metrics(peak.watch) if os.path.exists(peak.watch) else {}
+    verl.update(peak_gpu_gib=peak.gib, first_step_s=peak.first_s, rc=rc)
+    ours = [json.loads(line) for line in open(OUT) if '"section": "peer"' in line][-1]["ours"]
+    if rc != 0 or "steps_per_s" not in verl:
+        return report("peer_verl", ours=ours, verl=verl)
+    return peer_report("peer_verl", ours, verl, 1.5, name="verl")
+
+
+def verl_overrides(steps: int, out_dir: str) -> list[str]:
+    """verl's GRPO (main_ppo, its v1 sync trainer: an FSDP actor and vLLM colocated as one hybrid engine, asleep while
+    the actor trains) on PEER's job: the same prompts and reward (verl_score), group, batch (one optimizer step of
+    1,024 samples), lengths, temperature, lr, AdamW, clip 1.0, fp32 masters under bf16, no checkpointing, no KL,
+    token-mean, PPO clip 0.2. Padded sdpa attention: flash-attn is not staged, and verl's remove-padding needs it.
+    verl keeps its old-log-prob forward, as TRL its IS one. Held-out: verl's validation on PEER's 200 test prompts, one
+    sample at PEER's temperature, before the first step and after the last. Writes the two parquet files it reads."""
+    import pandas as pd
+
+    from recipes.compare_agent import rows
+    from recipes.smollm2 import smollm2_dir
+    os.makedirs(out_dir, exist_ok=True)
+    for split, n in (("train", None), ("test", PEER["held_out"])):
+        pd.DataFrame([{"data_source": "compare", "prompt": [{"role": "user", "content": r["prompt"]}],
+                       "reward_model": {"style": "rule", "ground_truth": r["label"]}} for r in rows(split)[:n]]
+                     ).to_parquet(os.path.join(out_dir, f"{split}.parquet"))
+    a, r = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout."
+    return ["algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=False", "data.train_batch_size=128",
+            f"data.train_files={out_dir}/train.parquet", f"data.val_files={out_dir}/test.parquet",
+            "data.max_prompt_length=128", f"data.max_response_length={PEER['new_tokens']}", "data.seed=0",
+            f"actor_rollout_ref.model.path={smollm2_dir()}", "actor_rollout_ref.model.use_remove_padding=False",
+            "actor_rollout_ref.model.enable_gradient_checkpointing=False",
+            "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+            f"{a}optim.lr={PEER['lr']}", f"{a}optim.weight_decay=0.0", f"{a}optim.clip_grad=1.0",
+            f"{a}ppo_mini_batch_size=128", f"{a}ppo_micro_batch_size_per_gpu=256", f"{a}ppo_epochs=1",
+            f"{a}use_kl_loss=False", f"{a}entropy_coeff=0", f"{a}loss_agg_mode=token-mean",
+            f"{a}clip_ratio_low=0.2", f"{a}clip_ratio_high=0.2", f"{r}name=vllm", f"{r}n={PEER['group']}",
+            f"{r}temperature={PEER['temperature']}", f"{r}gpu_memory_utilization={PEER['gpu_memory_utilization']}",
+            f"{r}tensor_model_parallel_size=1", f"{r}max_model_len={PEER['max_model_len']}", f"{r}max_num_seqs=1024",
+            f"{r}log_prob_micro_batch_size_per_gpu=256", f"{r}val_kwargs.temperature={PEER['temperature']}",
+            f"{r}val_kwargs.do_sample=True", f"{r}val_kwargs.n=1",
+            f"reward.custom_reward_function.path={os.path.abspath(__file__)}",
+            "reward.custom_reward_function.name=verl_score", "trainer.n_gpus_per_node=1", "trainer.nnodes=1",
+            f"trainer.total_training_steps={steps}", "trainer.total_epochs=1", "trainer.val_before_train=True",
+            f"trainer.test_freq={steps}", "trainer.save_freq=-1", "trainer.logger=[console,file]",
+            "trainer.project_name=bench", "trainer.experiment_name=verl", "trainer.resume_mode=disable",
+            f"trainer.default_local_dir={out_dir}/ckpt", f"hydra.run.dir={out_dir}/hydra"]
+
+
+async def verl_score(data_source, solution_str, ground_truth, extra_info=None, **_) -> float:
+    """verl's custom reward function: recipes/compare_agent.py's reward of one decoded reply."""
+    from recipes.compare_agent import CompareEnv
+    return (await CompareEnv().step(solution_str, {"label": ground_truth})).reward
+
+
+def verl_metrics(path: str) -> dict:
+    """PEER's report from verl's metrics file (a row per step, the first its validation before training): steps 3 on
+    timed, as TRL's; sampled tokens from the mean response length of the 1,024 samples."""
+    rows_ = [json.loads(line) for line in open(path)]
+    steps = [r["data"] for r in rows_ if "timing_s/step" in r["data"]]
+    timed_ = steps[2:]
+    total = lambda key: sum(d.get(key, 0.0) for d in timed_)
+    tokens = sum(d["response_length/mean"] * PEER["group"] * 128 for d in timed_)
+    held_out = [d[k] for d in (r["data"] for r in rows_) for k in d if k.startswith("val-core/compare/reward/mean")]
+    span = total("timing_s/step")
+    return {"steps_per_s": len(timed_) / span, "sampled_tokens_per_s": tokens / span,
+            "trained_tokens_per_s": tokens / (span - total("timing_s/gen") - total("timing_s/update_weights")),
+            "step_s": span / len(timed_), "generate_s": total("timing_s/gen") / len(timed_),
+            "sync_s": total("timing_s/update_weights") / len(timed_), "tokens_per_step": tokens / len(timed_),
+            "held_out_before": held_out[0] if held_out else None, "held_out_after": held_out[-1] if held_out else None,
+            "peak_torch_gib": max((d.get("perf/max_memory_allocated_gb", 0.0) for d in steps), default=None),
+            "mismatch_abs_prob": total("training/rollout_probs_diff_mean") / len(timed_),  # |p - p'|, not |log p - ..|
+            "curve": [(i + 1, round(d["critic/score/mean"], 3)) for i, d in enumerate(steps)], "steps": len(steps)}
 
 
 # --- partial rollouts vs draining, on a long tail of completion lengths
@@ -1126,8 +1215,8 @@ def main() -> None:
     import ray
     sections = sys.argv[1:] or ["logprobs", "trainer", "generator", "refit", "loop1", "loop2", "smollm2", "smollm2_k1",
                                 "longtail", "plan", "moe", "vlm", "lora", "lora_smollm2", "precision"]
-    own_model = {"logprobs", "smollm2", "smollm2_k1", "sampling", "moe", "vlm", "lora_smollm2", "precision",
-                 "precision_smollm2", "precision_qwen3_0_6b", "peer", "peer_k1"}  # the rest use the random 0.6B shape
+    own_model = {"logprobs", "smollm2", "smollm2_k1", "sampling", "moe", "vlm", "lora_smollm2", "precision",  # the
+                 "precision_smollm2", "precision_qwen3_0_6b", "peer", "peer_k1", "peer_verl"}  # rest: the 0.6B shape
     model = model_dir() if any(s not in own_model and not s.startswith("precision_runs") for s in sections) else None
     ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     for s in sections:
@@ -1164,6 +1253,8 @@ def main() -> None:
             bench_peer()
         elif s == "peer_k1":
             bench_peer_k1()
+        elif s == "peer_verl":
+            bench_peer_verl()
         elif s.startswith("longtail"):  # both modes, or one; at K=1, or with _k2: K=2
             head, _, k = s.partition("_k")
             mode = head.removeprefix("longtail").strip("_")
