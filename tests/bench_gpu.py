@@ -496,8 +496,8 @@ def bench_smollm2(steps: int = 20, lr: str = "2e-5", k: int = 0) -> dict:
 
 # --- peer: the same GRPO job in TRL's GRPOTrainer (its vLLM colocated) and in ours
 
-PEER = dict(group=8, new_tokens=64, temperature=0.7, lr=2e-5, max_model_len=512, gpu_memory_utilization=0.3,
-            held_out=200)  # and 128 prompts per step: SMOLLM2_LOOP's job
+PEER = dict(prompts=128, group=8, new_tokens=64, temperature=0.7, lr=2e-5, max_model_len=512,
+            gpu_memory_utilization=0.3, held_out=200)  # SMOLLM2_LOOP's job
 
 
 class PeakGpu:
@@ -518,9 +518,10 @@ class PeakGpu:
         def poll():
             while not self.stop.wait(0.1):
                 self.peak = max(self.peak, pynvml.nvmlDeviceGetMemoryInfo(handle).used)
-                if self.first_s is None and self.watch and os.path.exists(self.watch) and \
-                        sum(1 for _ in open(self.watch)) >= self.lines:
-                    self.first_s = time.perf_counter() - self.t0
+                if self.first_s is None and self.watch and os.path.exists(self.watch):
+                    with open(self.watch) as f:
+                        if sum(1 for _ in f) >= self.lines:
+                            self.first_s = time.perf_counter() - self.t0
         self.thread = threading.Thread(target=poll, daemon=True)
         self.thread.start()
         return self
@@ -698,7 +699,7 @@ def peer_report(section: str, ours: dict, peer: dict, target: float, name: str =
 
 
 def bench_peer_verl(steps: int = 20) -> dict:
-    """verl on PEER's job (verl_job, in a process of its own), against ours in this machine's last `peer` section.
+    """verl on PEER's job (verl_overrides, in a process of its own), against ours in this machine's last `peer` section.
     Not yet run: staged on 2026-12-04 with its imports and its configuration checked on CPU only (verl 0.9.1 pins
     vLLM 0.24.0 and transformers < 5.11; it runs here on the stack's 0.26.0 and 5.18.0, verl's own version gate
     accepting vLLM >= 0.18)."""
@@ -736,14 +737,15 @@ def verl_overrides(steps: int, out_dir: str) -> list[str]:
                        "reward_model": {"style": "rule", "ground_truth": r["label"]}} for r in rows(split)[:n]]
                      ).to_parquet(os.path.join(out_dir, f"{split}.parquet"))
     a, r = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout."
-    return ["algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=False", "data.train_batch_size=128",
-            f"data.train_files={out_dir}/train.parquet", f"data.val_files={out_dir}/test.parquet",
+    return ["algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=False",
+            f"data.train_batch_size={PEER['prompts']}", f"data.train_files={out_dir}/train.parquet",
+            f"data.val_files={out_dir}/test.parquet",
             "data.max_prompt_length=128", f"data.max_response_length={PEER['new_tokens']}", "data.seed=0",
             f"actor_rollout_ref.model.path={smollm2_dir()}", "actor_rollout_ref.model.use_remove_padding=False",
             "actor_rollout_ref.model.enable_gradient_checkpointing=False",
             "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
             f"{a}optim.lr={PEER['lr']}", f"{a}optim.weight_decay=0.0", f"{a}optim.clip_grad=1.0",
-            f"{a}ppo_mini_batch_size=128", f"{a}ppo_micro_batch_size_per_gpu=256", f"{a}ppo_epochs=1",
+            f"{a}ppo_mini_batch_size={PEER['prompts']}", f"{a}ppo_micro_batch_size_per_gpu=256", f"{a}ppo_epochs=1",
             f"{a}use_kl_loss=False", f"{a}entropy_coeff=0", f"{a}loss_agg_mode=token-mean",
             f"{a}clip_ratio_low=0.2", f"{a}clip_ratio_high=0.2", f"{r}name=vllm", f"{r}n={PEER['group']}",
             f"{r}temperature={PEER['temperature']}", f"{r}gpu_memory_utilization={PEER['gpu_memory_utilization']}",
@@ -771,7 +773,7 @@ def verl_metrics(path: str) -> dict:
     steps = [r["data"] for r in rows_ if "timing_s/step" in r["data"]]
     timed_ = steps[2:]
     total = lambda key: sum(d.get(key, 0.0) for d in timed_)
-    tokens = sum(d["response_length/mean"] * PEER["group"] * 128 for d in timed_)
+    tokens = sum(d["response_length/mean"] * PEER["group"] * PEER["prompts"] for d in timed_)
     held_out = [d[k] for d in (r["data"] for r in rows_) for k in d if k.startswith("val-core/compare/reward/mean")]
     span = total("timing_s/step")
     return {"steps_per_s": len(timed_) / span, "sampled_tokens_per_s": tokens / span,
@@ -924,10 +926,8 @@ def bench_plan(model: str, packed: bool = False, rows: int = 128, max_tokens: in
     res = {k: {"s": [], "pad_frac": [], "forwards": []} for k in ("filled", "cut", "packed")}
     for b in range(batches + 1):  # batch 0 warms up
         lengths = batch(b)
-        for name, plan in (("filled", plan_step(lengths, minibatches=1, dp_size=1, max_tokens=max_tokens)),
-                           ("cut", None if packed else cut(lengths))):
-            if plan is None:
-                continue
+        ways = [("filled", plan_step(lengths, minibatches=1, dp_size=1, max_tokens=max_tokens))]
+        for name, plan in ways if packed else ways + [("cut", cut(lengths))]:
             seconds = run(lengths, plan)
             print(f"plan batch {b} {name}: {seconds:.2f} s", flush=True)
             if b:
