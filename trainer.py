@@ -91,8 +91,8 @@ class TrainArgs:
             raise ValueError(f"--train.schedule cosine with --train.total_steps {self.total_steps}: cosine decays to 0 "
                              f"at total_steps, which must exceed --train.warmup_steps {self.warmup_steps}; set it")
         if self.schedule == "constant" and self.total_steps is not None:
-            raise ValueError("--train.total_steps with --train.schedule constant: only cosine reads it; "
-                             "unset it or set --train.schedule cosine")
+            raise ValueError("--train.total_steps with --train.schedule constant: only cosine reads it; unset it or "
+                             "set --train.schedule cosine")
         if not all(0.0 <= b < 1.0 for b in self.betas) or self.weight_decay < 0.0:
             raise ValueError(f"--train.betas {self.betas} / --train.weight_decay {self.weight_decay}: "
                              "betas must be in [0, 1), weight_decay >= 0")
@@ -108,9 +108,8 @@ class TrainArgs:
                              "need rank >= 0, alpha > 0, dropout in [0, 1) and at least one target")
         defaults = TrainArgs.lora_alpha, TrainArgs.lora_targets, TrainArgs.lora_dropout
         if not self.lora_rank and (self.lora_alpha, self.lora_targets, self.lora_dropout) != defaults:
-            raise ValueError("--train.lora_alpha / --train.lora_targets / --train.lora_dropout with --train.lora_rank "
-                             "0: they shape a LoRA adapter, and rank 0 trains every weight; set --train.lora_rank or "
-                             "drop them")
+            raise ValueError("--train.lora_alpha / --train.lora_targets / --train.lora_dropout with --train.lora_rank 0"
+                             ": they shape an adapter; rank 0 trains every weight. Set --train.lora_rank or drop them")
 
 
 @dataclass
@@ -449,7 +448,6 @@ class TrainerRank:
         return grad_norm, lr
 
     def policy_step(self, step_loss: torch.Tensor) -> dict[str, float]:
-        """End the policy's optimizer step: sum its loss over ranks, clip, AdamW, advance the lr schedule."""
         dist.all_reduce(step_loss, group=self.dp_group)
         grad_norm, lr = self.optimizer_step(self.model, self.optimizer, self.train.lr, self.scaler)
         self.optimizer_steps += 1
@@ -481,15 +479,12 @@ class TrainerRank:
         logp = self.forward_rows(self.model, batch, self.plan(batch, 1), temperature)
         return [logp[i, :n] for i, n in enumerate(batch["lengths"].tolist())] if self.rank == 0 else None
 
-    # --- the driver's calls: the rendezvous, batch invariance; refit, write_hf, save, load: bound at the file's end
+    # --- the driver's calls: the rendezvous; batch invariance, refit, write_hf, save, load: bound at the file's end
     def address(self) -> tuple[str, int]:
         """This node's IP and a free port: rank 0 hosts the process group's rendezvous."""
         with socket.socket() as s:
             s.bind(("", 0))
             return ray.util.get_node_ip_address(), s.getsockname()[1]
-
-    def enable_batch_invariance(self) -> None:
-        enable_batch_invariant_kernels()
 
     def shutdown(self) -> None:
         dist.destroy_process_group()
@@ -507,8 +502,7 @@ class TrainerGroup:
         gpus = (1.0 if torch.cuda.is_available() else 0.0) if gpus_per_rank is None else gpus_per_rank
         check_args(train, fsdp, loss, estimator, cuda=gpus > 0)
         if batch_invariant and gpus == 0:
-            raise ValueError("--vllm.batch_invariant on a CPU trainer: vLLM's batch-invariant kernels are Triton "
-                             "kernels for CUDA GPUs (vLLM-CPU has none); drop the flag")
+            raise ValueError("--vllm.batch_invariant on a CPU trainer: its Triton kernels need CUDA; drop the flag")
         config, ep = AutoConfig.from_pretrained(model_path), fsdp.ep_size
         self.ckpt, self.colocated, self.vlm = ckpt, colocated, hasattr(config, "vision_config")
         if ep > 1 and (config.model_type != "qwen3_moe" or config.num_experts % ep or train.critic_lr is not None):
@@ -516,10 +510,8 @@ class TrainerGroup:
                              f"it divides, and no critic (a transformers class); {model_path} is {config.model_type} "
                              f"with {getattr(config, 'num_experts', 0)} experts; set another ep_size")
         if fsdp.tp_size > 1 and config.model_type == "qwen3_moe":
-            raise ValueError(f"--fsdp.tp_size {fsdp.tp_size} with a Qwen3-MoE policy ({model_path}): NeMo AutoModel "
-                             "0.7.0's MoE class refuses its own TP plan ('Custom MoE tensor-parallel plan patterns "
-                             "must each match at least one concrete module'); set --fsdp.tp_size 1 (--fsdp.ep_size "
-                             "splits the experts)")
+            raise ValueError(f"--fsdp.tp_size {fsdp.tp_size} with a Qwen3-MoE policy ({model_path}): NeMo 0.7.0's MoE "
+                             "class refuses its own TP plan; set --fsdp.tp_size 1 (--fsdp.ep_size splits the experts)")
         if train.freeze_vision and not self.vlm:
             raise ValueError(f"--train.freeze_vision: {model_path} has no vision_config (not a VLM); leave it off")
         if not temperature > 0.0:
@@ -570,7 +562,6 @@ class TrainerGroup:
         return ray.get(refs)
 
     def run_step(self, method: str, segments: list[Segment], data_position: dict | None) -> dict[str, float]:
-        """One step on every rank; merged metrics with throughput; a checkpoint when --ckpt.every says so."""
         start = time.perf_counter()
         batch = collate(segments, vlm=self.vlm)  # refuse bad input here, before any rank sees it
         results = self.call(method, ray.put(segments))  # one copy in the object store, read by every rank
@@ -640,28 +631,24 @@ class TrainerGroup:
 def check_args(train: TrainArgs, fsdp: FsdpArgs, loss: LossArgs, estimator: EstimatorArgs, *, cuda: bool) -> None:
     """Rules that span files or depend on the machine; checked before any actor starts."""
     if not cuda and fsdp.param_dtype != "float32":
-        raise ValueError(f"--fsdp.param_dtype {fsdp.param_dtype} on CPU: the CPU path trains in float32 "
-                         "(and vLLM-CPU samples in float32); set --fsdp.param_dtype float32")
+        raise ValueError(f"--fsdp.param_dtype {fsdp.param_dtype} on CPU: CPU trains and samples float32; set float32")
     if not cuda and fsdp.offload != "none":
-        raise ValueError("--fsdp.offload optimizer on CPU: the weights already live in host memory; "
-                         "set --fsdp.offload none")
+        raise ValueError("--fsdp.offload optimizer on CPU: weights already sit in host memory; set --fsdp.offload none")
     for flag, size, kind in (("tp_size", fsdp.tp_size, "tensor"), ("ep_size", fsdp.ep_size, "expert")):
         if train.world_size % size:
             raise ValueError(f"--fsdp.{flag} {size} with --train.world_size {train.world_size}: {kind}-parallel "
                              f"groups split the ranks evenly; set a --fsdp.{flag} that divides world_size")
     if fsdp.offload != "none" and train.world_size == 1:
-        raise ValueError("--fsdp.offload optimizer with one data-parallel rank: NeMo's FSDP2 does not shard "
-                         "(nor offload) then; set --fsdp.offload none or raise --train.world_size")
+        raise ValueError("--fsdp.offload optimizer with --train.world_size 1: NeMo's FSDP2 neither shards nor offloads "
+                         "one rank; set --fsdp.offload none or raise --train.world_size")
     if estimator.needs_values != (train.critic_lr is not None):
         raise ValueError(f"--estimator.name {estimator.name} with --train.critic_lr {train.critic_lr}: an estimator "
                          "that reads a critic's values (gae) needs one, no other uses one; set both or neither")
     if estimator.needs_kl and not loss.needs_ref_model:
-        raise ValueError("--estimator.kl_coef > 0 with --loss.kl_ref rollout: the per-token KL reward is measured "
-                         "against a frozen reference model; set --loss.kl_ref model")
+        raise ValueError("--estimator.kl_coef > 0 with --loss.kl_ref rollout: the KL reward needs --loss.kl_ref model")
 
 
 def check_segments(segments: list[Segment]) -> None:
-    """ValueError naming the first segment collate cannot lay out or train on."""
     if not segments:
         raise ValueError("segments: empty batch; train_step needs at least one segment with an action token")
     for i, seg in enumerate(segments):
@@ -706,16 +693,14 @@ def sft_batch(examples: list[dict], tokenizer, *, end_token: str = "<|im_end|>",
     token prefix of the whole, else ValueError. Image parts: `template` (a VLM's ChatTemplate) expands each (mask 0)."""
     end_id = tokenizer.convert_tokens_to_ids(end_token)
     if end_id is None or end_id == tokenizer.unk_token_id:
-        raise ValueError(f"end_token {end_token!r}: not a single token of this tokenizer; "
-                         "pass the template's end-of-turn token")
+        raise ValueError(f"end_token {end_token!r}: not a single token; pass the chat template's end-of-turn token")
     segments = []
     for i, example in enumerate(examples):
         messages, tools = example["messages"], example.get("tools") or None
         images = [p["image"] for m in messages if isinstance(m["content"], list) for p in m["content"]
                   if p.get("type") == "image"]
         if images and getattr(template, "processor", None) is None:   # before any render: a text template may fail
-            raise ValueError(f"example {i}: has images; pass template=ChatTemplate(model) of a VLM (a model whose "
-                             "config.json names an image_token_id)")
+            raise ValueError(f"example {i}: has images; pass template=ChatTemplate(model) of a VLM")
         render = functools.partial(tokenizer.apply_chat_template, tools=tools, tokenize=True, return_dict=False)
         ids = render(messages)
         mask = [False] * len(ids)
@@ -727,9 +712,8 @@ def sft_batch(examples: list[dict], tokenizer, *, end_token: str = "<|im_end|>",
             start = len(before := render(messages[:turn], add_generation_prompt=True))
             upto = render(messages[:turn + 1])
             if ids[:start] != before or ids[:len(upto)] != upto or end_id not in upto[start:]:
-                raise ValueError(f"example {i}, message {turn}: the chat template does not render this prefix as a "
-                                 f"token prefix of the conversation (or the turn lacks {end_token}); "
-                                 "SFT masks would be misplaced")
+                raise ValueError(f"example {i}, message {turn}: its rendered prefix is not a token prefix of the whole "
+                                 f"(or the turn lacks {end_token}); the chat template would misplace SFT masks")
             stop = len(upto) - upto[::-1].index(end_id)  # one past the turn's last end_token
             mask[start:stop] = [True] * (stop - start)
         spans = []
@@ -747,7 +731,7 @@ def sft_batch(examples: list[dict], tokenizer, *, end_token: str = "<|im_end|>",
 
 
 # --- the models: the process group, NeMo AutoModel's FSDP2, a VLM's extras; gradient norm, float16; LoRA
-def enable_batch_invariant_kernels() -> None:
+def enable_batch_invariant_kernels(rank: TrainerRank) -> None:
     """--vllm.batch_invariant: this rank's matmuls, log-softmax and mean run the kernels its engines run (vLLM's)."""
     os.environ["VLLM_BATCH_INVARIANT"] = "1"
     try:  # vLLM 0.26 (the GPU's); later versions moved the module to model_executor.determinism
@@ -845,8 +829,7 @@ def install_replay(rank: TrainerRank, model) -> tuple[int, int, int]:
     from nemo_automodel.components.moe.layers import Gate
     gates = [m for m in model.modules() if isinstance(m, Gate)]  # in layer order
     if not gates:
-        raise ValueError(f"--train.routing_replay: {rank.model_path} has no Qwen3-MoE router (a dense model, or "
-                         "an MoE architecture this replay does not know); leave the flag off")
+        raise ValueError(f"--train.routing_replay: {rank.model_path} has no Qwen3-MoE router; leave the flag off")
     for layer, gate in enumerate(gates):  # a gate routes by router_replay.apply(its live top-k ids)
         gate.router_replay = types.SimpleNamespace(apply=functools.partial(rank.replayed_ids, layer))
     return len(gates), gates[0].topk, gates[0].n_experts
@@ -864,7 +847,6 @@ def reduce_parallel_grads(rank: TrainerRank, model) -> None:
 
 
 def image_inputs(rank: TrainerRank, images: list) -> dict[str, torch.Tensor]:
-    """A VLM's inputs for decoded images, all its processor returns (pixel_values, ...), on this rank's device."""
     return {k: v.to(rank.device) for k, v in rank.processor.image_processor(images=images, return_tensors="pt").items()}
 
 
@@ -1132,4 +1114,4 @@ def load_checkpoint(rank: TrainerRank, path: str) -> dict:
 
 # TrainerRank's methods that are machinery: TrainerGroup.call invokes them by name on the Ray actors
 TrainerRank.refit, TrainerRank.write_hf, TrainerRank.save = refit_from, write_hf_dir, save_checkpoint
-TrainerRank.load = load_checkpoint
+TrainerRank.load, TrainerRank.enable_batch_invariance = load_checkpoint, enable_batch_invariant_kernels
