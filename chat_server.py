@@ -183,9 +183,8 @@ class ChatTemplate:
         return out + ids[spots[-1] + 1:], spans
 
     def image_run(self, data: bytes) -> list[int]:
-        text = self.tokenizer.convert_ids_to_tokens(self.image_id)
-        return list(self.processor(text=text, images=[decode_image(data, "image")],
-                                   add_special_tokens=False)["input_ids"][0])
+        return list(self.processor(text=self.tokenizer.convert_ids_to_tokens(self.image_id),
+                                   images=[decode_image(data, "image")], add_special_tokens=False)["input_ids"][0])
 
     def bridge(self, sampled_ids: list[int]) -> list[int]:
         """Tokens the template puts after a sampled turn: the rest of its end-of-turn text (mask 0)."""
@@ -197,8 +196,6 @@ class ChatTemplate:
 
 # --- canonical form: every protocol parses into (system, tools, [Msg]), hashed as a prefix chain
 class ApiError(Exception):
-    """A request answered with an error status; 503 (engine down) is the only retryable one."""
-
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  kind: str | None = None):
         super().__init__(message)
@@ -244,7 +241,6 @@ class Msg:
 
 
 def template_content(content: str | tuple | list):
-    """A message's content for the chat template: a str as it is; parts as the text and image parts VLMs read."""
     return content if isinstance(content, str) else [
         {"type": "image"} if isinstance(p, bytes) else {"type": "text", "text": p} for p in content]
 
@@ -443,7 +439,6 @@ class SegmentStore:
         return ("RETRY", first) if L >= n and first else None
 
     def render_request(self, req: ChatRequest) -> tuple[list[int], list[tuple]]:
-        """A fresh render of the request's history up to the generation prompt, then a prefill's text; image spans."""
         ids, images = self.template.expand_images(self.template.render_full(req.template_messages(), req.tools),
                                                   req.images())
         return ids + (self.template.encode(req.msgs[-1].content) if req.prefill else []), images
@@ -490,8 +485,7 @@ class SegmentStore:
         ids, logprobs, versions = list(c.token_ids), list(c.logprobs), list(c.versions)
         finish, stop = c.finish_reason, None
         if not ids or not len(ids) == len(logprobs) == len(versions):
-            raise RuntimeError(f"generator returned {len(ids)} ids, {len(logprobs)} log-probs, "
-                               f"{len(versions)} versions")
+            raise RuntimeError(f"generator returned {len(ids)} ids, {len(logprobs)} logprobs, {len(versions)} versions")
         shut = finish == "stop" and ids[-1] in self.template.special_ids   # ended by a stop token, which has no text
         text = self.template.decode(ids[:len(ids) - shut])
         cut = cut_at_stop(self.template, ids, req.stop) if req.stop else None
@@ -528,8 +522,7 @@ class SegmentStore:
         if c.routed_experts is not None:   # this call saw the whole segment
             t.experts = segment_routing(c.routed_experts, len(t.tokens))
         if len(t.tokens) != len(plan.prompt) + len(ids) or len(t.msgs) + 1 != len(t.hashes):
-            raise RuntimeError(f"segment {t.index} holds {len(t.tokens)} tokens, the engine saw "
-                               f"{len(plan.prompt) + len(ids)}")
+            raise RuntimeError(f"segment {t.index}: {len(t.tokens)} tokens, engine saw {len(plan.prompt) + len(ids)}")
         return reply
 
     @staticmethod
@@ -545,7 +538,6 @@ class SegmentStore:
                 for t in ep.tracks]
 
     def taint(self, ep: EpisodeState | None, e: Exception, note: str = "") -> ApiError:
-        """A bug of ours: log it, never train on the episode, and answer with a 500."""
         log.error("internal error (episode %s; its segments are marked tainted)", ep and ep.id, exc_info=e)
         if ep is not None and not ep.tainted:
             ep.tainted = True
@@ -637,7 +629,6 @@ TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a bo
 
 
 def get(obj: dict, key: str, types, path: str = "", required: bool = False):
-    """obj[key] checked against types; None when absent and optional; else a 400 naming the field."""
     value = obj.get(key)
     if value is None and required:
         raise bad(path + key, "Field required")
@@ -648,7 +639,6 @@ def get(obj: dict, key: str, types, path: str = "", required: bool = False):
 
 
 def objects(items: list, path: str, start: int = 0):
-    """(index, item, its path prefix) of each of items[start:]; a 400 naming the first that is not an object."""
     for i in range(start, len(items)):
         if not isinstance(items[i], dict):
             raise bad(f"{path}.{i}", "expected an object")
@@ -675,7 +665,6 @@ def text_of(value, path: str, kinds: tuple = ("text",), image: str = "") -> str 
 
 
 def join_parts(parts: list) -> str | tuple:
-    """Text parts joined by newlines; with an image among them, the parts in order (Msg.content)."""
     return tuple(parts) if any(isinstance(p, bytes) for p in parts) else "\n".join(parts)
 
 
@@ -773,7 +762,6 @@ def sse(name: str | None, data: dict) -> str:
 
 
 def event(kind: str, **data) -> str:
-    """A named event whose data repeats its name as "type" (Anthropic, Responses)."""
     return sse(kind, {"type": kind, **data})
 
 
@@ -783,14 +771,15 @@ OPENAI_TOO_LONG = ("This model's maximum context length is {window} tokens. Howe
 OPENAI_TYPES = {401: "invalid_request_error", 404: "not_found_error", 500: "server_error", 503: "server_error"}
 
 
-def openai_forced(choice) -> str | None:
-    """tool_choice "required" (any tool: ""), {"type": "function", "function"|"name": ...} (that one), else None."""
+def openai_constrain(body: dict, tools: list, fmt, fmt_path: str) -> tuple[dict | None, str]:
+    """constrain() under OpenAI's tool_choice ("required": any tool; a function: that one) and parallel_tool_calls."""
+    choice, forced = body.get("tool_choice"), None
     if choice == "required":
-        return ""
-    if isinstance(choice, dict) and choice.get("type") == "function":
+        forced = ""
+    elif isinstance(choice, dict) and choice.get("type") == "function":
         name = (choice.get("function") or {}).get("name") if "function" in choice else choice.get("name")
-        return name if isinstance(name, str) else ""
-    return None
+        forced = name if isinstance(name, str) else ""
+    return constrain(tools, forced, fmt, ("tool_choice", fmt_path), body.get("parallel_tool_calls") is False)
 
 
 def arguments_json(c: Call) -> str:
@@ -799,9 +788,8 @@ def arguments_json(c: Call) -> str:
 
 def parse_openai(body: dict, prior: tuple = (0, None, ())) -> ChatRequest:
     """`prior` (raw messages done, system, canonical msgs) is an earlier parse of a prefix of these messages."""
-    messages, (done, system, msgs) = get(body, "messages", list, required=True), prior
-    msgs = list(msgs)
-    for i, m, p in objects(messages, "messages", done):
+    done, system, msgs = prior[0], prior[1], list(prior[2])   # a copy: prior's list is an earlier request's
+    for i, m, p in objects(get(body, "messages", list, required=True), "messages", done):
         role = get(m, "role", str, p, required=True)
         if role in ("system", "developer") and i == 0:
             system = text_of(m.get("content"), p + "content")
@@ -825,8 +813,7 @@ def parse_openai(body: dict, prior: tuple = (0, None, ())) -> ChatRequest:
             raise bad(p + "role", f"unsupported role {role!r}")
     stop, options = get(body, "stop", (str, list)), get(body, "stream_options", dict) or {}
     tools, server = parse_tools(get(body, "tools", list) or [], nested=True)
-    constraint = constrain(tools, openai_forced(body.get("tool_choice")), get(body, "response_format", dict),
-                           ("tool_choice", "response_format"), body.get("parallel_tool_calls") is False)
+    constraint = openai_constrain(body, tools, get(body, "response_format", dict), "response_format")
     req = ChatRequest(get(body, "model", str, required=True), system, tools, msgs, "call_", OPENAI_TOO_LONG,
                       constraint=constraint, server_tools=server,
                       max_tokens=get(body, "max_completion_tokens", int) or get(body, "max_tokens", int),
@@ -931,14 +918,11 @@ def parse_responses(body: dict, handles: dict = {}) -> ChatRequest:
         else:
             raise bad(p + "type", f"unsupported input item {kind!r}")
     tools, server = parse_tools(get(body, "tools", list) or [])
-    constraint = constrain(tools, openai_forced(body.get("tool_choice")),
-                           (get(body, "text", dict) or {}).get("format"), ("tool_choice", "text.format"),
-                           body.get("parallel_tool_calls") is False)
+    constraint = openai_constrain(body, tools, (get(body, "text", dict) or {}).get("format"), "text.format")
+    namespaces = tuple(t["name"] for t in body["tools"] if t.get("type") == "namespace") if tools else ()
     return ChatRequest(get(body, "model", str, required=True), system, tools, msgs, "call_", OPENAI_TOO_LONG,
-                       max_tokens=get(body, "max_output_tokens", int), seed=get(body, "seed", int),
-                       stream=bool(get(body, "stream", bool)), constraint=constraint, server_tools=server,
-                       namespaces=tuple(t["name"] for t in body["tools"] if t.get("type") == "namespace") if tools
-                       else ())
+                       max_tokens=get(body, "max_output_tokens", int), constraint=constraint, server_tools=server,
+                       seed=get(body, "seed", int), stream=bool(get(body, "stream", bool)), namespaces=namespaces)
 
 
 def responses_body(req: ChatRequest, r: Reply) -> dict:
@@ -1273,10 +1257,9 @@ class ChatServer(SegmentStore):
                 return self.error_response(proto, e)
         return run
 
-    async def http_error(self, request: Request, exc: HTTPException) -> Response:
+    async def http_error(self, request: Request, e: HTTPException) -> Response:
         proto = "anthropic" if "anthropic-version" in request.headers else "openai"   # a path no route knows
-        return self.error_response(proto, ApiError(exc.status_code, f"{request.method} {request.url.path}: "
-                                                                    f"{exc.detail}"))
+        return self.error_response(proto, ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}"))
 
     def error_response(self, protocol: str, e: ApiError) -> Response:
         request_id, w = "req_" + secrets.token_hex(12), WRITERS[protocol]
