@@ -114,8 +114,7 @@ async def run_env_episode(env: Env, generator: Generator, template: ChatTemplate
 
 async def run_chat_episode(agent: ChatAgent, server: ChatServer, row: dict, *, model: str, episode_id: str,
                            group_id: str) -> list[Segment]:
-    """The agent-owned loop: the agent talks to the chat server with a stock SDK; the server's segments
-    of this episode (one or more: compaction and sub-agents open new ones) all get its reward."""
+    """Agent-owned loop via the chat server; each segment of the episode (compaction, sub-agents) gets its reward."""
     ep = server.open_episode()
     messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
     ctx = ChatContext(base_url=ep.openai_base_url, anthropic_base_url=ep.anthropic_base_url, api_key=ep.api_key,
@@ -139,7 +138,6 @@ class AgentWorker:
         self.template = ChatTemplate(model_path, append_roles=())  # no start-up check: an Env's delta fails when made
 
     async def start(self) -> str:
-        """Start the loopback chat server if the agent is a ChatAgent; returns the agent kind."""
         agent = self.module.make_agent()
         if isinstance(agent, ChatAgent) and self.server is None:
             self.server = ChatServer(self.generator, self.model_path, self.chat)

@@ -86,9 +86,8 @@ class VllmArgs:
             raise ValueError("--vllm.batch_invariant with --fsdp.compile_logprobs: inductor fuses its own log-softmax, "
                              "not vLLM's batch-invariant kernel; add --no-fsdp.compile_logprobs")
         if self.max_lora_rank and not self.max_lora_rank >= lora_rank > 0:
-            raise ValueError(f"--vllm.max_lora_rank {self.max_lora_rank} with --train.lora_rank {lora_rank}: engines "
-                             "serving LoRA are refit by adapter, so the trainer must train one of at most that rank; "
-                             "set --vllm.max_lora_rank >= --train.lora_rank, or 0 to refit weights with it merged in")
+            raise ValueError(f"--vllm.max_lora_rank {self.max_lora_rank} with --train.lora_rank {lora_rank}: LoRA "
+                             "engines load adapters up to that rank; set it >= --train.lora_rank > 0, or 0 (merged)")
 
 
 @dataclass
@@ -111,9 +110,8 @@ class RolloutArgs:
     def check_logprobs_usable(self, *, importance_correction: bool, kl_to_rollout: bool) -> None:
         """Refuse truncated sampling where the loss uses the rollout log-probs (launch.py calls this)."""
         if (self.top_p < 1.0 or self.top_k is not None) and (importance_correction or kl_to_rollout):
-            raise ValueError("--rollout.top_p < 1 or --rollout.top_k with an importance correction or a KL to the "
-                             "rollout policy: vLLM's log-probs are then of the truncated distribution, not the "
-                             "trainer's full temperature-scaled logits; set --rollout.top_p 1.0 and leave top_k unset")
+            raise ValueError("--rollout.top_p < 1 or --rollout.top_k with an importance correction or a rollout KL: "
+                             "vLLM's log-probs are of the truncated distribution; set top_p 1.0 and unset top_k")
 
 
 # --- the data contract
@@ -190,8 +188,7 @@ def token_versions(version: int, marks: list[tuple[int, int]], num_tokens: int) 
 
 
 class Generator:
-    """Picklable router over the engine actors; needs `ray.init()`, blocks until every engine has started. `version`:
-    what it last loaded. `actor_options`: each engine's `.options()` (launch.py's placement), else GPUs if any."""
+    """Picklable router over the engine actors. `version`: last loaded; `actor_options`: each engine's `.options()`."""
 
     def __init__(self, model_path: str, vllm: VllmArgs, rollout: RolloutArgs, *, actor_options: dict | None = None):
         if not ray.is_initialized():
@@ -308,7 +305,6 @@ class Generator:
         await self._all("resume")
 
     async def metrics(self) -> dict:
-        """Counters summed over engines (requests, tokens, seconds in requests), the last pause's seconds."""
         counts = await self._all("metrics")  # every engine reports the same keys
         return {**{k: sum(c[k] for c in counts) for k in counts[0]}, **self._timings, "generator/version": self.version}
 
@@ -585,18 +581,17 @@ async def send_bucket(gen: Generator, bucket: list, first: bool, last: bool,
     device = bucket[0][1].device
     here = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None
     transport = refit_transport(here, gen._gpus, colocated)
-    ipc = transport == "ipc"
-    need = packed_layout(bucket)[1] if ipc else 0
-    if ipc and (gen._ipc is None or gen._ipc[0].numel() < need):
+    need = packed_layout(bucket)[1]
+    if transport == "ipc" and (gen._ipc is None or gen._ipc[0].numel() < need):
         # CUDA IPC through one buffer kept across buckets and refits: the workers open its handle once
         from torch.multiprocessing.reductions import reduce_tensor
         gen._ipc = None  # the old buffer goes before a bigger one is taken
         buffer = torch.empty(max(need, gen._bucket_bytes), dtype=torch.uint8, device=device)
         gen._ipc = (buffer, pickle.dumps(reduce_tensor(buffer)))
-    layout, flat = pack(bucket, gen._ipc[0] if ipc else None)
+    layout, flat = pack(bucket, gen._ipc[0] if transport == "ipc" else None)
     if transport == "bytes":
         payload = flat.numpy().tobytes()
-    elif ipc:
+    elif transport == "ipc":
         torch.cuda.current_stream(device).synchronize()  # the bytes are in place before another process reads
         payload = (gen._ipc[1], flat.numel())
     else:
@@ -627,7 +622,6 @@ async def join_refit_group(gen: Generator, device: torch.device) -> None:
 
 
 def versions_from_spans(spans: list[tuple[str, int, int]], num_tokens: int) -> list[int]:
-    """Expand vLLM's (version, start, end) spans over the output tokens into one version per token."""
     versions = [int(v) for v, start, end in spans for _ in range(start, end)]
     if len(versions) != num_tokens:
         raise RuntimeError(f"weight-version spans {spans} cover {len(versions)} tokens, the output has {num_tokens}")
@@ -686,16 +680,14 @@ def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
 
 
 def refit_transport(device_uuid: str | None, engine_gpus: list[str], colocated: bool) -> str:
-    """How a bucket on the trainer's device (its GPU's uuid; None on CPU) reaches the engines' GPUs: "bytes" from
-    CPU; "ipc" when colocated (--launch.colocate), which needs every engine on this GPU; "nccl" to other GPUs."""
+    """How a bucket on the trainer's device (its GPU uuid; None: CPU) reaches the engines: "bytes", "ipc" or "nccl"."""
     if device_uuid is None:
         return "bytes"
     if colocated and set(engine_gpus) != {device_uuid}:
         raise ValueError(f"--launch.colocate: the engines' GPUs {engine_gpus} are not the trainer's {device_uuid}, "
                          "and CUDA IPC reaches only its own GPU; drop --launch.colocate to refit over NCCL")
     if not colocated and device_uuid in engine_gpus:
-        raise ValueError(f"an engine shares the trainer's GPU {device_uuid}, and NCCL needs two: set --launch.colocate "
-                         "to refit over CUDA IPC")
+        raise ValueError(f"an engine shares the trainer's GPU {device_uuid}; NCCL needs two: set --launch.colocate")
     return "ipc" if colocated else "nccl"
 
 
@@ -762,8 +754,7 @@ def build_engine_args(model_path: str, vllm: VllmArgs, *, cuda: bool):
         raise ValueError("--vllm.tensor_parallel_size > 1 / --vllm.enable_expert_parallel need GPUs; this engine "
                          "runs on CPU: use --vllm.num_engines for more engines instead")
     if not cuda and vllm.return_routed_experts:
-        raise ValueError("--vllm.return_routed_experts on a CPU engine: vLLM records experts only in its model "
-                         "runner V2, which needs Triton (GPU builds)")
+        raise ValueError("--vllm.return_routed_experts on a CPU engine: vLLM's recorder needs Triton (GPUs); drop it")
     if not cuda and vllm.batch_invariant:
         raise ValueError("--vllm.batch_invariant on a CPU engine: its kernels are Triton kernels for GPUs; drop it")
     if not cuda and vllm.gpu_memory_utilization != defaults.gpu_memory_utilization:
@@ -816,7 +807,6 @@ class WeightLoader:
         return str(torch.cuda.get_device_properties(self.device).uuid)
 
     def join_nccl(self, host: str, port: int, rank_offset: int, world_size: int) -> None:
-        """Join the refit group whose rank 0 is the trainer process that sends the weights."""
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
         from vllm.distributed.utils import StatelessProcessGroup
         group = StatelessProcessGroup.create(host=host, port=port, rank=rank_offset + self.rank, world_size=world_size)
