@@ -1,19 +1,17 @@
 """Advantage estimators: per-row rewards, prompt groups and action masks -> per-token advantages.
 
-Shapes: B rows (segments), T tokens, P prompt groups, E unique episodes in the batch.
-Contract: compute_advantages(args, rewards (B,), group_ids (B,), episode_ids (B,), mask (B, T),
-values=(B, T), kl=(B, T), truncated=(B,)) -> (advantages (B, T), returns (B, T) for gae else None, metrics).
-Advantages are exactly 0 where mask is False. Group estimators count each episode once (its segments share
-one reward) and broadcast its advantage to every action token of every segment. Token-level estimators
-(reinforce, gae) work per row and skip non-action tokens (prompt, tool output, template glue) in their sums.
-Inputs carry no gradient; bad input raises ValueError naming it. Not here: policy or value losses (losses.py),
-the KL estimate itself (the caller passes it), length normalisation (the loss's aggregation owns it).
+Shapes: B rows (segments), T tokens, P prompt groups, E unique episodes. Contract: compute_advantages(args,
+rewards (B,), group_ids (B,), episode_ids (B,), mask (B, T), values=(B, T), kl=(B, T), truncated=(B,)) ->
+(advantages (B, T), returns (B, T) for gae else None, metrics). Advantages are exactly 0 where mask is False.
+Group estimators count each episode once (its segments share one reward) and broadcast its advantage to every
+action token of every segment. Token-level estimators (reinforce, gae) work per row and skip non-action tokens
+(prompt, tool output, template glue) in their sums. Inputs carry no gradient; bad input raises ValueError naming
+it. Not here: policy or value losses and length normalisation (losses.py), the KL estimate (the caller's).
 
-Research surface: a new estimator is one pure function here, one ESTIMATORS entry and one `elif` in
-compute_advantages (README, "Adding an advantage estimator"); a reward-shaping term from rollout facts
-(action lengths, truncation) is one branch of shape_rewards. Neither edits trainer.py or launch.py.
-Reading order: EstimatorArgs, the group helpers, the estimators, shape_rewards, compute_advantages; below the
-banner: the input checks, and the packed scans by which reinforce and gae skip non-action tokens.
+Research surface: a new estimator is one pure function, one ESTIMATORS entry and one `elif` in compute_advantages
+(README, "Adding an advantage estimator"); a reward-shaping term from rollout facts is one branch of shape_rewards.
+Neither edits trainer.py or launch.py. Reading order: EstimatorArgs, the group helpers, the estimators,
+shape_rewards, compute_advantages; below the banner: the input checks, and the packed scans of reinforce and gae.
 """
 import math
 from dataclasses import dataclass, field
@@ -39,18 +37,16 @@ class EstimatorArgs:
     def __post_init__(self):
         if self.name not in ESTIMATORS:
             raise ValueError(f"--estimator.name {self.name!r}: unknown; choose one of {', '.join(ESTIMATORS)}")
-        if not 0.0 <= self.gamma <= 1.0:
-            raise ValueError(f"--estimator.gamma {self.gamma}: must be in [0, 1]")
-        if not 0.0 <= self.lam <= 1.0:
-            raise ValueError(f"--estimator.lam {self.lam}: must be in [0, 1]")
+        for name in ("gamma", "lam"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"--estimator.{name} {getattr(self, name)}: must be in [0, 1]")
         if not self.std_eps > 0.0:
             raise ValueError(f"--estimator.std_eps {self.std_eps}: must be > 0, it keeps a zero std from dividing by 0")
         if not self.kl_coef >= 0.0:
             raise ValueError(f"--estimator.kl_coef {self.kl_coef}: must be >= 0, it is a penalty")
         if self.kl_coef > 0.0 and self.name not in ("reinforce", "gae"):
             raise ValueError(f"--estimator.kl_coef with --estimator.name {self.name}: a per-token KL reward needs "
-                             "per-token returns, which only reinforce and gae compute; set --estimator.kl_coef 0 and "
-                             "use --loss.kl_coef")
+                             "per-token returns (reinforce, gae); set --estimator.kl_coef 0 and use --loss.kl_coef")
         if self.gamma < 1.0 and self.name not in ("reinforce", "gae"):
             raise ValueError(f"--estimator.gamma with --estimator.name {self.name}: it gives one advantage per "
                              "episode, so nothing is discounted; set --estimator.gamma 1 or use reinforce or gae")
@@ -78,8 +74,7 @@ def to_episodes(rewards: Tensor, group_ids: Tensor, episode_ids: Tensor) -> tupl
     episode_rewards = rewards.new_zeros(len(episodes)).scatter_(0, row_episode, rewards)  # (E,)
     episode_groups = group_ids.new_zeros(len(episodes)).scatter_(0, row_episode, group_ids)  # (E,)
     if not (torch.equal(episode_rewards[row_episode], rewards) and torch.equal(episode_groups[row_episode], group_ids)):
-        raise ValueError("episode_ids: rows of one episode disagree on reward or group id; "
-                         "every segment of an episode must carry its episode's reward and group")
+        raise ValueError("episode_ids: an episode's segments must share its reward and group id; these rows do not")
     return episode_rewards, episode_groups, row_episode
 
 

@@ -65,11 +65,10 @@ class LaunchArgs:
     workers: int = field(default=1, metadata={"help": "agent worker actors (each runs many episodes concurrently)"})
 
     def __post_init__(self):
-        if min(self.steps, self.batch_prompts, self.samples_per_prompt, self.workers) < 1 or \
-                min(self.in_flight, self.max_staleness) < 0:
-            raise ValueError(f"--launch.steps / batch_prompts / samples_per_prompt / workers must be >= 1, "
-                             f"--launch.in_flight / max_staleness >= 0: got {self.steps}, {self.batch_prompts}, "
-                             f"{self.samples_per_prompt}, {self.workers}, {self.in_flight}, {self.max_staleness}")
+        least = dict(steps=1, batch_prompts=1, samples_per_prompt=1, workers=1, in_flight=0, max_staleness=0)
+        for name, low in least.items():
+            if getattr(self, name) < low:
+                raise ValueError(f"--launch.{name} {getattr(self, name)}: must be >= {low}")
 
 
 @dataclass
@@ -124,12 +123,9 @@ def audit(segments: list) -> None:
 
 
 def check_constrained(metrics: dict, importance_correction: bool) -> None:
-    """Constrained decoding samples from a masked distribution: without an importance correction, stop."""
     if metrics["rollout/constrained_tokens"] and not importance_correction:
-        raise ValueError("an agent asked for constrained decoding (tool_choice required or named, a JSON format): "
-                         "its tokens were sampled from the masked distribution, so the trainer's log-probs are "
-                         "not the behaviour policy's; set --loss.is_level token (or seq, geo), or refuse such "
-                         "requests with --chat.refuse_constrained")
+        raise ValueError("constrained decoding (tool_choice required or named, a JSON format) samples a masked "
+                         "distribution, not the trainer's: set --loss.is_level token, or --chat.refuse_constrained")
 
 
 def rollout_metrics(segments: list, version: int, lag_bins: int) -> dict:
@@ -318,40 +314,32 @@ def check_cross_flags(cfg: dict) -> None:
     launch, train, loss, rollout = cfg["launch"], cfg["train"], cfg["loss"], cfg["rollout"]
     if (launch.max_staleness > 0 or launch.partial_rollout) and not loss.importance_correction:
         raise ValueError(f"--launch.max_staleness {launch.max_staleness} / --launch.partial_rollout with "
-                         "--loss.is_level off: stale or mixed-version tokens need an importance correction; set "
-                         "--loss.is_level token (or seq, geo)")
+                         "--loss.is_level off: stale tokens need an importance correction; set --loss.is_level token")
     in_flight, window = launch.in_flight, launch.batch_prompts * (launch.max_staleness + 1)
     if in_flight and not (launch.batch_prompts <= in_flight and (in_flight <= window or launch.partial_rollout)):
-        raise ValueError(f"--launch.in_flight {in_flight}: needs >= --launch.batch_prompts {launch.batch_prompts}, "
-                         f"and above --launch.batch_prompts x (--launch.max_staleness + 1) = {window} only with "
-                         "--launch.partial_rollout (without it every refit waits for all of them, and the groups they "
-                         "finish go stale)")
+        raise ValueError(f"--launch.in_flight {in_flight}: must be >= --launch.batch_prompts; above {window} = that x "
+                         "(--launch.max_staleness + 1) only with --launch.partial_rollout (each refit waits for all)")
     if launch.max_staleness == 0 and launch.partial_rollout and in_flight > launch.batch_prompts:
-        raise ValueError(f"--launch.max_staleness 0 with --launch.partial_rollout and --launch.in_flight {in_flight} > "
-                         f"--launch.batch_prompts {launch.batch_prompts}: the groups left sampling across a refit keep "
-                         "their old tokens, so K=0 would train 1-version-old ones; set --launch.max_staleness 1, or "
-                         "--launch.in_flight <= --launch.batch_prompts")
+        raise ValueError(f"--launch.in_flight {in_flight} > --launch.batch_prompts with --launch.partial_rollout and "
+                         "--launch.max_staleness 0: groups sampling across a refit would train 1-version-old tokens; "
+                         "set --launch.max_staleness 1 or lower --launch.in_flight")
     longest = cfg["vllm"].max_model_len  # a chat segment's bound; an Env episode's is --agent.max_context if lower
     if launch.mode == "rl" and train.max_tokens_per_microbatch < longest:
         raise ValueError(f"--vllm.max_model_len {longest} with --train.max_tokens_per_microbatch "
-                         f"{train.max_tokens_per_microbatch}: an episode that long cannot fit one microbatch, and the "
-                         f"step would stop on it; set --train.max_tokens_per_microbatch >= {longest}, or lower "
-                         "--vllm.max_model_len (an Env agent samples nothing past --agent.max_context "
-                         f"{cfg['agent'].max_context}, so that value costs it nothing)")
+                         f"{train.max_tokens_per_microbatch}: such an episode fits no microbatch; raise the microbatch "
+                         f"bound or lower max_model_len (an Env agent stops at --agent.max_context "
+                         f"{cfg['agent'].max_context})")
     if train.routing_replay and not cfg["vllm"].return_routed_experts:
         raise ValueError("--train.routing_replay without --vllm.return_routed_experts: the engine records no "
                          "routing to replay; set --vllm.return_routed_experts")
     rollout.check_logprobs_usable(importance_correction=loss.importance_correction, kl_to_rollout=loss.kl_to_rollout)
     cfg["vllm"].check_trainer(cfg["fsdp"].param_dtype, cfg["fsdp"].compile_logprobs, train.lora_rank)
     if not launch.model:
-        raise ValueError("--launch.model is required: a Hugging Face model directory "
-                         "(recipes/tiny_model.py builds one)")
+        raise ValueError("--launch.model is required: a Hugging Face model directory (recipes/tiny_model.py makes one)")
 
 
 # --- the queue: prompt groups in flight on the agent workers, admitted into batches, and the data position
 class GroupQueue:
-    """Prompt groups in flight on the agent workers, and the finished ones waiting to be trained."""
-
     def __init__(self, workers: list, rows: list[dict], samples: int, position: dict, seed: int, groups: int):
         """position: the data order's next (epoch, index), and "pending", the positions a checkpoint saw launched
         but not trained, re-issued first. groups: how many groups the remaining steps train."""
@@ -445,14 +433,12 @@ class GroupQueue:
                 if filtered > max_filtered:
                     raise RuntimeError(
                         f"--data.filter_range {filter_range[0]:g} {filter_range[1]:g}: {filtered} groups were filtered "
-                        f"while one batch filled {len(batch)} of {n}, more than --data.max_filtered_batches x "
-                        f"--launch.batch_prompts = {max_filtered}; {self.counts['filtered'] / self.kept:.1%} of the "
-                        f"{self.kept} groups finished so far were filtered. Widen the range, use data the policy "
-                        "neither always solves nor always fails, or raise --data.max_filtered_batches")
+                        f"for one batch, > --data.max_filtered_batches x --launch.batch_prompts = {max_filtered} (all: "
+                        f"{self.counts['filtered'] / self.kept:.1%} of the {self.kept} groups). Widen the range, use "
+                        "data the policy solves only sometimes, or raise --data.max_filtered_batches")
                 continue
             versions = [v for s in group["segments"] for v, m in zip(s.versions, s.action_mask) if m]
-            # partial rollouts: a group is as fresh as its newest token; its older tokens are corrected per
-            # token (and bounded by --loss.max_token_lag). Otherwise as old as its oldest.
+            # partial: as fresh as its newest token (older ones are corrected per token); else as old as its oldest
             if (max(versions) if partial else min(versions)) < min_version:
                 self.counts["stale"] += 1
                 self.reissue.append(position)
@@ -498,8 +484,7 @@ async def start_rl(cfg: dict) -> types.SimpleNamespace:
     capacity = launch.in_flight or launch.batch_prompts * (launch.max_staleness + 1)
     before = {}
     if cfg["eval"].every and cfg["eval"].before and trainer.step == 0:  # the baseline every later eval compares with
-        baseline = await evaluate(workers, held_out, cfg["eval"].prompts)
-        before = {"eval/before_reward_mean": baseline["eval/reward_mean"]}
+        before["eval/before_reward_mean"] = (await evaluate(workers, held_out, cfg["eval"].prompts))["eval/reward_mean"]
     return types.SimpleNamespace(generator=generator, trainer=trainer, workers=workers, queue=queue, log=log,
                                  held_out=held_out, capacity=capacity, before=before, out_dir=launch.out_dir)
 
@@ -575,11 +560,10 @@ def gpu_shares(launch: LaunchArgs, train: TrainArgs, vllm: VllmArgs) -> tuple[di
             raise ValueError("--launch.colocate shares one GPU between one trainer rank and one engine: set "
                              "--train.world_size 1, --vllm.num_engines 1, --vllm.tensor_parallel_size 1, or drop it")
         return {"num_gpus": 0.5}, 0.5
-    need = train.world_size + vllm.num_engines * vllm.tensor_parallel_size
-    if gpus and need > gpus:
-        raise ValueError(f"--train.world_size {train.world_size} + --vllm.num_engines x --vllm.tensor_parallel_size "
-                         f"{vllm.num_engines * vllm.tensor_parallel_size} = {need} GPUs, the cluster has {gpus:g}: "
-                         f"set --launch.colocate to share one GPU, or lower them")
+    engine_gpus = vllm.num_engines * vllm.tensor_parallel_size
+    if gpus and train.world_size + engine_gpus > gpus:
+        raise ValueError(f"--train.world_size {train.world_size} + --vllm.num_engines x tensor_parallel_size "
+                         f"{engine_gpus} > the cluster's {gpus:g} GPUs: lower them, or set --launch.colocate (one GPU)")
     return None, (1.0 if gpus else None)  # by the cluster, not this driver: it may have no GPU
 
 

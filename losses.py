@@ -2,17 +2,15 @@
 
 Per-token inputs are (B rows, T tokens); mask is True on action tokens. logp: the trainer's log-prob (gradient
 flows); old_logp: its recompute before this step (proximal policy); rollout_logp: the engine's (behaviour policy);
-versions: the policy version that sampled each token. compute_policy_loss(args, ...) -> (loss (), records
-[(count, metrics)]) is the one reader of the policy flags (compute_value_loss of --loss.value_clip); other files
-ask LossArgs' properties. Losses divide by the step's global Denoms and metrics are means over each record's
-count, so sums and count-weighted means over microbatches and ranks give the full-batch values. Masked positions
-pass torch.where before any exp (-inf or NaN there give zero gradient); log-ratios are clamped to +-20.
-Not here: log-probs and entropy from logits (trainer.py), advantages (estimators.py), reductions across ranks
-(none needed: every rank holds the whole batch).
+versions: the policy version that sampled each token. compute_policy_loss(args, ...) -> (loss (), records [(count,
+metrics)]) is the one reader of the policy flags; other files ask LossArgs' properties. Losses divide by the step's
+global Denoms and metrics are means over each record's count, so sums and count-weighted means over microbatches and
+ranks give the full-batch values (each rank holds the whole batch). Masked positions pass torch.where before any exp
+(-inf or NaN there give zero gradient). Not here: log-probs and entropy (trainer.py), advantages (estimators.py).
 
 Research surface: a new surrogate is one function (logp, old_logp, adv, mask) -> (per-token loss, clipped), one
-SURROGATES entry and one `elif` in compute_policy_loss; an importance correction is one IS_LEVELS / IS_MODES branch.
-Neither edits trainer.py. Reading order: LossArgs and Denoms, surrogates, importance correction, versions, KL and
+SURROGATES entry and one `elif` in compute_policy_loss; an importance correction is one IS_LEVELS / IS_MODES branch;
+neither edits trainer.py. Reading order: LossArgs and Denoms, surrogates, importance correction, versions, KL and
 aggregation, the other losses, compute_policy_loss; below the banner: shape checks and masked means.
 """
 import math
@@ -59,32 +57,27 @@ class LossArgs:
         if not self.clip_high >= 0.0:
             raise ValueError(f"--loss.clip_high {self.clip_high}: must be >= 0")
         if self.dual_clip is not None and not self.dual_clip > 1.0:
-            raise ValueError(f"--loss.dual_clip {self.dual_clip}: must be > 1 (the bound -c*A must lie above the "
-                             "unclipped loss -A at ratio 1)")
+            raise ValueError(f"--loss.dual_clip {self.dual_clip}: must be > 1, so the cap -c*A is above -A at ratio 1")
         low, high = self.is_band
         if not 0.0 < low < 1.0 < high:
             raise ValueError(f"--loss.is_band {low} {high}: need 0 < LOW < 1 < HIGH, on-policy weight 1 in the band")
         if self.max_token_lag is not None and self.max_token_lag < 0:
-            raise ValueError(f"--loss.max_token_lag {self.max_token_lag}: must be >= 0 (0 keeps only tokens of the "
-                             "current version) or None")
+            raise ValueError(f"--loss.max_token_lag {self.max_token_lag}: need None or >= 0 (0: current version only)")
         if not self.kl_coef >= 0.0:
             raise ValueError(f"--loss.kl_coef {self.kl_coef}: must be >= 0, it is a penalty")
         if self.value_clip is not None and not self.value_clip > 0.0:
             raise ValueError(f"--loss.value_clip {self.value_clip}: must be > 0, or None for no clipping")
         if self.dual_clip is not None and self.surrogate == "cispo":
-            raise ValueError("--loss.dual_clip with --loss.surrogate cispo: CISPO's weight is already capped at "
-                             "1+clip_high; unset --loss.dual_clip")
+            raise ValueError("--loss.dual_clip with --loss.surrogate cispo: CISPO's weight is capped already; unset it")
         if self.surrogate == "cispo" and self.clip_low != type(self).clip_low:
             raise ValueError(f"--loss.clip_low {self.clip_low} with --loss.surrogate cispo: CISPO's weight has no "
                              "floor (MiniMax-M1), its one bound is --loss.clip_high; unset --loss.clip_low")
         if self.surrogate == "gspo" and self.agg != "seq_mean_token_mean":
             raise ValueError(f"--loss.surrogate gspo with --loss.agg {self.agg}: GSPO's objective is a mean over "
-                             "sequences of each sequence's token mean, other aggregations weight its tokens otherwise; "
-                             "set --loss.agg seq_mean_token_mean")
+                             "sequences of each one's token mean; set --loss.agg seq_mean_token_mean")
         if self.is_level == "seq" and self.is_mode == "clip":
-            raise ValueError("--loss.is_level seq with --loss.is_mode clip: a product over a sequence spans orders of "
-                             "magnitude, and raising tiny ones to LOW up-weights the sequences the trainer would not "
-                             "sample; set --loss.is_mode trunc (seq-TIS) or mask")
+            raise ValueError("--loss.is_level seq with --loss.is_mode clip: raising tiny sequence products to LOW "
+                             "up-weights sequences the trainer would not sample; set --loss.is_mode trunc or mask")
         if self.kl_estimator == "k1" and self.kl_coef > 0.0:
             raise ValueError("--loss.kl_estimator k1 with --loss.kl_coef > 0: k1 = logp - ref has gradient grad(logp), "
                              "zero in expectation, so as a loss it penalises nothing; set --loss.kl_estimator k2 or k3")
@@ -222,9 +215,8 @@ def check_versions(versions: Tensor, mask: Tensor, *, current_version: int, is_l
         raise ValueError(f"versions: an action token is newer ({int(action_versions.max())}) than the trainer's "
                          f"current_version {current_version}")
     if is_level == "off" and (action_versions != current_version).any():
-        raise ValueError(f"versions: stale/mixed policy versions {sorted(set(action_versions.tolist()))} on action "
-                         f"tokens, the trainer holds {current_version}, and there is no importance correction; "
-                         "set --loss.is_level token|seq|geo, or --loss.max_token_lag 0 to drop every stale token")
+        raise ValueError(f"versions: stale/mixed policy versions {sorted(set(action_versions.tolist()))} (trainer: "
+                         f"{current_version}) with --loss.is_level off: set it to token, or --loss.max_token_lag 0")
 
 
 # --- KL to a reference, aggregation over the step
@@ -332,16 +324,14 @@ def compute_policy_loss(args: LossArgs, logp: Tensor, old_logp: Tensor, rollout_
     metrics = {"loss/pg": masked_mean(per_token, kept), "loss/clip_frac": masked_mean(clipped, kept),
                "loss/is_weight_mean": masked_mean(weight, kept), "loss/is_masked_frac": masked_mean(cut, kept)}
     # --- KL to the reference: always measured when a reference exists, in the loss when kl_coef > 0
-    reference = kl_reference(args, rollout_logp, ref_logp)
-    if reference is not None:
+    if (reference := kl_reference(args, rollout_logp, ref_logp)) is not None:
         kl = kl_penalty(logp, reference, kept, estimator=args.kl_estimator)  # (B, T)
         metrics["loss/kl"] = masked_mean(kl, kept)
         if args.kl_coef > 0.0:
             loss = loss + args.kl_coef * aggregate(kl, mask, agg=args.agg, denoms=denoms, group_tokens=group_tokens)
     # --- entropy bonus
     if entropy is None and args.entropy_coef != 0.0:
-        raise ValueError("entropy: --loss.entropy_coef != 0 needs the per-token entropy (B, T); pass it or set "
-                         "--loss.entropy_coef 0")
+        raise ValueError("entropy: --loss.entropy_coef != 0 needs it per token (B, T); pass it or set the coef to 0")
     if entropy is not None:
         metrics["loss/entropy"] = masked_mean(entropy, kept)
         if args.entropy_coef != 0.0:
@@ -360,13 +350,11 @@ def kl_reference(args: LossArgs, rollout_logp: Tensor, ref_logp: Tensor | None) 
     """The log-probs (B, T) --loss.kl_ref names, or None when the frozen model's are not given and not needed."""
     if args.kl_ref == "rollout":
         if ref_logp is not None:
-            raise ValueError("ref_logp: given, but --loss.kl_ref rollout uses rollout_logp; pass None or set "
-                             "--loss.kl_ref model")
+            raise ValueError("ref_logp: given, but --loss.kl_ref rollout ignores it: pass None, or --loss.kl_ref model")
         return rollout_logp
     elif args.kl_ref == "model":
         if ref_logp is None and args.kl_coef > 0.0:
-            raise ValueError("ref_logp: --loss.kl_ref model with --loss.kl_coef > 0 needs the reference model's "
-                             "log-probs (B, T)")
+            raise ValueError("ref_logp: --loss.kl_ref model with --loss.kl_coef > 0 needs the frozen model's (B, T)")
         return ref_logp
     else:
         raise ValueError(f"--loss.kl_ref {args.kl_ref!r}: unknown; choose one of {', '.join(KL_REFS)}")
