@@ -151,7 +151,9 @@ def bench_trainer(model: str, seq: int = 16384, warmup: int = 2, steps: int = 5)
     30,392 vs 30,208 (1.006x; 61.6 vs 70.9 GiB). The 1.28x of 11-30 compared unequal work: from_pretrained returns
     eval mode, where HF skips checkpointing, so until 12-01 (2678370 added model.train()) ours never checkpointed,
     and the baseline never did until this bench called train(). The 12-03 drop to 1.05x was ours starting to
-    recompute activations (21% slower, 34 GiB less), not a regression; at equal work the two are level."""
+    recompute activations (21% slower, 34 GiB less), not a regression; at equal work the two are level.
+    H200, 2026-12-05 (the headline lease): checkpointed 24,683 vs 24,539 (1.006x; 27.5 vs 36.8 GiB), not checkpointed
+    30,657 vs 30,441 (1.007x; 61.6 vs 70.9 GiB). The 1.3x target is not met at the same numerics and work."""
     res = {mode: trainer_pair(model, seq, warmup, steps, checkpointing=mode == "ckpt") for mode in ("ckpt", "no_ckpt")}
     return report("trainer", **res, ratio=res["ckpt"]["ratio"], ratio_no_ckpt=res["no_ckpt"]["ratio"], target=1.3,
                   seq=seq)
@@ -218,7 +220,10 @@ async def bench_generator(model: str, n: int = 256, new: int = 256, rounds: int 
     """Generator.generate vs AsyncLLM in this process, 256 prompts x 256 tokens, 6 paired rounds, one engine each.
     H200, 2026-12-04, two calls back to back: one Ray call per request 0.970x (19,515 vs 20,331 tokens/s); the
     requests of one event-loop turn in one Ray call 1.131x (24,432 vs 21,601), every round above raw. Not profiled:
-    generate_many adds all of a turn's requests before the engine steps, where raw's gather adds them one by one."""
+    generate_many adds all of a turn's requests before the engine steps, where raw's gather adds them one by one.
+    H200, 2026-12-05 (the headline lease): 1.069x (22,978 vs 20,304 tokens/s; ratio of medians 1.132), 5 of 6 rounds
+    above raw (0.98-1.17); agents_to_ours 0.897; after the refits 1.05x the tokens/s before them; the section's
+    refit (256 MiB buckets, CUDA IPC) 0.068 s, 0.106 s with pause and resume."""
     import ray
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -310,7 +315,8 @@ async def time_refits(gen, model: str, colocated: bool, bucket_mb: int, count: i
 
 
 async def bench_refit(model: str, bucket_mb: int = 1024) -> None:
-    """Refit alone, with bigger buckets than the generator section's default (an eager engine starts fast)."""
+    """Refit alone, with bigger buckets than the generator section's default (an eager engine starts fast).
+    H200, 2026-12-05: two 1 GiB buckets over CUDA IPC, 0.048 s (0.084 s with pause and resume; worker 0.021 s)."""
     from generator import Generator, RolloutArgs, VllmArgs
     gen = Generator(model, VllmArgs(gpu_memory_utilization=0.3, max_model_len=1024, refit_bucket_mb=bucket_mb),
                     RolloutArgs(max_new_tokens=8), actor_options={"num_gpus": 0.5})
@@ -322,6 +328,10 @@ async def bench_refit(model: str, bucket_mb: int = 1024) -> None:
 # --- the loop
 
 def bench_loop(model: str, section: str, *extra: str, steps: int = 6) -> dict:
+    """The copy task's loop on the 0.6B shape, medians over steps 2-5.
+    loop1, H200, 2026-12-05, the bound from the generator section of the same lease (raw vLLM 20,304 tokens/s) and
+    this loop's train 36,766: 13,259 loop tokens/s vs the sync bound 13,081, 1.014x; step 4.9 s (rollout wait 2.8,
+    train 1.8, refit 0.11), mismatch |delta log p| 0.0056, trainer peak 37.1 GiB."""
     import launch
     out_dir = os.path.join(ROOT, "runs", f"bench_{section}")
     argv = ["--launch.model", model, "--launch.out_dir", out_dir, "--launch.steps", str(steps),
@@ -460,7 +470,10 @@ def bench_smollm2(steps: int = 20, lr: str = "2e-5", k: int = 0) -> dict:
     -> 0.96 (step 20). (Its raw engine's requests were seeded then, ~8% slower than the loop's: see bench_sampling.)
     K=0, the same day, another lease (494 s with the install): loop 8,971 tokens/s, raw vLLM 11,674 (unseeded, as
     the loop), train 41,943, sync bound 9,132: 0.98x; step 6.8 s (rollout 5.2 s), refit 0.11 s, mismatch 0.037;
-    held-out 0.48 -> 0.94 (step 10) -> 0.99 (step 20)."""
+    held-out 0.48 -> 0.94 (step 10) -> 0.99 (step 20).
+    K=1, H200, 2026-12-05 (the headline lease, after generator, refit and trainer): loop 12,368 tokens/s, raw vLLM
+    14,532, train 27,557, sync bound 9,515: 1.30x; step 4.0 s, refit 0.10 s, mismatch 0.030; held-out 0.46 -> 0.925
+    (step 10) -> 0.96 (step 20)."""
     import launch
     from recipes.smollm2 import smollm2_dir
     model, out_dir = smollm2_dir(), os.path.join(ROOT, "runs", f"bench_smollm2_k{k}")
@@ -700,16 +713,28 @@ def peer_report(section: str, ours: dict, peer: dict, target: float, name: str =
 
 def bench_peer_verl(steps: int = 20) -> dict:
     """verl on PEER's job (verl_overrides, in a process of its own), against ours in this machine's last `peer` section.
-    Not yet run: staged on 2026-12-04 with its imports and its configuration checked on CPU only (verl 0.9.1 pins
-    vLLM 0.24.0 and transformers < 5.11; it runs here on the stack's 0.26.0 and 5.18.0, verl's own version gate
-    accepting vLLM >= 0.18)."""
+    Staged on 2026-12-04, its imports and configuration checked on CPU (verl 0.9.1 pins vLLM 0.24.0 and transformers
+    < 5.11; it runs here on the stack's 0.26.0 and 5.18.0, verl's own version gate accepting vLLM >= 0.18).
+    H200, 2026-12-05: verl started (its Ray, TaskRunner, hydra config, workers) and failed in the actor's model init,
+    122 s in: whenever TRL is importable, verl patches TRL's AutoModelForCausalLMWithValueHead, which TRL 1.16 (the
+    peer section's) no longer has. Its processes now see the staged packages without TRL; that rerun was cut short
+    when the machine was taken back, so verl's figures are still to come."""
     out_dir = os.path.join(ROOT, "runs", "bench_peer_verl")
     shutil.rmtree(out_dir, ignore_errors=True)  # verl's file logger appends
+    # TRL 1.16 (the peer section's) lacks the value-head class verl imports whenever TRL is importable: verl's
+    # processes see the staged packages but TRL, through links in a folder of their own
+    site = os.path.join(out_dir, "site")
+    os.makedirs(site)
+    for d in [p for p in os.environ.get("PYTHONPATH", "").split(":") if p.endswith(".gpu-site")]:
+        for name in os.listdir(d):
+            if not name.startswith("trl") and not os.path.exists(os.path.join(site, name)):
+                os.symlink(os.path.join(d, name), os.path.join(site, name))
+    path = ":".join(site if p.endswith(".gpu-site") else p for p in os.environ.get("PYTHONPATH", "").split(":"))
     with PeakGpu(time.perf_counter(), os.path.join(out_dir, "metrics.jsonl"), lines=2) as peak:
         try:
             rc = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", *verl_overrides(steps, out_dir)],
                                 timeout=480, env={**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
-                                                  "VERL_FILE_LOGGER_PATH": peak.watch}).returncode  # its own Ray
+                                                  "VERL_FILE_LOGGER_PATH": peak.watch, "PYTHONPATH": path}).returncode
         except subprocess.TimeoutExpired:
             rc = "timed out after 480 s"
     verl = verl_metrics(peak.watch) if os.path.exists(peak.watch) else {}
