@@ -16,7 +16,7 @@ from conftest import call
 
 import launch
 from agent import AgentArgs, AgentWorker, load_module
-from chat_server import ChatArgs, ChatTemplate
+from chat_server import ChatArgs, ChatTemplate, parse_reply
 
 ADAPTER = os.path.join(os.path.dirname(__file__), "..", "recipes", "verifiers_agent.py")
 COPY_ENV = os.path.join(os.path.dirname(__file__), "..", "recipes", "verifiers_copy_env.py")
@@ -145,7 +145,15 @@ def content(text: str) -> str:
     return text.partition("</think>")[2].lstrip("\n") if "</think>" in text else text
 
 
-def exact(group: dict, samples: int, turns: int) -> list:
+def answered(template: ChatTemplate, seg, turns: int) -> int:
+    """The turns verifiers keeps: an episode ends at a reply with no content, reasoning or tool call (verifiers'
+    EmptyModelResponseError, which the random model's eos-first reply now and then raises), and that turn is left
+    out of the trajectory. The segment keeps it: its sampled tokens train like any other."""
+    said = [any(parse_reply(text)) for text in replies(template, seg)]
+    return min(turns, said.index(False) if False in said else len(said))
+
+
+def exact(group: dict, samples: int, turns: int, template: ChatTemplate) -> list:
     """Nothing dropped, one segment per episode holding every turn, and the audit passes: each sampled token is in
     exactly one trained position, with the id, log-prob and version the engine returned."""
     assert group["dropped"] == {"agent_error": 0, "timeout": 0, "tainted": 0}, group["errors"]
@@ -153,7 +161,8 @@ def exact(group: dict, samples: int, turns: int) -> list:
     assert len(segments) == len({s.episode_id for s in segments}) == samples
     launch.audit(segments)
     for s in segments:
-        assert len(s.info["turns"]) == s.info["env_turns"] == turns
+        kept = answered(template, s, turns)
+        assert len(s.info["turns"]) == min(turns, kept + 1) and s.info["env_turns"] == kept
         assert sum(s.action_mask) == sum(e - b for b, e in s.info["turns"]) == s.info["completion_tokens"]
     return segments
 
@@ -169,7 +178,7 @@ def template(tiny_model) -> ChatTemplate:
 def test_single_turn_env_reward_is_its_weighted_rubric(loop, tiny_generator, tiny_model, template, tmp_path,
                                                        monkeypatch):
     env = write_env(tmp_path, SINGLE_ENV, "single.py")
-    for s in exact(run_group(loop, tiny_generator, tiny_model, env, monkeypatch, 2, row=3), 2, 1):
+    for s in exact(run_group(loop, tiny_generator, tiny_model, env, monkeypatch, 2, row=3), 2, 1, template):
         (text,) = replies(template, s)
         # 0.5 x the digits of the reply's content + 2.0 x row 3's info bonus, 3.0
         assert s.reward == pytest.approx(0.5 * sum(c.isdigit() for c in content(text)) + 2.0 * 3.0)
@@ -178,7 +187,7 @@ def test_single_turn_env_reward_is_its_weighted_rubric(loop, tiny_generator, tin
 def test_tool_env_runs_its_python_tool_over_turns_in_one_exact_segment(loop, tiny_generator, tiny_model, template,
                                                                        tmp_path, monkeypatch):
     env = write_env(tmp_path, TOOL_ENV, "tool.py")
-    for s in exact(run_group(loop, tiny_generator, tiny_model, env, monkeypatch, 2), 2, 3):
+    for s in exact(run_group(loop, tiny_generator, tiny_model, env, monkeypatch, 2), 2, 3, template):
         words = [json.loads(c.split("</tool_call>")[0])["arguments"]["word"]
                  for text in replies(template, s)[:2] for c in text.split("<tool_call>")[1:]]
         assert len(words) == 2, "tool_choice required, one call a turn: turns 1 and 2 each call the tool once"
@@ -191,16 +200,18 @@ def test_tool_env_runs_its_python_tool_over_turns_in_one_exact_segment(loop, tin
 def test_multi_turn_env_answers_with_its_env_response(loop, tiny_generator, tiny_model, template, tmp_path,
                                                       monkeypatch):
     env = write_env(tmp_path, MULTI_ENV, "multi.py")
-    for s in exact(run_group(loop, tiny_generator, tiny_model, env, monkeypatch, 2), 2, 3):
-        assert s.reward == 0.5 * 3  # 3 turns, weight 0.5
+    for s in exact(run_group(loop, tiny_generator, tiny_model, env, monkeypatch, 2), 2, 3, template):
+        kept = answered(template, s, 3)   # 3 unless a reply was empty
+        assert s.reward == 0.5 * kept  # the trajectory's turns, weight 0.5
         observed = template.decode([t for t, m in zip(s.token_ids, s.action_mask) if not m])
-        assert "turn 1" in observed and "turn 2" in observed and "turn 3" not in observed
+        # its answer after each kept turn but the last: "turn 1" and "turn 2" when all 3 are kept
+        assert all((f"turn {k}" in observed) == (k < min(kept + 1, 3)) for k in (1, 2, 3))
 
 
 def test_group_reward_function_sees_the_whole_group(loop, tiny_generator, tiny_model, template, tmp_path,
                                                     monkeypatch):
     env = write_env(tmp_path, GROUP_ENV, "group.py")
-    segments = exact(run_group(loop, tiny_generator, tiny_model, env, monkeypatch, 3), 3, 1)
+    segments = exact(run_group(loop, tiny_generator, tiny_model, env, monkeypatch, 3), 3, 1, template)
     lengths = {s.episode_id: sum(c.isdigit() for c in content(replies(template, s)[0])) for s in segments}
     mean = sum(lengths.values()) / 3
     for s in segments:  # each reply's digits less the group's mean, plus 0.1 x the group's 3 episodes
