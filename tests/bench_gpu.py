@@ -723,13 +723,13 @@ def bench_peer_verl(steps: int = 20) -> dict:
     shutil.rmtree(out_dir, ignore_errors=True)  # verl's file logger appends
     # TRL 1.16 (the peer section's) lacks the value-head class verl imports whenever TRL is importable: verl's
     # processes see the staged packages but TRL, through links in a folder of their own
-    site = os.path.join(out_dir, "site")
+    site, paths = os.path.join(out_dir, "site"), os.environ.get("PYTHONPATH", "").split(":")
     os.makedirs(site)
-    for d in [p for p in os.environ.get("PYTHONPATH", "").split(":") if p.endswith(".gpu-site")]:
+    for d in [p for p in paths if p.endswith(".gpu-site")]:
         for name in os.listdir(d):
             if not name.startswith("trl") and not os.path.exists(os.path.join(site, name)):
                 os.symlink(os.path.join(d, name), os.path.join(site, name))
-    path = ":".join(site if p.endswith(".gpu-site") else p for p in os.environ.get("PYTHONPATH", "").split(":"))
+    path = ":".join(site if p.endswith(".gpu-site") else p for p in paths)
     with PeakGpu(time.perf_counter(), os.path.join(out_dir, "metrics.jsonl"), lines=2) as peak:
         try:
             rc = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", *verl_overrides(steps, out_dir)],
