@@ -870,7 +870,7 @@ def bench_longtail(model: str, steps: int = 8, modes: tuple[str, ...] = ("drain"
 
 # --- plan: microbatches filled to the bound (plan_step) vs cut to pad less, on a long tail of lengths
 
-def bench_plan(model: str, packed: bool = False, rows: int = 128, max_tokens: int = 16384, batches: int = 3) -> dict:
+def bench_plan(model: str, packed: bool = False, rows: int = 128, max_tokens: int = 16384, batches: int = 3):
     """The trainer's forward and backward (bf16 autocast, checkpointed, the 0.6B shape) over the microbatch shapes of
     trainer.plan_step, which fills each microbatch up to the bound, and of cutting where padded positions plus
     max_tokens / 16 per forward are least (a dynamic programme), on batches of recipes/longtail_agent.py's lengths
@@ -881,13 +881,16 @@ def bench_plan(model: str, packed: bool = False, rows: int = 128, max_tokens: in
     would pay is packing (rows concatenated, attention kept within each): filled forwards with no padding, at most
     that quarter of the positions. `packed` measures it: first fit of the rows, longest first, into rows of
     max_tokens (4 forwards where filled takes 5), position ids restarting at each row so that transformers masks
-    attention to within it, flex_attention (compiled for the one shape). Not yet measured: on 2026-12-04 the
+    attention to within it (it does so from the position ids when no KV cache is passed: on CPU a packed row's
+    logits equal its rows' alone, 3e-7, and 0.79 apart without the restarts), with sdpa (a block mask: the
+    memory-efficient kernel) and then flex_attention (compiled for the one shape). Not yet measured: on 2026-12-04 the
     warm-up batch took filled 6.4 s, cut 4.1 s, then packed had not finished it ~150 s later (twice, the second
     time alone on the GPU). Not recompilation: on CPU (transformers 5.18, torch 2.13, forward only: flex has no
     CPU backward) six forwards of differently packed rows compiled once (3 s), then ran in 0.01 s each, no
     recompile logged. So the likely cost is inductor compiling flex's forward and backward kernels for a
     16,384-token row on first use, which the warm-up batch pays. So `plan` runs filled and cut, and `plan_packed`
-    (its own call) filled, then packed, each packed forward timed, recompilations logged."""
+    (its own call) filled, then packed with sdpa (reported), then with flex (plan_packed_flex), each packed forward
+    timed, flex's recompilations logged."""
     from transformers import AutoModelForCausalLM
 
     from recipes.longtail_agent import draw_length
@@ -963,19 +966,21 @@ def bench_plan(model: str, packed: bool = False, rows: int = 128, max_tokens: in
     if not packed:
         return report("plan", filled=res["filled"], cut=res["cut"],
                       ratio=sum(res["cut"]["s"]) / sum(res["filled"]["s"]), target=1.0)
-    net.set_attn_implementation("flex_attention")
-    torch._logging.set_logs(recompiles=True)  # if flex_attention recompiles at every forward, this says why
-    for b in range(batches + 1):
-        lengths = batch(b)
-        filled_rows = pack(lengths)
-        seconds = run_packed(lengths, filled_rows)
-        print(f"plan batch {b} packed: {seconds:.2f} s", flush=True)
-        if b:
-            res["packed"]["s"].append(seconds)
-            res["packed"]["pad_frac"].append(1 - sum(lengths) / (len(filled_rows) * max_tokens))
-            res["packed"]["forwards"].append(len(filled_rows))
-    return report("plan_packed", filled=res["filled"], packed=res["packed"],
-                  ratio=sum(res["filled"]["s"]) / sum(res["packed"]["s"]), target=1.0)
+    for attn in ("sdpa", "flex_attention"):  # sdpa first: its figure is in before flex compiles
+        net.set_attn_implementation(attn)
+        torch._logging.set_logs(recompiles=attn != "sdpa")  # if flex recompiles at every forward, this says why
+        res["packed"] = {"s": [], "pad_frac": [], "forwards": []}
+        for b in range(batches + 1):
+            lengths = batch(b)
+            filled_rows = pack(lengths)
+            seconds = run_packed(lengths, filled_rows)
+            print(f"plan batch {b} packed ({attn}): {seconds:.2f} s", flush=True)
+            if b:
+                res["packed"]["s"].append(seconds)
+                res["packed"]["pad_frac"].append(1 - sum(lengths) / (len(filled_rows) * max_tokens))
+                res["packed"]["forwards"].append(len(filled_rows))
+        report("plan_packed" if attn == "sdpa" else "plan_packed_flex", filled=res["filled"], packed=res["packed"],
+               ratio=sum(res["filled"]["s"]) / sum(res["packed"]["s"]), target=1.0)
 
 
 # --- MoE: routing replay on vs off
