@@ -6,12 +6,11 @@ An agent is plain Python in a file passed by `--agent.path FILE` that defines `m
 - `ChatAgent`: the agent owns the loop: `run(ctx) -> Result` calls the loopback chat server, which captures tokens.
 An exception inside an agent drops its episode (`rollout/dropped_agent_error`) and the run goes on.
 Not here: scheduling, batching or staleness (launch.py), token capture (generator.py, chat_server.py).
-Reading order: the contract, the two runners, AgentWorker; then the banner `machinery: the user's file, sandbox`.
+Reading order: the contract, the two runners, AgentWorker; then the banner `machinery: the user's file, observations`.
 """
 import asyncio
 import importlib.util
 import os
-import resource
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -184,7 +183,7 @@ class AgentWorker:
             await self.server.stop()
 
 
-# === machinery: the user's file, sandbox, observations; read it when you change how agents load, run code or see
+# === machinery: the user's file, observations; read it when you change how agents load or what they see
 def load_module(path: str, needs: str, flag: str):
     """Import a user's Python file (an agent, a data file) and check it defines `needs`."""
     spec = importlib.util.spec_from_file_location(f"user_{uuid.uuid4().hex[:8]}", path)
@@ -195,23 +194,6 @@ def load_module(path: str, needs: str, flag: str):
     if not hasattr(module, needs):
         raise ValueError(f"{flag} {path}: defines no {needs}()")
     return module
-
-
-async def run_sandboxed(argv: list[str], *, stdin: str = "", timeout_s: float = 10.0, memory_mb: int = 512,
-                        max_output: int = 65536) -> tuple[int, str]:
-    """Run argv in a child with CPU-time, memory and output limits -> (exit code, output), or (-9, "timeout")."""
-    def limit():  # runs in the child before exec
-        resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
-        resource.setrlimit(resource.RLIMIT_CPU, (int(timeout_s) + 1, int(timeout_s) + 1))
-    proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                                                stderr=asyncio.subprocess.STDOUT, preexec_fn=limit)
-    try:
-        out, _ = await asyncio.wait_for(proc.communicate(stdin.encode()), timeout_s)
-    except asyncio.TimeoutError:
-        proc.kill()
-        await proc.wait()
-        return -9, "timeout"
-    return proc.returncode, out[:max_output].decode(errors="replace")
 
 
 def user_turn(observation: str | list, template: ChatTemplate) -> tuple[dict, list[bytes]]:
