@@ -120,9 +120,7 @@ def reinforce_baseline(rewards: Tensor, group_ids: Tensor, episode_ids: Tensor, 
     One value per episode, broadcast to its action tokens, whitened as in reinforce (longer rows weigh more).
     A singleton group has no baseline and gets 0 before whitening, by choice as in grpo (verl keeps its raw score);
     that 0 enters the batch mean and std, so it reaches every row, and the singleton ends at -mean/std, not 0."""
-    check_inputs(rewards, mask, group_ids=group_ids, episode_ids=episode_ids)
-    r, groups, row_episode = to_episodes(rewards, group_ids, episode_ids)  # (E,), (E,), (B,)
-    adv = to_tokens(r - group_mean(r, groups)[0], row_episode, mask)  # (B, T)
+    adv = dr_grpo(rewards, group_ids, episode_ids, mask)  # (B, T): R - mean_group(R), the inputs checked there
     return whiten_tokens(adv, mask, std_eps) if whiten else adv
 
 

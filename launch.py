@@ -122,12 +122,6 @@ def audit(segments: list) -> None:
                            f"version) {got} is trained, {want} was sampled; stopping")
 
 
-def check_constrained(metrics: dict, importance_correction: bool) -> None:
-    if metrics["rollout/constrained_tokens"] and not importance_correction:
-        raise ValueError("constrained decoding (tool_choice required or named, a JSON format) samples a masked "
-                         "distribution, not the trainer's: set --loss.is_level token, or --chat.refuse_constrained")
-
-
 def rollout_metrics(segments: list, version: int, lag_bins: int) -> dict:
     """The trained batch: reward over episodes (each counted once), action tokens, the token staleness histogram."""
     rewards = list({s.episode_id: s.reward for s in segments}.values())
@@ -202,7 +196,9 @@ async def run_rl(cfg: dict) -> dict:
         # --- audit: every trained token is the id, log-prob and version the generator returned (else it raises)
         audit(segments)
         metrics = rollout_metrics(segments, trainer.version, launch.max_staleness)
-        check_constrained(metrics, cfg["loss"].importance_correction)
+        if metrics["rollout/constrained_tokens"] and not cfg["loss"].importance_correction:
+            raise ValueError("constrained decoding (tool_choice required or named, a JSON format) samples a masked "
+                             "distribution, not the trainer's: set --loss.is_level token, or --chat.refuse_constrained")
         metrics["rollout/group_s"] = sorted(g["seconds"] for g in groups)[len(groups) // 2]  # median launch-to-finish
         # --- train one step (in a thread: finished groups keep arriving meanwhile)
         with clock.phase("train"):
