@@ -77,7 +77,7 @@ async def run_env_episode(env: Env, generator: Generator, template: ChatTemplate
     """The framework-owned loop, one segment: render the first observation once, then append sampled ids verbatim
     and each observation as delta tokens (mask 0; a template that cannot make them fails the episode, naming why)."""
     state = {"label": row.get("label"), "prompt": row["prompt"], "turn": 0, "finish_reason": ""}
-    first, images = user_turn(await env.reset(row["prompt"], row.get("label")), template)
+    first, images = user_turn(await env.reset(row["prompt"], row.get("label")))
     system = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []
     ids, spans = template.expand_images(template.render_full(system + [first]), images)
     mask, logps, versions, sampled = [False] * len(ids), [0.0] * len(ids), [-1] * len(ids), []
@@ -96,7 +96,7 @@ async def run_env_episode(env: Env, generator: Generator, template: ChatTemplate
         if result.terminated or result.truncated or out.finish_reason == "abort":
             truncated = result.truncated
             break
-        message, images = user_turn(result.observation, template)
+        message, images = user_turn(result.observation)
         observation = template.render_delta([message])  # first: its error names the roles and the template
         bridge = template.bridge(out.token_ids)
         observation, new = template.expand_images(observation, images, len(ids) + len(bridge))
@@ -196,7 +196,7 @@ def load_module(path: str, needs: str, flag: str):
     return module
 
 
-def user_turn(observation: str | list, template: ChatTemplate) -> tuple[dict, list[bytes]]:
+def user_turn(observation: str | list) -> tuple[dict, list[bytes]]:
     """An observation -> its chat-template user message (one {"type": "image"} part per image) and its images."""
     if not all(isinstance(p, (str, bytes)) for p in observation):  # a str's characters pass
         raise ValueError(f"observation parts {[type(p).__name__ for p in observation]}: each must be str or bytes")

@@ -972,13 +972,13 @@ def bench_plan(model: str, packed: bool = False, rows: int = 128, max_tokens: in
         res["packed"] = {"s": [], "pad_frac": [], "forwards": []}
         for b in range(batches + 1):
             lengths = batch(b)
-            filled_rows = pack(lengths)
-            seconds = run_packed(lengths, filled_rows)
+            packed_rows = pack(lengths)
+            seconds = run_packed(lengths, packed_rows)
             print(f"plan batch {b} packed ({attn}): {seconds:.2f} s", flush=True)
             if b:
                 res["packed"]["s"].append(seconds)
-                res["packed"]["pad_frac"].append(1 - sum(lengths) / (len(filled_rows) * max_tokens))
-                res["packed"]["forwards"].append(len(filled_rows))
+                res["packed"]["pad_frac"].append(1 - sum(lengths) / (len(packed_rows) * max_tokens))
+                res["packed"]["forwards"].append(len(packed_rows))
         report("plan_packed" if attn == "sdpa" else "plan_packed_flex", filled=res["filled"], packed=res["packed"],
                ratio=sum(res["filled"]["s"]) / sum(res["packed"]["s"]), target=1.0)
 
