@@ -27,6 +27,7 @@ from itertools import compress, zip_longest
 
 import ray
 import torch
+from torch.utils.tensorboard import SummaryWriter
 
 from agent import AgentArgs, AgentWorker, load_module
 from chat_server import ChatArgs, ChatTemplate
@@ -41,7 +42,7 @@ class LaunchArgs:
     mode: str = field(default="rl", metadata={"help": "rl: the agent loop; sft: train on --data.path chat JSONL",
                                               "choices": ("rl", "sft")})
     model: str = field(default="", metadata={"help": "Hugging Face model directory or hub id (required)"})
-    out_dir: str = field(default="runs/default", metadata={"help": "metrics.jsonl, reward.png and checkpoints go here"})
+    out_dir: str = field(default="runs/default", metadata={"help": "metrics.jsonl, tb/ and checkpoints go here"})
     steps: int = field(default=20, metadata={"help": "optimizer steps to run"})
     ray_address: str | None = field(default=None, metadata={"help": "Ray cluster to join; None starts a local one"})
     placement: tuple[str, ...] = field(default=(), metadata={
@@ -258,7 +259,7 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         ray.shutdown()
     print(f"metrics: {os.path.join(out['out_dir'], 'metrics.jsonl')}")
-    for key in ("hf", "checkpoint", "plot"):
+    for key in ("hf", "checkpoint"):
         if out.get(key):
             print(f"{key}: {out[key]}")
     return out
@@ -266,11 +267,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 # === machinery: the parser, the queue, set-up and teardown, placement, sinks; read it when you change one of them
 # --- flags: one parser composed from the dataclasses
-def none_or(kind):
-    """argparse type for `X | None` flags: the word none gives None."""
-    return lambda text: None if text.lower() == "none" else kind(text)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Verbatim: agentic RL that trains only on tokens it generated.")
     for prefix, cls in SECTIONS.items():
@@ -285,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
                 inner = typing.get_args(kind)
                 kind, extra["nargs"] = inner[0], "+" if inner[-1] is ... else len(inner)
             if kind is not bool:   # a choice flag's --help lists its choices, any other names its value
-                extra["type"] = none_or(kind) if optional else kind
+                extra["type"] = (lambda text, k=kind: None if text.lower() == "none" else k(text)) if optional else kind
                 extra.update({"choices": meta["choices"]} if "choices" in meta else {"metavar": f.name.upper()})
             group.add_argument(f"--{prefix}.{f.name}", dest=f"{prefix}.{f.name}", default=f.default,
                                help=f"{meta['help']} (default: {f.default})", **extra)
@@ -365,10 +361,8 @@ class GroupQueue:
             p["index"] += 1
             self.to_launch -= 1
             epoch, index = p["epoch"], p["index"]
-        if self.order[0] != epoch:  # the epoch's seeded order, shuffled once per epoch, not once per group
-            order = list(range(len(self.rows)))
-            random.Random(self.seed + epoch).shuffle(order)
-            self.order = (epoch, order)
+        if self.order[0] != epoch:  # the epoch's seeded order, drawn once per epoch, not once per group
+            self.order = (epoch, random.Random(self.seed + epoch).sample(range(len(self.rows)), len(self.rows)))
         group_id = f"e{epoch}i{index}"
         self.pending[group_id] = (epoch, index)
         worker = self.workers[self.launched % len(self.workers)]
@@ -494,16 +488,14 @@ async def end_step(run: types.SimpleNamespace, clock: "Clock", action_tokens: fl
 
 
 async def stop_rl(run: types.SimpleNamespace, metrics: dict) -> dict:
-    """run_rl's teardown: the reward plot and the final checkpoint, then the workers, engines and ranks end."""
-    plot = os.path.join(run.out_dir, "reward.png")
-    run.log.plot(plot)
+    """run_rl's teardown: the final checkpoint, then the workers, engines and ranks end."""
     path = run.trainer.final_checkpoint(run.queue.checkpoint_position())
     await run.queue.drain()
     for w in run.workers:
         await w.stop.remote()
     await run.generator.shutdown()
     run.trainer.shutdown()
-    return {"metrics": metrics, "checkpoint": path, "plot": plot, "out_dir": run.out_dir, "errors": run.queue.errors}
+    return {"metrics": metrics, "checkpoint": path, "out_dir": run.out_dir, "errors": run.queue.errors}
 
 
 class Clock:
@@ -582,7 +574,7 @@ def probe_segments(prompts: list[list[int]], outs: list, images: list[list]) -> 
             for p, o, i in zip(prompts, outs, images)]
 
 
-# --- data and metrics: rows from files; metrics.jsonl always, TensorBoard and W&B when asked, a progress line, a plot
+# --- data and metrics: rows from files; metrics.jsonl always, TensorBoard and W&B when asked, a progress line
 def load_rows(path: str, split: str) -> list[dict]:
     """Rows of a split: a .py file's rows(split), or a JSONL / parquet file (the same rows for every split)."""
     if path.endswith(".py"):
@@ -601,49 +593,32 @@ class MetricsLog:
         launch = cfg["launch"]
         os.makedirs(launch.out_dir, exist_ok=True)
         self.file = open(os.path.join(launch.out_dir, "metrics.jsonl"), "a")
-        self.rows, self.start, self.total = [], time.time(), launch.steps
-        self.tb = self.wandb = None
-        if launch.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(os.path.join(launch.out_dir, "tb"))
+        self.logged, self.start, self.total = 0, time.time(), launch.steps
+        self.tb = SummaryWriter(os.path.join(launch.out_dir, "tb")) if launch.tensorboard else None
+        self.wandb = None
         if launch.wandb_project:
-            import wandb  # optional dependency: asked for by --launch.wandb_project
-            config = {p: dataclasses.asdict(a) for p, a in cfg.items()}  # the logged config is the parsed one
-            self.wandb = wandb.init(project=launch.wandb_project, config=config)
+            import wandb  # optional dependency, asked for by the flag; the logged config is the parsed one
+            self.wandb = wandb.init(project=launch.wandb_project, config={p: vars(a) for p, a in cfg.items()})
 
     def log(self, step: int, metrics: dict) -> None:
         row = {"step": step, "time": time.time() - self.start, **metrics}
-        self.rows.append(row)
+        self.logged += 1
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
         if self.tb:
             for k, v in metrics.items():
                 self.tb.add_scalar(k, v, step)
+            self.tb.flush()  # its thread writes every 2 min, and not at exit
         if self.wandb:
             self.wandb.log(metrics, step=step)
         done = step + 1
-        eta = (time.time() - self.start) / max(len(self.rows), 1) * (self.total - done)
+        eta = (time.time() - self.start) / self.logged * (self.total - done)
         bar = "#" * int(20 * done / self.total)
         shown = (f"reward {metrics['rollout/reward_mean']:.3f}" if "rollout/reward_mean" in metrics
                  else f"nll {metrics.get('loss/sft_nll', float('nan')):.3f}")
         tok_s = metrics.get("launch/tokens_per_s", metrics.get("train/tokens_per_s", 0.0))
         print(f"\rstep {done:>4}/{self.total} [{bar:<20}] {shown} tok/s {tok_s:7.1f} eta {eta:5.0f}s",
               end="\n" if done == self.total else "", flush=True)
-
-    def plot(self, path: str) -> None:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-        for ax, key in ((top, "rollout/reward_mean"), (top, "eval/reward_mean"), (bottom, "loss/vllm_kl"),
-                        (bottom, "loss/mismatch_k3")):
-            pts = [(r["step"], r[key]) for r in self.rows if key in r]
-            if pts:
-                ax.plot(*zip(*pts), label=key)
-        top.set_ylabel("reward"), bottom.set_ylabel("rollout vs trainer"), bottom.set_xlabel("step")
-        top.legend(), bottom.legend()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
 
 
 if __name__ == "__main__":

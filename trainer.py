@@ -514,8 +514,6 @@ class TrainerGroup:
                              "class refuses its own TP plan; set --fsdp.tp_size 1 (--fsdp.ep_size splits the experts)")
         if train.freeze_vision and not self.vlm:
             raise ValueError(f"--train.freeze_vision: {model_path} has no vision_config (not a VLM); leave it off")
-        if not temperature > 0.0:
-            raise ValueError(f"temperature {temperature}: must be > 0, the rollout's --rollout.temperature")
         if train.lora_rank and (config.model_type == "qwen3_moe" or self.vlm):
             raise ValueError(f"--train.lora_rank {train.lora_rank} with {model_path} ({config.model_type}): LoRA "
                              "covers dense text models (not NeMo's MoE class, not VLMs); set --train.lora_rank 0")

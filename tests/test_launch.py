@@ -95,6 +95,14 @@ def read_metrics(out: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+def read_tensorboard(path: str) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar of the TensorBoard event files under path: tag -> [(step, value)], as TensorBoard reads them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(path, size_guidance={"scalars": 0})   # 0: keep every point
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
 def write_agent(tmp_path, source: str, name: str) -> str:
     path = tmp_path / name
     path.write_text(textwrap.dedent(source))
@@ -222,9 +230,11 @@ def test_chat_counters_of_every_worker_are_summed_and_latency_percentiles_take_t
 
 @pytest.fixture(scope="module")
 def sync_run(ray_local, copy_model, tmp_path_factory) -> tuple[str, dict]:
-    """Two strictly on-policy steps (K=0) with a checkpoint after each: shared by the sync and resume tests."""
+    """Two strictly on-policy steps (K=0) with a checkpoint after each, and TensorBoard: shared by the sync and resume
+    tests."""
     out = str(tmp_path_factory.mktemp("sync"))
-    return out, run(flags(copy_model, out, COPY, "--ckpt.dir", os.path.join(out, "ckpt"), "--ckpt.every", "1"))
+    return out, run(flags(copy_model, out, COPY, "--ckpt.dir", os.path.join(out, "ckpt"), "--ckpt.every", "1",
+                          "--launch.tensorboard"))
 
 
 def test_sync_loop_trains_only_sampled_tokens(sync_run):
@@ -255,7 +265,11 @@ def test_sync_loop_trains_only_sampled_tokens(sync_run):
         assert r["launch/trainer_idle_s"] == pytest.approx(idle) and idle + r["launch/train_s"] <= r["launch/step_s"]
     # Same weights, same temperature, fp32: the trainer recomputes what the engine sampled with.
     assert all(abs(r["loss/vllm_kl"]) < 1e-3 and r["loss/mismatch_abs"] < 1e-3 for r in rows)
-    assert os.path.exists(os.path.join(out, "reward.png"))
+    # --launch.tensorboard: every number of metrics.jsonl, at its step, readable once the run has ended (float32)
+    tb = read_tensorboard(os.path.join(out, "tb"))
+    assert set(tb) == {k for r in rows for k in r} - {"step", "time"}
+    for tag, points in tb.items():
+        assert points == [(r["step"], pytest.approx(r[tag], rel=1e-6)) for r in rows if tag in r], tag
     assert result["errors"] == []
 
 
@@ -425,7 +439,7 @@ def test_cpu_default_recipe_runs_sft_then_rl(tmp_path):
     # before the refit and step 1 trains them at v1 (lag exactly 1).
     assert [(r["rollout/lag_0"], r["rollout/lag_1"]) for r in rl] == [(1.0, 0.0), (0.0, 1.0)]
     assert "reward after SFT" in printed and "reward after RL" in printed
-    assert os.path.exists(os.path.join(out, "rl", "reward.png"))
+    assert [step for step, _ in read_tensorboard(os.path.join(out, "rl", "tb"))["rollout/reward_mean"]] == [0, 1]
 
 
 @pytest.mark.slow
