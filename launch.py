@@ -608,7 +608,7 @@ class MetricsLog:
         if self.tb:
             for k, v in metrics.items():
                 self.tb.add_scalar(k, v, step)
-            self.tb.flush()  # its thread writes every 2 min, and not at exit
+            self.tb.flush()  # SummaryWriter holds up to 10 events (2 min) and drops them at exit
         if self.wandb:
             self.wandb.log(metrics, step=step)
         done = step + 1
