@@ -388,7 +388,8 @@ async def raw_vllm_rate(model: str, prompts: list[list[int]], samples: int, vllm
                         variants: tuple[str, ...] = ("unseeded",), **engine) -> dict:
     """Sampled tokens/s (median of `rounds` after one warm-up) of a raw AsyncLLM on these prompts, `samples` requests
     each, stopping at eos as the loop does, per variant, the variants alternating: unseeded with the sampled token's
-    log-prob (as the loop's requests), seeded (each request sampled with a generator of its own), no_logprobs.
+    log-prob (as the loop's requests), seeded (each request sampled with a generator of its own), no_logprobs, flat
+    (unseeded, the log-probs in vLLM's flat layout).
     `engine`: engine arguments to set beyond build_engine_args's."""
     import dataclasses
 
@@ -402,6 +403,7 @@ async def raw_vllm_rate(model: str, prompts: list[list[int]], samples: int, vllm
                                        seed=i if variant == "seeded" else None, ignore_eos=False)
         if variant == "no_logprobs":
             params.logprobs = None
+        params.flat_logprobs = variant == "flat"   # vLLM's FlatLogprobs: a few lists per request, not a dict per token
         async for out in raw.generate({"prompt_token_ids": p}, params, f"{tag}-{i}"):
             pass
         return len(out.outputs[0].token_ids)
@@ -441,9 +443,9 @@ def bench_sampling() -> dict:
     model = smollm2_dir()
     prompts = smollm2_prompts(model, cfg["launch"].batch_prompts)
     rates = asyncio.run(raw_vllm_rate(model, prompts, 8, cfg["vllm"], cfg["rollout"],
-                                      variants=("unseeded", "seeded", "no_logprobs")))
+                                      variants=("unseeded", "seeded", "no_logprobs", "flat")))
     report("sampling", **rates, seeded_ratio=rates["seeded"] / rates["unseeded"],
-           no_logprobs_ratio=rates["no_logprobs"] / rates["unseeded"])
+           no_logprobs_ratio=rates["no_logprobs"] / rates["unseeded"], flat_ratio=rates["flat"] / rates["unseeded"])
     # then an engine whose CUDA graphs cover all 1,024 sequences (vLLM's default stops at 512)
     graphs = asyncio.run(raw_vllm_rate(model, prompts, 8, cfg["vllm"], cfg["rollout"],
                                        compilation_config={"max_cudagraph_capture_size": 1024}))["unseeded"]
@@ -740,7 +742,7 @@ def bench_peer_verl(steps: int = 20) -> dict:
     verl = verl_metrics(peak.watch) if os.path.exists(peak.watch) else {}
     verl.update(peak_gpu_gib=peak.gib, first_step_s=peak.first_s, rc=rc)
     runs = open(OUT).readlines() if os.path.exists(OUT) else []
-    ours = [json.loads(line)["ours"] for line in runs if '"section": "peer"' in line]
+    ours = [r["ours"] for r in map(json.loads, runs) if r["section"] in ("peer", "peer_ours")]
     if rc != 0 or "steps_per_s" not in verl or not ours:   # a fresh machine has no peer run: verl's figures alone
         return report("peer_verl", ours=ours[-1] if ours else None, verl=verl)
     return peer_report("peer_verl", ours[-1], verl, 1.5, name="verl")
@@ -1247,7 +1249,8 @@ def main() -> None:
     sections = sys.argv[1:] or ["logprobs", "trainer", "generator", "refit", "loop1", "loop2", "smollm2", "smollm2_k1",
                                 "longtail", "plan", "moe", "vlm", "lora", "lora_smollm2", "precision"]
     own_model = {"logprobs", "smollm2", "smollm2_k1", "sampling", "moe", "vlm", "lora_smollm2", "precision",  # the
-                 "precision_smollm2", "precision_qwen3_0_6b", "peer", "peer_k1", "peer_verl"}  # rest: the 0.6B shape
+                 "precision_smollm2", "precision_qwen3_0_6b", "peer", "peer_k1", "peer_verl",  # rest: the 0.6B shape
+                 "peer_ours"}
     model = model_dir() if any(s not in own_model and not s.startswith("precision_runs") for s in sections) else None
     ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     for s in sections:
@@ -1284,6 +1287,8 @@ def main() -> None:
             bench_peer()
         elif s == "peer_k1":
             bench_peer_k1()
+        elif s == "peer_ours":  # ours alone on PEER's job at K=0, for peer_verl on a machine without a peer run
+            report("peer_ours", ours=peer_ours(20, 0))
         elif s == "peer_verl":
             bench_peer_verl()
         elif s.startswith("longtail"):  # both modes, or one; at K=1, or with _k2: K=2
