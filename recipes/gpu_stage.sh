@@ -47,12 +47,14 @@ EXTRA=(ray==2.60.0 transformers==5.18.0 nemo-automodel==0.7.0 torchao==0.18.0 js
        trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
        verl==0.9.1 transferqueue==0.1.11 tensordict==0.10.0 pyvers==0.2.3 hydra-core==1.3.8 omegaconf==2.3.0
        codetiming==1.4.0 orjson==3.13.0 peft==0.21.2 torchdata==0.11.0 pylatexenc==2.11 psutil==7.2.2
-       prometheus_client==0.26.0)
+       prometheus_client==0.26.0 watchfiles==1.3.0 model-hosting-container-standards==0.1.16 jmespath==1.1.0
+       supervisor==4.3.0 prometheus-fastapi-instrumentator==8.1.0)
 # trl .. multiprocess: bench_gpu.py's peer section (TRL's GRPOTrainer, vLLM colocated). TRL 1.16 supports vLLM
 # 0.22-0.31; its trainer imports datasets, which needs dill and multiprocess (the machine has pyarrow, xxhash, fsspec,
 # pandas). verl .. prometheus_client: the peer_verl section, what verl 0.9.1's GRPO path imports beyond the rest (its
-# pins, vLLM 0.24.0 and transformers < 5.11, are not followed: it runs on this stack); antlr4 (hydra's parser) ships
-# no wheel and is built below.
+# pins, vLLM 0.24.0 and transformers < 5.11, are not followed: it runs on this stack); watchfiles .. instrumentator:
+# what vLLM's HTTP server imports (verl samples through it; on 2026-12-05 verl stopped at each in turn); antlr4
+# (hydra's parser) ships no wheel and is built below.
 SDIST=(antlr4-python3-runtime==4.9.3)
 # blake3: vLLM 0.26 hashes every multimodal input with it (an image prompt fails without it).
 # The three before it: vLLM 0.26 imports every structured-output backend's validator for any constrained request

@@ -720,7 +720,9 @@ def bench_peer_verl(steps: int = 20) -> dict:
     H200, 2026-12-05: verl started (its Ray, TaskRunner, hydra config, workers) and failed in the actor's model init,
     122 s in: whenever TRL is importable, verl patches TRL's AutoModelForCausalLMWithValueHead, which TRL 1.16 (the
     peer section's) no longer has. Its processes now see the staged packages without TRL; that rerun was cut short
-    when the machine was taken back, so verl's figures are still to come."""
+    when the machine was taken back. H200, 2026-12-05, without TRL: verl's rollout (vLLM's HTTP server, in a Ray
+    actor) failed to import watchfiles, then, staged, prometheus_fastapi_instrumentator (the engine up: 45.6 GiB),
+    ~300 s a try; those and the rest of what vLLM's server imports are now staged. No verl figure yet."""
     out_dir = os.path.join(ROOT, "runs", "bench_peer_verl")
     shutil.rmtree(out_dir, ignore_errors=True)  # verl's file logger appends
     # TRL 1.16 (the peer section's) lacks the value-head class verl imports whenever TRL is importable: verl's
@@ -885,14 +887,14 @@ def bench_plan(model: str, packed: bool = False, rows: int = 128, max_tokens: in
     max_tokens (4 forwards where filled takes 5), position ids restarting at each row so that transformers masks
     attention to within it (it does so from the position ids when no KV cache is passed: on CPU a packed row's
     logits equal its rows' alone, 3e-7, and 0.79 apart without the restarts), with sdpa (a block mask: the
-    memory-efficient kernel) and then flex_attention (compiled for the one shape). Not yet measured: on 2026-12-04 the
-    warm-up batch took filled 6.4 s, cut 4.1 s, then packed had not finished it ~150 s later (twice, the second
-    time alone on the GPU). Not recompilation: on CPU (transformers 5.18, torch 2.13, forward only: flex has no
-    CPU backward) six forwards of differently packed rows compiled once (3 s), then ran in 0.01 s each, no
-    recompile logged. So the likely cost is inductor compiling flex's forward and backward kernels for a
-    16,384-token row on first use, which the warm-up batch pays. So `plan` runs filled and cut, and `plan_packed`
-    (its own call) filled, then packed with sdpa (reported), then with flex (plan_packed_flex), each packed forward
-    timed, flex's recompilations logged."""
+    memory-efficient kernel) and then flex_attention (compiled for the one shape). `plan_packed` runs in its own call:
+    filled, then packed with sdpa (reported), then with flex (plan_packed_flex), each packed forward timed.
+    H200, 2026-12-05 (3 batches after a warm-up; 4 packed forwards where filled takes 5; padding 0.19 / 0.17 / 0.21
+    packed, the filler rest of the last row, vs 0.26 / 0.25 / 0.30 filled): filled 3.0 / 2.7 / 4.4 s; packed with
+    sdpa 5.3 s each, 0.63x filled (the block mask takes sdpa off its fused kernels); packed with flex_attention
+    2.1 / 2.4 / 2.1 s, 1.54x filled, after its first forward and backward compiled for 227 s (the warm-up batch;
+    every row is max_tokens long, so one shape). So packing pays here only through flex_attention, and the trainer
+    does not pack yet: it would need flex in NeMo's model forward and that ~4-minute compile at start."""
     from transformers import AutoModelForCausalLM
 
     from recipes.longtail_agent import draw_length
