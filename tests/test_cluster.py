@@ -188,12 +188,16 @@ def test_losing_the_worker_node_mid_step_ends_the_run_naming_the_node_and_the_ac
     # last in this file: the cluster keeps only its head afterwards
     argv = flags(tiny_model, str(tmp_path / "run"), cluster["address"], "--launch.placement", "node_a", "node_b",
                  "--launch.steps", "3")
-    proc, trained = start(tmp_path, argv)
-    for line in trained:  # written as a step starts training: step 1's ranks are then busy in train_step
+    # The driver holds step 1 after its rollout, before it hands the batch to the ranks: node_b dies there, then
+    # the driver goes on, so the step's first call on the ranks (train_step) is the one that meets the dead rank.
+    proc, trained = start(tmp_path, argv, hold_step=1)
+    for line in trained:
         if json.loads(line).get("step") == 1:
             break
     kill_node(cluster["groups"].pop("node_b"))
     killed = time.time()
+    proc.release.write("k")
+    proc.release.close()
     try:
         proc.wait(timeout=120)  # a hang fails here
     except subprocess.TimeoutExpired:

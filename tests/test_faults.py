@@ -33,6 +33,8 @@ step, log = trainer.TrainerGroup.train_step, launch.MetricsLog.log
 
 def reported(self, segments, **kw):
     out.write(json.dumps({"step": self.step, "groups": sorted({s.group_id for s in segments})}) + "\\n")
+    if self.step == int(os.environ.get("HOLD_STEP", -1)):  # the test acts (kills a node), then writes a byte
+        os.read(int(os.environ["HOLD_FD"]), 1)
     return step(self, segments, **kw)
 
 def sampled(self, step, metrics):  # the resident memory of this process and of every Ray actor and engine below it
@@ -122,17 +124,22 @@ def write(path, source: str, **names) -> str:
     return str(path)
 
 
-def start(tmp_path, argv: list[str]) -> tuple[subprocess.Popen, object]:
+def start(tmp_path, argv: list[str], hold_step: int = -1) -> tuple[subprocess.Popen, object]:
     """`python runner.py argv` in its own session, output to tmp_path/log.txt (read by output()); returns it
-    and the read end of its trained-groups pipe."""
+    and the read end of its trained-groups pipe. With hold_step, the driver stops before that step's train_step
+    until the test writes to `proc.release` (a pipe): the test acts at that exact point, not at a guessed time."""
     runner = write(tmp_path / "runner.py", RUNNER, ROOT=ROOT)
     read, written = os.pipe()
+    held, release = os.pipe()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}  # its own cluster, not the tests'
-    env.update(TRAINED_FD=str(written), VLLM_LOGGING_LEVEL="WARNING", TOKENIZERS_PARALLELISM="false")
+    env.update(TRAINED_FD=str(written), HOLD_FD=str(held), HOLD_STEP=str(hold_step), VLLM_LOGGING_LEVEL="WARNING",
+               TOKENIZERS_PARALLELISM="false")
     with open(tmp_path / "log.txt", "a") as log:
-        proc = subprocess.Popen([sys.executable, runner, *argv], env=env, pass_fds=(written,), cwd=ROOT,
+        proc = subprocess.Popen([sys.executable, runner, *argv], env=env, pass_fds=(written, held), cwd=ROOT,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     os.close(written)
+    os.close(held)
+    proc.release = os.fdopen(release, "w")
     return proc, os.fdopen(read)
 
 
