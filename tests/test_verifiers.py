@@ -161,9 +161,12 @@ def exact(group: dict, samples: int, turns: int, template: ChatTemplate) -> list
     assert len(segments) == len({s.episode_id for s in segments}) == samples
     launch.audit(segments)
     for s in segments:
-        kept = answered(template, s, turns)
-        assert len(s.info["turns"]) == min(turns, kept + 1) and s.info["env_turns"] == kept
-        assert sum(s.action_mask) == sum(e - b for b, e in s.info["turns"]) == s.info["completion_tokens"]
+        kept, spans = answered(template, s, turns), s.info["turns"]
+        assert len(spans) == min(turns, kept + 1) and s.info["env_turns"] == kept
+        assert sum(s.action_mask) == sum(e - b for b, e in spans)
+        # verifiers adds a reply's usage after its client returned it; an empty reply raises before that, so its
+        # tokens (trained: the policy sampled them) are not in verifiers' count, the kept turns' tokens are
+        assert s.info["completion_tokens"] == sum(e - b for b, e in spans[:kept])
     return segments
 
 
