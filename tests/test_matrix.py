@@ -357,6 +357,7 @@ def agents(tmp_path_factory) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(RUN_S + 120)  # the run's own bound, then its teardown's: a hang anywhere fails this run alone
 @pytest.mark.parametrize("row", ROWS, ids=label)
 def test_pairwise_run_keeps_the_promise(row, ray_local, tiny_model, agents, tmp_path, monkeypatch):
     out = str(tmp_path / "run")
@@ -371,6 +372,34 @@ def test_pairwise_run_keeps_the_promise(row, ray_local, tiny_model, agents, tmp_
     metrics = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
     bad = violations(row, watch, metrics)
     assert not bad, f"{label(row)} ({time.perf_counter() - start:.0f} s):\n" + "\n".join(bad)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(RUN_S + 120)
+def test_a_run_that_fails_mid_loop_ends_and_leaves_none_of_its_actors(ray_local, tiny_model, agents, tmp_path,
+                                                                       monkeypatch):
+    """A run of the array made to fail on purpose (its second refit raises, after a step has trained) ends with its
+    error, and its teardown leaves none of its actors alive: the next run starts on a clean Ray, not behind a hang.
+    The row starts every kind of actor: LoRA engines, two trainer ranks, partial rollouts keeping groups in flight."""
+    from ray._private.state import actors
+    before, refit = set(actors()), TrainerGroup.refit
+
+    def failing(group, generator):
+        if group.version == 2:
+            raise RuntimeError("the second refit fails on purpose")
+        return refit(group, generator)
+    monkeypatch.setattr(TrainerGroup, "refit", failing)
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match="the second refit fails on purpose"):
+        row = next(r for r in ROWS if r["lora_rank"] and r["world_size"] == 2 and r["partial"])
+        test_pairwise_run_keeps_the_promise(row, ray_local, tiny_model, agents, tmp_path, monkeypatch)
+    ended = time.perf_counter() - start
+    # ray.kill returns before the actor is dead: wait for Ray's record of each (a Ray event, bounded)
+    while (alive := sorted(a["ActorClassName"] for i, a in actors().items() if i not in before and
+                           a["State"] != "DEAD")) and time.perf_counter() - start < ended + 60:
+        time.sleep(0.5)
+    assert alive == [], f"the failed run left {alive} alive"
+    assert ended < RUN_S, ended
 
 
 def test_lag_check_counts_a_token_masked_by_max_token_lag_as_untrained():
