@@ -16,11 +16,14 @@ import base64
 import bisect
 import functools
 import gc
+import io
 import json
 import logging
+import math
 import os
 import re
 import secrets
+import sys
 import time
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field, replace
@@ -322,7 +325,8 @@ class Track:
 
 @dataclass
 class Pending:
-    plan: "Plan"   # the turn's first plan: its reply id and prompt
+    reply_id: str         # the turn's first plan's, and its prompt's length: never the plan, whose prompt is
+    prompt_tokens: int    # O(context), so that an episode's turns hold O(context) in all, not O(turns x context)
     future: asyncio.Future
     gone: bool = False   # its client left before the reply: an identical resend, marked or not, joins this turn
 
@@ -391,7 +395,7 @@ class SegmentStore:
         key, reply_id = req.hashes[-1], secrets.token_hex(12)
         if key in ep.pending and (retries > 0 or ep.pending[key].gone):   # an SDK's retry, or a runner's resend
             pending, ep.pending[key].gone = ep.pending[key], False   # (best-of-n requests are all still connected)
-            return Plan("RETRY", pending.plan.reply_id, [], pending=pending, cached=True)
+            return Plan("RETRY", pending.reply_id, [], pending=pending, cached=True)
         n, scored = len(req.msgs) - req.prefill, [(t, common_prefix(t.hashes, req.hashes)) for t in reversed(ep.tracks)]
         found = max(((t, L, *a) for t, L in scored if (a := self.anchor(t, L, req, n))), key=lambda s: s[1],
                     default=None)
@@ -422,7 +426,7 @@ class SegmentStore:
         want = req.max_tokens or self.args.default_max_tokens or room
         want = min(want, self.args.max_tokens_cap or want)
         plan.max_new, plan.clamped = min(want, room), want > room
-        plan.pending = ep.pending[key] = Pending(plan, asyncio.get_running_loop().create_future())
+        plan.pending = ep.pending[key] = Pending(reply_id, len(plan.prompt), asyncio.get_running_loop().create_future())
         return plan
 
     def anchor(self, t: Track, L: int, req: ChatRequest, n: int) -> tuple[str, Turn] | None:
@@ -624,6 +628,7 @@ def append_refusal(t: ChatTemplate, role: str) -> str | None:
 
 
 # --- wire formats: typed field reads and SSE frames, shared by the three protocols
+MAX_IMAGE_PIXELS = 4096 * 4096   # an inline image larger than this is refused before it is decoded (48 MiB as RGB)
 TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "an array",
               dict: "an object"}
 
@@ -690,6 +695,16 @@ def image_of(part: dict, path: str) -> bytes:
         raw = base64.b64decode(data, validate=True)
     except ValueError as e:   # binascii.Error, or a str with non-ASCII characters
         raise bad(where, f"not valid base64 ({e})") from None
+    from PIL import Image
+    try:   # its size from the header, before decoding: a 17 kB PNG can hold 144M pixels (432 MB as RGB)
+        pixels = math.prod(Image.open(io.BytesIO(raw)).size)
+    except Image.DecompressionBombError:   # PIL refuses at twice its own limit, far past ours
+        pixels = math.inf
+    except (OSError, TypeError):   # not an image: decode_image says so below
+        pixels = 0
+    if pixels > MAX_IMAGE_PIXELS:
+        raise ApiError(400, f"{where}: the image has more than {MAX_IMAGE_PIXELS} pixels, the most this server "
+                            "decodes: downscale it", param=where)
     try:
         decode_image(raw, where)
     except ValueError as e:
@@ -950,7 +965,7 @@ class ResponsesWriter(OpenAIWriter):
     body = staticmethod(responses_body)
 
     def __init__(self, req: ChatRequest, plan: Plan):
-        self.req, self.seq, empty = req, -1, Reply(plan.reply_id, len(plan.pending.plan.prompt))
+        self.req, self.seq, empty = req, -1, Reply(plan.reply_id, plan.pending.prompt_tokens)
         shell = {**responses_body(req, empty), "status": "in_progress", "output": [], "usage": None}
         self.head = [self.event("response.created", response=shell), self.event("response.in_progress", response=shell)]
 
@@ -1059,7 +1074,7 @@ class AnthropicWriter:
     ping, overloaded, body = event("ping"), 529, staticmethod(anthropic_body)
 
     def __init__(self, req: ChatRequest, plan: Plan):
-        self.req, empty = req, Reply(plan.reply_id, len(plan.pending.plan.prompt))
+        self.req, empty = req, Reply(plan.reply_id, plan.pending.prompt_tokens)
         self.head = [event("message_start", message={**anthropic_body(req, empty), "content": [], "stop_reason": None})]
 
     def tail(self, r: Reply) -> list[str]:
@@ -1252,6 +1267,9 @@ class ChatServer(SegmentStore):
             proto = protocol or ("anthropic" if "anthropic-version" in request.headers else "openai")
             try:
                 return await handler(request, proto)
+            except RecursionError:   # what recurses here follows the request's nesting (JSON, namespace tools)
+                deep = f"the request nests JSON too deeply (past Python's recursion limit, {sys.getrecursionlimit()})"
+                return self.error_response(proto, ApiError(400, deep + ": flatten it"))
             except Exception as e:   # any other than an ApiError is a bug of ours: a 500, the episode never trained
                 e = e if isinstance(e, ApiError) else self.taint(getattr(request.state, "episode", None), e)
                 return self.error_response(proto, e)

@@ -794,6 +794,146 @@ def test_every_error_row_has_exact_status_shape_and_no_retry(loop, tiny_generato
     call(loop, server.stop)
 
 
+# --- hostile input: a 400 in the protocol's shape that leaves the episode clean; bounded memory per episode
+
+
+def counted_clients(ep):
+    """Stock OpenAI and Anthropic clients on the episode, allowed 2 retries, and the list of their attempts."""
+    attempts = []
+    http = {"event_hooks": {"request": [lambda request: attempts.append(request.url.path)]}}
+    oai = openai.OpenAI(base_url=ep.openai_base_url, api_key=ep.api_key, max_retries=2,
+                        http_client=httpx2.Client(**http))
+    ant = anthropic.Anthropic(base_url=ep.anthropic_base_url, api_key=ep.api_key, max_retries=2,
+                              http_client=httpx2.Client(**http))
+    return oai, ant, attempts
+
+
+def refused_once(attempts, fn, *args, **kw):
+    """The SDK's BadRequestError for one call, made in exactly one attempt (x-should-retry: false)."""
+    attempts.clear()
+    with pytest.raises((openai.BadRequestError, anthropic.BadRequestError)) as info:
+        fn(*args, **kw)
+    assert info.value.status_code == 400 and len(attempts) == 1
+    assert info.value.response.headers["x-should-retry"] == "false"
+    return info.value
+
+
+def test_deeply_nested_json_is_each_protocols_400_and_the_episode_still_trains(served, loop):
+    """JSON nested 100,000 deep, past Python's recursion limit (1,000 frames), as a whole body or inside a tool call's
+    arguments string, is the client's fault: each protocol's 400 body, one attempt, and the episode stays untainted."""
+    server, recorder = served
+    tainted = server.metrics().get("chat/tainted_episodes", 0)
+    ep = call(loop, server.open_episode)
+    oai, ant, attempts = counted_clients(ep)
+    deep = "[" * 100_000 + "]" * 100_000
+    for post, path, field in ((oai.post, "/chat/completions", "messages"), (oai.post, "/responses", "input"),
+                              (ant.post, "/v1/messages", "messages")):
+        body = f'{{"model": "m", "max_tokens": 4, "{field}": {deep}}}'.encode()
+        e = refused_once(attempts, post, path, cast_to=object, content=body)
+        assert "nests JSON too deeply" in e.message
+        if post == ant.post:
+            assert e.body["type"] == "error" and e.body["error"]["type"] == "invalid_request_error"
+        else:
+            assert e.body["type"] == "invalid_request_error" and set(e.body) == {"message", "type", "param", "code"}
+    hi = [{"role": "user", "content": "hi"}]
+    call_turn = [{"role": "assistant", "tool_calls": [{"id": "c0", "type": "function",
+                                                        "function": {"name": "calc", "arguments": deep}}]},
+                 {"role": "tool", "tool_call_id": "c0", "content": "5"}]
+    refused_once(attempts, oai.chat.completions.create, model="m", messages=hi + call_turn)
+    out = oai.chat.completions.create(model="m", messages=hi, max_tokens=2)   # the episode goes on
+    [seg] = call(loop, server.close_episode, ep.id)
+    assert not seg.info["tainted"] and server.metrics().get("chat/tainted_episodes", 0) == tainted
+    assert out.usage.completion_tokens == sum(seg.action_mask)
+    assert_exact_replay(seg, recorder.of(ep.id))
+
+
+def peak_rss_mib() -> int:
+    return int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) >> 10
+
+
+def test_an_image_past_the_pixel_limit_is_refused_from_its_header_in_each_protocol(served, loop):
+    """An inline image is refused from its header's size, before a pixel is decoded. 12000 x 12000 one-bit pixels
+    compress to ~17 kB of PNG yet decode to 12000^2 x 3 B = 412 MiB as RGB; 16000 x 16000 (~31 kB) is past PIL's
+    own bomb limit (2 x 89,478,485 pixels). Both are over 4096 x 4096 = 16,777,216 pixels: each protocol's 400
+    naming the limit and the image's path. The server runs in this process, so its peak memory is ours: reset, it
+    may not grow by the 412 MiB a decode would take (64 MiB allows for everything else on the path)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    def png(width: int, height: int) -> str:
+        out = io.BytesIO()
+        Image.new("1", (width, height)).save(out, "PNG")
+        return base64.b64encode(out.getvalue()).decode()
+
+    def send(data: str):   # each protocol's inline image, with the path of its data
+        yield "messages.0.content.0.image_url.url", oai.chat.completions.create, dict(messages=[{"role": "user", (
+            "content"): [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + data}}]}])
+        yield "input.0.content.0.image_url", oai.responses.create, dict(input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": "data:image/png;base64," + data, "detail": "auto"}]}])
+        yield "messages.0.content.0.source.data", ant.messages.create, dict(max_tokens=4, messages=[
+            {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                      "data": data}}]}])
+    server, _ = served
+    ep = call(loop, server.open_episode)
+    oai, ant, attempts = counted_clients(ep)
+    bombs = [png(12000, 12000), png(16000, 16000)]
+    assert all(len(b) * 3 // 4 < 32_000 for b in bombs)   # the encoded images are small
+    open("/proc/self/clear_refs", "w").write("5")   # resets this process's peak resident memory (VmHWM)
+    before = peak_rss_mib()
+    for data in bombs:
+        for where, create, kw in send(data):
+            e = refused_once(attempts, create, model="m", **kw)
+            assert f"{where}: the image has more than 16777216 pixels, the most this server decodes" in e.message
+    assert peak_rss_mib() - before < 64
+    # at the limit the image is decoded (then the text-only tiny model refuses it); one row more is refused unread
+    for size, why in (((4096, 4096), "takes no images"), ((4096, 4097), "more than 16777216 pixels")):
+        where, create, kw = next(send(png(*size)))
+        assert why in refused_once(attempts, create, model="m", **kw).message
+    call(loop, server.close_episode, ep.id)
+
+
+def held_items(root) -> int:
+    """Items of every list and tuple reachable from root through chat_server's own objects and the results of done
+    futures, each container counted once: the token bookkeeping that root keeps alive."""
+    seen, todo, items = set(), [root], 0
+    while todo:
+        x = todo.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, asyncio.Future):
+            todo += [x.result()] if x.done() and not x.cancelled() and x.exception() is None else []
+        elif isinstance(x, (list, tuple)):
+            items += len(x)
+            todo += x
+        elif isinstance(x, dict):
+            todo += list(x.values())
+        elif type(x).__module__ == "chat_server":
+            todo += list(vars(x).values())
+    return items
+
+
+def test_an_episodes_answered_turns_hold_o_of_context_not_o_of_turns_times_context(served, loop):
+    """The per-turn bookkeeping that answers a resend (EpisodeState.pending) keeps each turn's reply, not its prompt:
+    a turn's Reply holds its k sampled ids and k log-probs (no tool calls, no per-token pieces asked), so all turns
+    together hold 2 x (the segment's action tokens) <= 2 x the window. Keeping each turn's prompt would hold about
+    turns x context / 2: over 35 turns of a 512-token window, thousands of ids."""
+    server, _ = served
+    ep = call(loop, server.open_episode)
+    client = openai.OpenAI(base_url=ep.openai_base_url, api_key=ep.api_key, max_retries=0)
+    msgs, turns, used = [{"role": "user", "content": "go"}], 0, 0
+    while used < server.window - 24:   # the next turn's bridge, delta and reply: < 24 tokens here
+        out = client.chat.completions.create(model="m", messages=msgs, max_tokens=2)
+        msgs += [out.choices[0].message.model_dump(), {"role": "user", "content": "go"}]
+        turns, used = turns + 1, out.usage.total_tokens
+    state = server.episodes[ep.id]
+    [seg] = call(loop, server.close_episode, ep.id)
+    assert turns >= 20 and len(seg.info["turns"]) == turns and len(state.pending) == turns
+    assert held_items(state.pending) <= 2 * sum(seg.action_mask) <= 2 * server.window
+
+
 # --- constrained decoding, reasoning handles, resends no header marks, Codex's request shapes
 
 def test_constrained_decoding_is_sampled_under_the_mask_and_marks_the_turn(served, loop, tiny_model):

@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -179,6 +180,35 @@ def test_claude_code_past_its_time_limit_is_killed_and_raises(loop, tiny_model):
         call(loop, lambda: stalled.release and stalled.release.set())   # a request still pending can finish
         server.close_episode(ep.id)
         call(loop, server.stop)
+
+
+def test_programs_claude_codes_bash_starts_cannot_sample_on_its_episode(loop, tiny_model):
+    """A program that a Bash command starts inherits the command's environment, and the Anthropic SDK reads
+    ANTHROPIC_BASE_URL and ANTHROPIC_API_KEY from there. Were the episode's URL and key in it, the program's request
+    would be sampled on the episode and trained as a segment of its own (UNRELATED: another conversation), though the
+    agent never wrote that turn. Scripted replies: a Bash call running such a program then creating done.txt, then
+    the answer. The engine serves exactly the CLI's 2 requests, the program finds no key, and the episode is one
+    segment."""
+    agent = ClaudeCodeAgent(cli("claude"), CLAUDE_ARGS, timeout_s=120)
+    program = ("import anthropic; anthropic.Anthropic(max_retries=0).messages.create(model='m', max_tokens=4, "
+               "messages=[{'role': 'user', 'content': 'a side call'}])")
+    command = f'{sys.executable} -c "{program}"; touch done.txt'
+
+    def script(turn: int, prompt: str) -> str:
+        last = prompt[prompt.rindex("<|im_start|>", 0, prompt.rindex("<|im_start|>assistant")):]
+        return FINAL if "<tool_response>" in last else tool_call("Bash", {"command": command})
+    recorder = Recorder(ScriptedGenerator(tiny_model, script))
+    server = ChatServer(recorder, tiny_model, ChatArgs())
+    call(loop, server.start)
+    try:
+        segments = call(loop, lambda: run_chat_episode(agent, server, {"prompt": TASK}, model=MODEL,
+                                                       episode_id="e0", group_id="g0"))
+    finally:
+        call(loop, server.stop)
+    assert len(recorder.calls) == 2 and len(segments) == 1 and segments[0].reward == 1.0
+    observed = ChatTemplate(tiny_model, ()).decode([t for t, a in zip(segments[0].token_ids,
+                                                                      segments[0].action_mask) if not a])
+    assert "Could not resolve authentication method" in observed   # the program ran, and found no key
 
 
 @pytest.mark.slow
