@@ -358,7 +358,7 @@ class TrainerRank:
     def forward_rows(self, model, batch: dict, plan: list, temperature: float = 1.0) -> torch.Tensor:
         """model's log-probs at temperature (the critic's: its values) of this rank's rows, as (B, T) on every rank."""
         out = torch.zeros(batch["ids"].shape, device=self.device)  # (B, T)
-        self.model.train(not self.train.lora_dropout)  # --train.lora_dropout: not here, nor in the engine
+        model.eval()  # as the engine: no --train.lora_dropout (config dropout is zeroed at load), no checkpointing
         for minibatch in plan:
             for rows in minibatch[self.dp_rank]:
                 x = self.microbatch(batch, rows)
@@ -366,7 +366,7 @@ class TrainerRank:
                      else self.policy_logprobs(model, x, temperature)[0])  # (b, t)
                 if rows:
                     out[rows, :y.shape[1]] = y.float()
-        self.model.train()
+        model.train()
         dist.all_reduce(out, group=self.dp_group)  # rows are disjoint across dp ranks: the sum is a gather
         return out.cpu()
 
@@ -381,7 +381,8 @@ class TrainerRank:
             real = torch.arange(mask.shape[1]) < batch["lengths"][:, None]  # (B, T)
             records.append((1.0, {"train/replayed_frac": float((batch["routed"][..., 0] >= 0)[real].float().mean())}))
         # --- no-grad pass: old (proximal) and ref log-probs, values; on-policy in one step, old = new.detach(): skipped
-        on_policy = (self.train.epochs == 1 and self.train.minibatches == 1
+        # (not with --train.lora_dropout: the loss forward's log-probs are noisy, the engine's and old's are not)
+        on_policy = (self.train.epochs == 1 and self.train.minibatches == 1 and not self.train.lora_dropout
                      and bool((batch["versions"][mask] == self.version).all()))
         kl = None
         if not on_policy or self.ref is not None:
@@ -785,22 +786,35 @@ def build_model(rank: TrainerRank, auto_class, lora: bool = False, **kwargs) -> 
         model.load_state_dict(model.state_dict_adapter.from_hf(hf), strict=True)
     else:
         model = auto_class.from_pretrained(rank.model_path, dtype=torch.float32, **kwargs)
+    zero_dropout(model)  # before LoRA: --train.lora_dropout is the only dropout there is
     if rank.train.freeze_vision:   # the module built from config.vision_config, outermost first
         kind = type(config.vision_config)
         next(m for m in model.modules() if isinstance(getattr(m, "config", None), kind)).requires_grad_(False)
     if lora:  # --train.lora_rank: the policy's adapters, added before FSDP wraps its parameters
         rank.adapted = add_lora(model, rank.train)
     if auto_class is AutoModelForTokenClassification:
-        model.dropout.p = 0.0  # transformers' head default is 0.1: the no-grad pass's old values are the values
         torch.nn.init.zeros_(model.score.weight)  # the value head starts at V = 0, the same on every rank
         torch.nn.init.zeros_(model.score.bias)
     from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
-    model.train()  # from_pretrained returns eval mode, in which HF's (NeMo's) activation checkpointing is off
+    model.train()  # from_pretrained returns eval mode, in which HF's (NeMo's) activation checkpointing is off; with
+    # dropout zeroed, train mode changes nothing else (but --train.lora_dropout, live in the loss forward alone)
     model = parallelize_model(model.to(rank.device), rank.dist_setup.mesh_context)
     if nemo_moe and not isinstance(model, FSDPModule):  # one rank: NeMo skips fully_shard and its bf16 cast, and
         fully_shard(model, mesh=rank.dist_setup.mesh_context.device_mesh["dp"],  # autocast is 2x further from vLLM
                     mp_policy=rank.dist_setup.mesh_context.strategy_config.mp_policy)
     return model
+
+
+def zero_dropout(model: torch.nn.Module) -> None:
+    """Every dropout rate of the model 0, as in vLLM: nn.Dropout modules and the float rates that layers and configs
+    hold and read in train mode (attention_dropout, resid_pdrop, layerdrop, ...); the policy trains in train mode."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        for owner in (module, getattr(module, "config", None)):
+            for key, value in list(getattr(owner, "__dict__", {}).items()):
+                if "drop" in key and isinstance(value, float):
+                    setattr(owner, key, 0.0)
 
 
 def setup_policy_extras(rank: TrainerRank) -> None:
@@ -878,7 +892,8 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None, scale: fl
 @dataclass
 class LossScale:
     """float16 dynamic loss scaling (https://arxiv.org/abs/1710.03740): backward runs on loss x scale; a non-finite
-    gradient skips its step and halves the scale, `growth_steps` finite steps double it. Not dynamic: 1, no skips."""
+    gradient skips its step and halves the scale (floor 1), `growth_steps` finite steps double it. Not dynamic: 1.
+    A non-finite gradient with no scale left to back off (not float16, or at the floor) raises FloatingPointError."""
     dynamic: bool
     scale: float = 1.0
     growth_steps: int = 2000  # torch.amp.GradScaler's default, as is the start scale 2**16 (trainer's setup)
@@ -887,10 +902,16 @@ class LossScale:
 
     def update(self, finite: bool) -> bool:
         """Record one optimizer step's gradient (finite or not); -> whether to take the step."""
+        if not finite and (not self.dynamic or self.scale <= 1.0):  # no float16 overflow: a NaN / inf upstream
+            kind = "float16 at its floor" if self.dynamic else "float32 / bfloat16: no scaling"
+            raise FloatingPointError(
+                f"non-finite gradient at loss scale {self.scale} ({kind}); the step was not taken. A NaN or inf in the "
+                "loss, the batch (rewards, log-probs) or the weights: check them, or lower --train.lr / "
+                "--train.critic_lr and resume")
         if not self.dynamic:
             return True
         if not finite:
-            self.scale, self.good_steps, self.skipped = self.scale / 2, 0, self.skipped + 1
+            self.scale, self.good_steps, self.skipped = max(self.scale / 2, 1.0), 0, self.skipped + 1
             return False
         self.good_steps += 1
         if self.good_steps == self.growth_steps:
@@ -1053,7 +1074,7 @@ def save_checkpoint(rank: TrainerRank, root: str, step: int, data_position: dict
             with open(os.path.join(tmp, "meta.json"), "w") as f:
                 json.dump({"step": step, "version": rank.version, "optimizer_steps": rank.optimizer_steps,
                            "world_size": rank.world_size, "data_position": data_position,
-                           "loss_scale": [rank.scaler.scale, rank.scaler.good_steps, rank.scaler.skipped]}, f)
+                           **{key: [s.scale, s.good_steps, s.skipped] for key, s in scalers(rank)}}, f)
     except CheckpointException as e:  # DCP raises it on every rank when one rank's write failed
         failed, (cause, _) = next(iter(e.failures.items()))
         failure = f"{type(cause).__name__}: {cause} on rank {failed}"
@@ -1105,9 +1126,15 @@ def load_checkpoint(rank: TrainerRank, path: str) -> dict:
     if "optimizer_steps" not in meta:  # written when the version counted AdamW steps and the step train steps
         meta = {**meta, "optimizer_steps": meta["version"], "version": meta["step"]}
     rank.version, rank.optimizer_steps = meta["version"], meta["optimizer_steps"]
-    if rank.scaler.dynamic and "loss_scale" in meta:  # float16: resume at the scale the run had reached
-        rank.scaler.scale, rank.scaler.good_steps, rank.scaler.skipped = meta["loss_scale"]
+    for key, scaler in scalers(rank):  # float16: resume at the scales the run had reached (older files: no critic's)
+        if scaler.dynamic and key in meta:
+            scaler.scale, scaler.good_steps, scaler.skipped = meta[key]
     return meta
+
+
+def scalers(rank: TrainerRank) -> list[tuple[str, "LossScale"]]:
+    """meta.json's key of each optimizer's float16 loss scale."""
+    return [("loss_scale", rank.scaler), ("critic_loss_scale", rank.critic_scaler)]
 
 
 # TrainerRank's methods that are machinery: TrainerGroup.call invokes them by name on the Ray actors

@@ -272,6 +272,26 @@ def test_merged_refit_gives_an_engine_without_lora_the_trainers_logprobs(tiny_ge
         assert (torch.tensor(o.logprobs) - r[len(p):]).abs().max().item() <= 1e-4
 
 
+def test_lora_dropout_keeps_old_logprobs_and_the_mismatch_measure_noise_free(tiny_model, ray_local):
+    """--train.lora_dropout 0.5, an on-policy step (epochs 1, minibatches 1) whose rollout log-probs are the trainer's
+    own (logprobs(): no dropout, as the engine). old_logp is the policy that sampled: dropout-free, so the mismatch is
+    0 and every token-level IS weight exp(old - rollout) = 1 exactly. Before the fix old_logp was the loss forward's
+    (dropout live): here mismatch_abs 0.106, max 0.48."""
+    group = TrainerGroup(tiny_model, TrainArgs(lr=1e-2, lora_rank=RANK, lora_alpha=ALPHA, lora_dropout=0.5),
+                         FsdpArgs(), CkptArgs(), LossArgs(is_level="token"), EstimatorArgs(), temperature=1.0,
+                         gpus_per_rank=0)
+    try:
+        group.train_step(segments(0, seed=40))  # B != 0: until the adapter trains, its dropout changes nothing
+        rows = segments(1, seed=41)
+        for seg, logp in zip(rows, group.logprobs(rows)):
+            seg.logprobs = [lp if m else 0.0 for lp, m in zip(logp.tolist(), seg.action_mask)]
+        metrics = group.train_step(rows)
+    finally:
+        group.shutdown()
+    assert metrics["loss/mismatch_abs"] == metrics["loss/mismatch_max_abs"] == 0.0, metrics
+    assert metrics["loss/is_weight_mean"] == 1.0
+
+
 # --- checkpoints and exports
 
 

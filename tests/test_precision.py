@@ -69,7 +69,22 @@ def test_loss_scale_skips_a_nonfinite_step_halves_and_grows_back():
     assert s.update(True) and s.update(True) and s.scale == 4.0
     assert s.update(True) and (s.scale, s.good_steps) == (8.0, 0)  # the 3rd finite step in a row doubles it
     fixed = LossScale(dynamic=False)
-    assert fixed.update(False) and (fixed.scale, fixed.skipped) == (1.0, 0)  # float32 / bfloat16: never skips
+    assert fixed.update(True) and (fixed.scale, fixed.skipped) == (1.0, 0)  # float32 / bfloat16: no scaling
+    with pytest.raises(FloatingPointError, match="float32 / bfloat16: no scaling"):  # nothing to back off: no step
+        fixed.update(False)
+
+
+def test_loss_scale_backs_off_to_a_floor_of_1_then_stops():
+    # From 2^16, 16 non-finite steps halve it to exactly 2^16 / 2^16 = 1. Another one cannot be a float16 overflow
+    # (the loss is unscaled): stop, naming it. Without the floor 1,091 in a row reached 0.0 (denormal from the
+    # 1,039th), and clip_grad_norm's division by the scale raised ZeroDivisionError.
+    s = LossScale(dynamic=True, scale=2.0 ** 16)
+    assert not any(s.update(False) for _ in range(16)) and (s.scale, s.skipped) == (1.0, 16)
+    with pytest.raises(FloatingPointError, match="loss scale 1.0 \\(float16 at its floor\\)"):
+        s.update(False)
+    assert (s.scale, s.skipped) == (1.0, 16)
+    odd = LossScale(dynamic=True, scale=1.5)  # a scale between 1 and 2 halves to the floor, not below
+    assert not odd.update(False) and odd.scale == 1.0
 
 
 def test_clip_divides_out_the_loss_scale_in_the_same_pass():
@@ -90,8 +105,8 @@ def test_clip_divides_out_the_loss_scale_in_the_same_pass():
 @pytest.fixture(scope="module")
 def fp16_rank(tiny_chars_model):
     threads = torch.get_num_threads()  # a CPU rank takes one thread: give the session's back after
-    rank = TrainerRank(0, 1, tiny_chars_model, TrainArgs(lr=1e-2), FsdpArgs(param_dtype="float16"), CkptArgs(),
-                       LossArgs(), EstimatorArgs(), temperature=1.0)
+    rank = TrainerRank(0, 1, tiny_chars_model, TrainArgs(lr=1e-2, critic_lr=1e-2), FsdpArgs(param_dtype="float16"),
+                       CkptArgs(), LossArgs(), EstimatorArgs(name="gae"), temperature=1.0)  # a critic: its own scale
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -180,3 +195,26 @@ def test_fp16_checkpoint_keeps_the_loss_scale(fp16_rank, tmp_path):
     rank.scaler = LossScale(True, 2.0 ** 16)  # as a fresh rank starts
     rank.load(path)
     assert (rank.scaler.scale, rank.scaler.good_steps, rank.scaler.skipped) == (2.0 ** 9, 17, 7)
+
+
+def test_fp16_checkpoint_keeps_the_critics_loss_scale(fp16_rank, tmp_path):
+    """The critic's scale backs off on its own gradients: a resume that restarts it at 2^16 re-skips the steps it took
+    to come down (2^16 -> 2^5: 11 skipped critic steps). A checkpoint written before it was saved still loads."""
+    import json
+    rank = fp16_rank
+    rank.optimizer_steps = max(rank.optimizer_steps, 1)
+    rank.scaler = LossScale(True, 2.0 ** 16)
+    critic = rank.critic_scaler
+    critic.scale, critic.good_steps, critic.skipped = 2.0 ** 5, 3, 11
+    path = rank.save(str(tmp_path), 4, None)
+    rank.critic_scaler = LossScale(True, 2.0 ** 16)  # as a fresh rank starts
+    rank.load(path)
+    assert (rank.critic_scaler.scale, rank.critic_scaler.good_steps, rank.critic_scaler.skipped) == (2.0 ** 5, 3, 11)
+    assert rank.scaler.scale == 2.0 ** 16  # the policy's own, restored from its own entry
+    with open(os.path.join(path, "meta.json")) as f:
+        meta = json.load(f)
+    with open(os.path.join(path, "meta.json"), "w") as f:
+        json.dump({k: v for k, v in meta.items() if k != "critic_loss_scale"}, f)  # an older checkpoint
+    rank.critic_scaler = LossScale(True, 2.0 ** 16)
+    rank.load(path)
+    assert rank.critic_scaler.scale == 2.0 ** 16

@@ -4,8 +4,10 @@ References are independent of the trainer: a plain transformers forward of the s
 checkpoint's own safetensors file, and counts derived by hand. Trainer groups are module-scoped
 (each start costs ~15 s of imports); tests that need untouched weights say so and come first.
 """
+import json
 import os
 import random
+import shutil
 import socket
 import tempfile
 
@@ -18,7 +20,7 @@ from estimators import EstimatorArgs
 from generator import Segment
 from losses import LossArgs
 from trainer import (CkptArgs, FsdpArgs, TrainArgs, TrainerGroup, TrainerRank, check_args, collate, lr_at, pad_frac,
-                     plan_step, refit_pairs, sft_batch, token_logprobs)
+                     plan_step, refit_pairs, sft_batch, token_logprobs, zero_dropout)
 
 VOCAB = 72  # tiny_chars_model
 
@@ -237,6 +239,75 @@ def test_refit_export_covers_every_parameter_once_in_the_engines_dtype(tiny_char
         torch.set_num_threads(threads)
 
 
+def live_dropout(model: torch.nn.Module) -> list[str]:
+    """Where a train-mode forward drops activations: an nn.Dropout's p, a float rate layers read (attention_dropout)."""
+    live = []
+    for name, m in model.named_modules():
+        rates = {"p": m.p} if isinstance(m, torch.nn.Dropout) else {}
+        rates.update({k: v for k, v in vars(m).items() if "drop" in k and isinstance(v, float)})
+        live += [f"{name}.{k}" for k, v in rates.items() if v > 0]
+    return live
+
+
+def test_config_dropout_is_off_in_every_pass_of_policy_reference_and_critic(ray_local, tiny_chars_model, tmp_path):
+    """A config with dropout (attention_dropout 0.5; the critic head's classifier_dropout 0.5). vLLM has none, and the
+    trainer keeps its models in train mode (activation checkpointing needs it), so a live rate makes the old, ref and
+    new log-probs and the values random: before the fix two identical logprobs() calls differed by up to 0.58."""
+    model_path = str(tmp_path / "dropout_model")
+    shutil.copytree(tiny_chars_model, model_path)
+    with open(os.path.join(model_path, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(model_path, "config.json"), "w") as f:
+        json.dump({**config, "attention_dropout": 0.5, "classifier_dropout": 0.5}, f)
+    threads = torch.get_num_threads()  # a CPU rank takes one thread: give the session's back after
+    rank = TrainerRank(0, 1, model_path, TrainArgs(critic_lr=1e-3), FsdpArgs(), CkptArgs(), LossArgs(kl_ref="model"),
+                       EstimatorArgs(name="gae"), temperature=1.0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rank.setup("127.0.0.1", port)
+    try:
+        assert [live_dropout(m) for m in (rank.model, rank.ref, rank.critic)] == [[], [], []]
+        assert rank.model.training and rank.critic.training  # kept for checkpointing: rates 0 make it harmless
+        segments = make_segments(seed=4)
+        first, second = rank.logprobs(segments, None), rank.logprobs(segments, None)
+        assert all(torch.equal(a, b) for a, b in zip(first, second))
+        # and they are the dropout-free function: transformers in eval mode (no dropout) on the same weights
+        reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        for a, b in zip(first, hf_logprobs(reference, segments, 1.0)):
+            assert torch.allclose(a, b, atol=1e-5, rtol=0)
+        x = rank.microbatch(collate(segments), list(range(len(segments))))
+        for model in (rank.model, rank.ref):  # the loss forward (train mode, with grad) and the reference's
+            a, b = (rank.policy_logprobs(model, x, 1.0)[0].detach() for _ in range(2))
+            assert torch.equal(a, b)
+        assert torch.equal(rank.critic_values(x["ids"]).detach(), rank.critic_values(x["ids"]).detach())
+    finally:
+        rank.shutdown()
+        torch.set_num_threads(threads)
+
+
+def test_zero_dropout_silences_gpt2_opt_and_phi_style_rates():
+    """GPT-2 drops through nn.Dropout modules, OPT through float rates its layers read (and LayerDrop), Phi both. At
+    rate 0.5 a train-mode forward is random; zeroed, it equals the eval-mode one (dropout is the only difference)."""
+    from transformers import GPT2Config, OPTConfig, PhiConfig
+    small = dict(num_attention_heads=2, vocab_size=50, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    configs = [GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50, bos_token_id=0, eos_token_id=0,
+                          resid_pdrop=0.5, embd_pdrop=0.5, attn_pdrop=0.5),
+               OPTConfig(hidden_size=32, num_hidden_layers=1, ffn_dim=64, word_embed_proj_dim=32, **small,
+                         dropout=0.5, attention_dropout=0.5, activation_dropout=0.5, layerdrop=0.5),
+               PhiConfig(hidden_size=32, num_hidden_layers=1, intermediate_size=64, **small, resid_pdrop=0.5,
+                         embd_pdrop=0.5, attention_dropout=0.5)]
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    for config in configs:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).train()
+        with torch.no_grad():
+            assert not torch.equal(model(ids).logits, model(ids).logits), type(model).__name__  # dropout is live
+            zero_dropout(model)
+            assert live_dropout(model) == [] and model.training
+            assert torch.equal(model(ids).logits, model.eval()(ids).logits), type(model).__name__
+
+
 # --- the train step: sharding and microbatching do not change the math
 
 
@@ -437,6 +508,31 @@ def test_bad_batches_are_refused_naming_the_segment(ws1, ws1_after_one_step):
         ws1.train_step(make_segments(ws1.version - 1))
     with pytest.raises(ValueError, match="newer"):
         ws1.train_step(make_segments(ws1.version + 1))
+
+
+def test_fp32_step_with_a_nonfinite_gradient_stops_before_the_step(ws1, ws1_after_one_step):
+    """float32 and bfloat16 build the same non-scaling LossScale: no loss scale can back off from a NaN / inf, so the
+    step must not be taken. Before the fix AdamW stepped it: every weight NaN, refit into the engine as such."""
+    import ray
+
+    def nan_step(rank):
+        params = [p for p in rank.model.parameters() if p.requires_grad]
+        before, steps = [p.detach().clone() for p in params], rank.optimizer_steps
+        for p in params:
+            p.grad = torch.full_like(p, 1e-3)
+        params[0].grad[0] = float("nan")  # one element of one tensor
+        try:
+            rank.policy_step(torch.zeros(()))
+            error = None
+        except FloatingPointError as e:
+            error = str(e)
+        finally:
+            rank.optimizer.zero_grad(set_to_none=True)  # the module's later tests start from clean gradients
+        return error, all(torch.equal(a, p) for a, p in zip(before, params)), rank.optimizer_steps - steps
+
+    error, unchanged, steps = ray.get(ws1.actors[0].__ray_call__.remote(nan_step))
+    assert error is not None and "non-finite gradient at loss scale 1.0 (float32 / bfloat16" in error
+    assert "--train.lr" in error and unchanged and steps == 0
 
 
 def test_rank_metrics_merge_as_token_weighted_means_except_the_named_extremes():
