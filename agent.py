@@ -23,7 +23,8 @@ from generator import Generator, Segment, sampled_record, segment_routing
 class AgentArgs:
     path: str = field(default="recipes/copy_agent.py", metadata={"help": "file with make_agent() -> Env or ChatAgent"})
     max_turns: int = field(default=8, metadata={"help": "turns after which an Env episode ends as truncated"})
-    max_context: int = field(default=2048, metadata={"help": "tokens after which an Env episode ends as truncated"})
+    max_context: int = field(default=2048, metadata={
+        "help": "tokens after which an Env episode ends as truncated (--vllm.max_model_len if that is lower)"})
     episode_timeout_s: float = field(default=600.0, metadata={"help": "an episode still running after this is dropped"})
 
     def __post_init__(self):
@@ -63,6 +64,7 @@ class ChatContext:
     messages: list[dict]
     tools: list[dict]
     label: object = None
+    group_id: str = ""       # the episodes of one prompt share it (a group-level reward scores them together)
 
 
 class ChatAgent:
@@ -82,7 +84,8 @@ async def run_env_episode(env: Env, generator: Generator, template: ChatTemplate
     ids, spans = template.expand_images(template.render_full(system + [first]), images)
     mask, logps, versions, sampled = [False] * len(ids), [0.0] * len(ids), [-1] * len(ids), []
     result, truncated, routed, reward = Result(reward=0.0), True, None, 0.0  # truncated unless the env ends it
-    while (room := args.max_context - len(ids)) > 0 and state["turn"] < args.max_turns:
+    limit = min(args.max_context, generator.vllm.max_model_len)  # the engine refuses a prompt that fills its window
+    while (room := limit - len(ids)) > 0 and state["turn"] < args.max_turns:
         out = await generator.generate(ids, max_new_tokens=min(room, generator.rollout.max_new_tokens),
                                        affinity=episode_id, images=spans)
         ids, mask = ids + out.token_ids, mask + [True] * len(out.token_ids)
@@ -94,14 +97,14 @@ async def run_env_episode(env: Env, generator: Generator, template: ChatTemplate
         result = await env.step(template.decode(text_ids), state)
         reward += result.reward
         if result.terminated or result.truncated or out.finish_reason == "abort":
-            truncated = result.truncated
+            truncated = result.truncated or out.finish_reason == "length"  # cut at max tokens, as a chat turn is
             break
         message, images = user_turn(result.observation)
         observation = template.render_delta([message])  # first: its error names the roles and the template
         bridge = template.bridge(out.token_ids)
         observation, new = template.expand_images(observation, images, len(ids) + len(bridge))
         delta = bridge + observation
-        if len(ids) + len(delta) >= args.max_context or state["turn"] >= args.max_turns:
+        if len(ids) + len(delta) >= limit or state["turn"] >= args.max_turns:
             break  # no sample would follow it: the row ends at the last action
         ids, mask, spans = ids + delta, mask + [False] * len(delta), spans + new
         logps, versions = logps + [0.0] * len(delta), versions + [-1] * len(delta)
@@ -117,7 +120,8 @@ async def run_chat_episode(agent: ChatAgent, server: ChatServer, row: dict, *, m
     ep = server.open_episode()
     messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
     ctx = ChatContext(base_url=ep.openai_base_url, anthropic_base_url=ep.anthropic_base_url, api_key=ep.api_key,
-                      model=model, messages=messages, tools=row.get("tools", []), label=row.get("label"))
+                      model=model, messages=messages, tools=row.get("tools", []), label=row.get("label"),
+                      group_id=group_id)
     try:
         result = await agent.run(ctx)
     finally:

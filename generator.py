@@ -340,23 +340,31 @@ async def send_request(gen: Generator, i: int, request: tuple) -> Completion:
         gen._drains.add(task)  # held until it ends: the loop keeps only weak references to tasks
         task.add_done_callback(gen._drains.discard)
     pending.append((request, future))
-    return await future
+    try:
+        return await future
+    except asyncio.CancelledError:  # the asker gave up (an episode's timeout): the engine stops sampling for it
+        await gen._await(i, gen._engines[i].abort.remote(request[1]))
+        raise
 
 
 async def drain_answers(gen: Generator, i: int) -> None:
     """Send engine i this turn's requests; each answer to its asker, the call's own failure to every asker left."""
     requests, futures = zip(*gen._pending.pop(i))
+    error = RuntimeError(f"engine {i}: its call ended without this request's answer")
     try:
         async for ref in gen._engines[i].generate_many.remote(gen.rollout, list(requests)):
-            k, completion, error = await ref
+            k, completion, answer = await ref
             if futures[k].done():  # the asker was cancelled
                 continue
-            if error is None:
+            if answer is None:
                 futures[k].set_result(completion)
             else:  # a ValueError is the asker's own
-                futures[k].set_exception(error if isinstance(error, ValueError) else answer_error(gen, i, *error))
+                futures[k].set_exception(answer if isinstance(answer, ValueError) else answer_error(gen, i, *answer))
     except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
         error = engine_error(gen, i, e)
+    except Exception as e:  # not the engine's failure (an answer that does not unpickle, a lost object, ...)
+        error = RuntimeError(f"engine {i}: its call failed: {e!r}")
+    finally:  # no asker waits forever
         for future in futures:
             if not future.done():
                 future.set_exception(error)
@@ -487,6 +495,10 @@ class Engine:
                 return k, None, (type(e).__name__, repr(e))
         for done in asyncio.as_completed([one(k, *request) for k, request in enumerate(requests)]):
             yield await done
+
+    async def abort(self, request_id: str) -> None:
+        """End a request its asker gave up on: vLLM finishes it as "abort" and frees its slot."""
+        await self.llm.abort(request_id)
 
     async def pause(self) -> None:
         self.open.clear()

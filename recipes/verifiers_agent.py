@@ -81,10 +81,10 @@ def episode(ctx: ChatContext) -> tuple:
 
 # --- a group: the episodes of one prompt, scored together once the last one has rolled out
 
-# AgentWorker.run_group hands one row object to all its episodes and starts them in one event-loop pass, before
-# any can finish (a rollout waits on HTTP): the row's messages list names the group, and every member has joined
-# before the first one ends. The entry goes when its last member ends, so the list's id is not reused meanwhile.
-GROUPS: dict[int, dict] = {}
+# AgentWorker.run_group starts a group's episodes in one event-loop pass, before any can finish (a rollout waits on
+# HTTP): ctx.group_id names the group, whatever --data.path made the row, and every member has joined before the
+# first one ends. The entry goes when its last member ends.
+GROUPS: dict[str, dict] = {}
 HTTP = None  # one connection pool for the process's episodes: a fresh AsyncOpenAI builds its own, ~40 ms of CPU
 
 
@@ -102,7 +102,7 @@ async def score(env, group: dict) -> None:
 class VerifiersAgent(ChatAgent):
     async def run(self, ctx: ChatContext) -> Result:
         global HTTP
-        key, (env, task) = id(ctx.messages), episode(ctx)
+        key, (env, task) = ctx.group_id, episode(ctx)
         group = GROUPS.setdefault(key, {"running": 0, "states": [], "scored": asyncio.Event(), "error": None})
         group["running"] += 1
         try:

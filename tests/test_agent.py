@@ -11,10 +11,11 @@ class Recording:
     """Forwards to the real generator and keeps every Completion it returned, in order."""
 
     def __init__(self, generator):
-        self.generator, self.rollout, self.completions = generator, generator.rollout, []
+        self.generator, self.rollout, self.vllm, self.completions = generator, generator.rollout, generator.vllm, []
+        self.ignore_eos = False  # True: every call runs to its max_new_tokens (finish_reason "length")
 
     async def generate(self, prompt_ids, **kw):
-        out = await self.generator.generate(prompt_ids, **kw)
+        out = await self.generator.generate(prompt_ids, **kw, **({"ignore_eos": True} if self.ignore_eos else {}))
         self.completions.append(out)
         return out
 
@@ -82,7 +83,7 @@ def test_multiturn_episode_trains_on_exact_sampled_ids(tiny_generator, template)
     assert all(v == -1 and lp == 0.0 for v, lp, m in zip(seg.versions, seg.logprobs, seg.action_mask) if not m)
     assert seg.info["sampled"] == tuple(tuple(getattr(c1, k) + getattr(c2, k) + getattr(c3, k))
                                         for k in ("token_ids", "logprobs", "versions"))
-    assert seg.reward == 3.0 and not seg.truncated
+    assert seg.reward == 3.0 and seg.truncated == (c3.finish_reason == "length")  # the env ended it, unless cut
     seg.check()
 
 
@@ -103,7 +104,7 @@ def test_env_episode_reward_is_the_sum_of_its_step_rewards(tiny_generator, templ
     gen = Recording(tiny_generator)
     (seg,) = run(Paid(), gen, template)
     # Three steps: 1 + 0.25 + 0.5 = 1.75, the undiscounted return (the last step alone pays 0.5).
-    assert len(gen.completions) == 3 and seg.reward == 1.75 and not seg.truncated
+    assert len(gen.completions) == 3 and seg.reward == 1.75
     (seg,) = run(Paid(), gen, template, max_turns=2)
     # Cut at the turn limit after two steps: 1 + 0.25.
     assert len(gen.completions) == 5 and seg.reward == 1.25 and seg.truncated
@@ -126,6 +127,31 @@ def test_context_limit_ends_episode_as_truncated(tiny_generator, template):
     assert seg.truncated and max(i for i, m in enumerate(seg.action_mask) if m) < first + 20
     assert len(seg.token_ids) <= first + 20  # an observation that leaves no room to sample is not appended
     assert sum(seg.action_mask) == sum(len(c.token_ids) for c in gen.completions)
+
+
+def test_env_episode_cut_at_max_tokens_is_truncated_as_a_chat_one_is(tiny_generator, template):
+    # Paid ends the episode itself at its third step; every call samples its 16 tokens (ignore_eos), so the last
+    # turn was cut at --rollout.max_new_tokens: finish_reason "length", truncated as chat_server marks such a segment
+    gen = Recording(tiny_generator)
+    gen.ignore_eos = True
+    (seg,) = run(Paid(), gen, template)
+    assert [c.finish_reason for c in gen.completions] == ["length"] * 3
+    assert seg.finish_reason == "length" and seg.truncated and seg.reward == 1.75
+
+
+def test_env_episode_stops_at_the_engine_window_below_max_context(tiny_generator, template):
+    # --agent.max_context 2048 (the default) above the engine's --vllm.max_model_len 512: Echo never ends the
+    # episode, so it runs until the window is full. A prompt of 512 tokens would be refused (an agent error); the
+    # loop stops at the smaller bound and the row ends truncated, every sampled token within the 512
+    gen = Recording(tiny_generator)
+    gen.ignore_eos = True
+    (seg,) = run(Echo(turns=1000), gen, template, max_turns=1000)
+    assert AgentArgs().max_context == 2048 and tiny_generator.vllm.max_model_len == 512
+    assert seg.truncated and len(seg.token_ids) <= 512 and seg.action_mask[-1]
+    assert sum(seg.action_mask) == sum(len(c.token_ids) for c in gen.completions)
+    # each call sampled min(16, the room left): it stopped only because the window was full or nearly so
+    assert len(seg.token_ids) + 16 + len(template.render_delta([{"role": "user", "content": "observation 1"}])) > 512
+    seg.check()
 
 
 def test_agent_file_without_make_agent_is_refused_naming_the_flag(tmp_path):

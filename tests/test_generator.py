@@ -467,6 +467,41 @@ def test_a_refused_request_fails_alone_in_its_ray_call(tiny_generator):
     assert len(good.token_ids) == 3
 
 
+def test_a_call_that_fails_outside_ray_fails_each_of_its_requests_instead_of_hanging(tiny_generator):
+    # a request that cannot be serialized (a generator object as its seed) makes the drain's own Ray call raise a
+    # TypeError, no Ray error: every request of that call (the bad one and its neighbour) fails, naming the engine,
+    # within the bound (it used to wait forever); the engine keeps serving
+    async def main():
+        bad = tiny_generator.generate([5, 6, 7], seed=(n for n in range(3)), max_new_tokens=2)
+        good = tiny_generator.generate([5, 6, 7], max_new_tokens=3, ignore_eos=True)
+        return await asyncio.wait_for(asyncio.gather(bad, good, return_exceptions=True), timeout=60)
+    answers = run(main())
+    assert all(isinstance(a, RuntimeError) and "engine 0" in str(a) and "pickle" in str(a) for a in answers), answers
+    assert tiny_generator.dead is None and serves(tiny_generator)
+
+
+def test_a_cancelled_request_is_aborted_on_the_engine(tiny_generator):
+    # a 400-token request (ignore_eos; 6 + 400 < max_model_len 512) is cancelled once an 8-token one sent with it
+    # has finished, ~8 tokens in: the engine ends it (vLLM's abort) instead of decoding its other ~390 tokens.
+    # Its asker gets CancelledError once the engine took the abort, and the engine's counters then hold both
+    # requests as ended (2; unaborted, the long one would still run: 1), with 8 + ~8 tokens sampled (bound: 8 + half
+    # of 400, room for the steps decoded while the answer and the abort cross Ray; unaborted: 8 + 400)
+    gen = tiny_generator
+
+    async def main():
+        before = await gen.metrics()
+        long = asyncio.ensure_future(gen.generate(PROMPT, max_new_tokens=400, ignore_eos=True))
+        await gen.generate(PROMPT, max_new_tokens=8, ignore_eos=True)
+        long.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await long
+        return before, await gen.metrics()
+    before, after = run(main())
+    assert after["generator/requests"] - before["generator/requests"] == 2
+    assert after["generator/tokens"] - before["generator/tokens"] < 8 + 200
+    assert serves(gen)
+
+
 # --- mixture of experts: its own engine (vLLM's CPU reload skips the experts' repacking)
 
 @pytest.fixture(scope="module")

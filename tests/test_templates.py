@@ -15,7 +15,7 @@ import pytest
 from agent import AgentArgs, AgentWorker, Env, Result, run_env_episode
 from chat_server import ChatArgs, ChatServer, ChatTemplate
 from conftest import call
-from generator import Completion, RolloutArgs
+from generator import Completion, RolloutArgs, VllmArgs
 from recipes.math_agent import SYSTEM
 from recipes.tiny_model import build_tiny_model
 from wild_templates import SPECIAL_TOKENS, STYLES, write_style
@@ -100,7 +100,7 @@ class Recording:
 
 class Scripted:
     """Test double for the engine: every call samples `text` then eos, and is counted."""
-    rollout, dead = RolloutArgs(max_new_tokens=16), None
+    rollout, vllm, dead = RolloutArgs(max_new_tokens=16), VllmArgs(), None
 
     def __init__(self, path: str, text: str):
         template = ChatTemplate(path, ())

@@ -221,6 +221,23 @@ def test_group_reward_function_sees_the_whole_group(loop, tiny_generator, tiny_m
         assert s.reward == pytest.approx(lengths[s.episode_id] - mean + 0.1 * 3)
 
 
+def test_group_of_a_prompt_row_from_another_data_path_is_scored_as_one_group(loop, tiny_generator, tiny_model,
+                                                                             template, tmp_path, monkeypatch):
+    # a {prompt, label} row (another --data.path): each episode builds its own messages list, yet the 3 episodes
+    # of the row are one group for a group-level rubric: group_size sees 3 states, centred the group's mean
+    monkeypatch.setenv("VERIFIERS_ENV", write_env(tmp_path, GROUP_ENV, "group.py"))
+    worker = AgentWorker(AgentArgs(path=ADAPTER), ChatArgs(), tiny_generator, tiny_model)
+    assert call(loop, worker.start) == "VerifiersAgent"
+    try:
+        group = call(loop, worker.run_group, {"prompt": "go", "label": ""}, "g1", 3)
+    finally:
+        call(loop, worker.stop)
+    segments = exact(group, 3, 1, template)
+    lengths = {s.episode_id: sum(c.isdigit() for c in content(replies(template, s)[0])) for s in segments}
+    for s in segments:  # as the dataset's own row: digits less the group's mean, plus 0.1 x 3 episodes
+        assert s.reward == pytest.approx(lengths[s.episode_id] - sum(lengths.values()) / 3 + 0.1 * 3)
+
+
 def test_environment_whose_rollout_raises_drops_its_episodes(loop, tiny_generator, tiny_model, tmp_path,
                                                              monkeypatch):
     env = write_env(tmp_path, RAISING_ENV, "raising.py")

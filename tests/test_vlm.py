@@ -445,6 +445,7 @@ class Recording:
 
     def __init__(self, generator):
         self.generator, self.rollout, self.completions, self.images = generator, generator.rollout, [], []
+        self.vllm = generator.vllm
 
     async def generate(self, prompt_ids, **kw):
         self.images.append(list(kw["images"]))
