@@ -44,12 +44,14 @@ class VllmArgs:
     tensor_parallel_size: int = field(default=1, metadata={"help": "GPUs per engine (tensor parallel)"})
     enable_expert_parallel: bool = field(default=False, metadata={"help": "MoE: whole experts per GPU, not slices"})
     enable_prefix_caching: bool = field(default=False, metadata={"help": "reuse shared-prefix KV (reset every refit)"})
-    max_num_seqs: int = field(default=512, metadata={"help": "sequences decoded together (AsyncLLM's default: 128)"})
+    max_num_seqs: int = field(default=512, metadata={"help": "sequences decoded together (AsyncLLM's default: 128), "
+                              "split by engines sharing a GPU; CUDA graphs cover every batch up to it"})
     max_num_batched_tokens: int = field(default=8192, metadata={"help": "tokens per step, prefill chunks + decodes"})
     enforce_eager: bool = field(default=True, metadata={"help": "no CUDA graphs/compile: fast start (GPU: False)"})
     num_speculative_tokens: int = field(default=0, metadata={"help": "MTP speculative decoding: drafts/step (0 = off)"})
     return_routed_experts: bool = field(default=False, metadata={"help": "MoE: record token experts (routing replay)"})
-    num_engines: int = field(default=1, metadata={"help": "independent vLLM engines, one Ray actor each"})
+    num_engines: int = field(default=1, metadata={"help": "independent vLLM engines, one Ray actor each; with "
+                             "--launch.colocate all on the trainer's GPU, splitting its memory share and batch"})
     refit_bucket_mb: int = field(default=256, metadata={"help": "MiB of weights per refit message"})
     max_lora_rank: int = field(default=0, metadata={"help": "LoRA: serve adapters up to this rank (0: LoRA merged in)"})
     max_loras: int = field(default=2, metadata={"help": "LoRA: adapters one step may mix (newest, older in use)"})
@@ -188,7 +190,8 @@ def token_versions(version: int, marks: list[tuple[int, int]], num_tokens: int) 
 
 
 class Generator:
-    """Picklable router over the engine actors. `version`: last loaded; `actor_options`: each engine's `.options()`."""
+    """Picklable router over the engine actors. `version`: last loaded; `actor_options`: each engine's `.options()`;
+    a fractional num_gpus puts every engine on one GPU, sharing --vllm.gpu_memory_utilization and max_num_seqs."""
 
     def __init__(self, model_path: str, vllm: VllmArgs, rollout: RolloutArgs, *, actor_options: dict | None = None):
         if not ray.is_initialized():
@@ -197,13 +200,16 @@ class Generator:
         self._shapes, self._bucket_bytes = checkpoint_shapes(model_path), vllm.refit_bucket_mb * 2**20
         gpus = vllm.tensor_parallel_size if ray.cluster_resources().get("GPU", 0) > 0 else 0
         options = {"num_gpus": gpus, **(actor_options or {})}
-        self._engines = [Engine.options(**options).remote(model_path, vllm) for _ in range(vllm.num_engines)]
+        share = vllm.num_engines if 0 < options["num_gpus"] < 1 else 1  # on a fraction of a GPU: all on one GPU
+        self._engines = [Engine.options(**options).remote(model_path, vllm, share) for _ in range(vllm.num_engines)]
         infos = []
-        for i, ref in enumerate([e.start.remote(self.version) for e in self._engines]):
-            try:
-                infos.append(ray.get(ref))  # blocks: start-up happens once, before any loop runs
-            except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
-                raise engine_error(self, i, e) from e
+        # engines sharing a GPU start one by one: vLLM sizes its KV cache by the GPU memory taken while it profiles
+        for wave in [self._engines] if share == 1 else [[e] for e in self._engines]:
+            for ref in [e.start.remote(self.version) for e in wave]:
+                try:
+                    infos.append(ray.get(ref))  # blocks: start-up happens once, before any loop runs
+                except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
+                    raise engine_error(self, len(infos), e) from e
         self._vocab_size, self.dtype = infos[0]["vocab_size"], infos[0]["dtype"]
         self._gpus = [uuid for info in infos for uuid in info["gpus"]]  # each engine worker's GPU
         self._next, self._nccl, self._ipc, self._timings, self.dead = 0, None, None, {}, None
@@ -403,8 +409,8 @@ def check_prompt(prompt_ids: list, vocab_size: int, max_model_len: int) -> None:
 class Engine:
     """One vLLM AsyncLLM in this actor's event loop, and its counters."""
 
-    def __init__(self, model_path: str, vllm: VllmArgs):
-        self.model_path, self.vllm, self.llm, self.banned = model_path, vllm, None, ()
+    def __init__(self, model_path: str, vllm: VllmArgs, share: int = 1):
+        self.model_path, self.vllm, self.share, self.llm, self.banned = model_path, vllm, share, None, ()
         self.requests, self.tokens, self.prompt_tokens, self.request_s, self.checked, self.calls = 0, 0, 0, 0.0, 0, 0
         self.paused, self.adding, self.open = False, 0, asyncio.Event()  # open: no refit under way
         self.open.set()
@@ -414,7 +420,7 @@ class Engine:
 
     async def start(self, version: int) -> dict:
         cuda = torch.cuda.is_available()
-        args = build_engine_args(self.model_path, self.vllm, cuda=cuda)
+        args = build_engine_args(self.model_path, self.vllm, cuda=cuda, share=self.share)
         from vllm.v1.engine.async_llm import AsyncLLM
         try:
             self.llm = AsyncLLM.from_engine_args(args)
@@ -759,9 +765,10 @@ def engine_dtype(model_path: str, dtype: str) -> str:
     return config.get("dtype") or config.get("torch_dtype") or "float32"  # float32: transformers' default
 
 
-def build_engine_args(model_path: str, vllm: VllmArgs, *, cuda: bool):
-    """The one place where --vllm.* flags reach vLLM; refuses values this machine cannot honour."""
-    defaults = VllmArgs()
+def build_engine_args(model_path: str, vllm: VllmArgs, *, cuda: bool, share: int = 1):
+    """The one place where --vllm.* flags reach vLLM; refuses values this machine cannot honour. `share`: engines on
+    this engine's GPU, which split --vllm.gpu_memory_utilization and --vllm.max_num_seqs (rounded up) between them."""
+    defaults, seqs = VllmArgs(), -(-vllm.max_num_seqs // share)
     if not cuda and (vllm.tensor_parallel_size > 1 or vllm.enable_expert_parallel):
         raise ValueError("--vllm.tensor_parallel_size > 1 / --vllm.enable_expert_parallel need GPUs; this engine "
                          "runs on CPU: use --vllm.num_engines for more engines instead")
@@ -786,9 +793,11 @@ def build_engine_args(model_path: str, vllm: VllmArgs, *, cuda: bool):
     lora = {"enable_lora": True, "max_lora_rank": vllm.max_lora_rank, "max_loras": vllm.max_loras}
     return AsyncEngineArgs(
         model=model_path, max_model_len=vllm.max_model_len, seed=vllm.seed, enforce_eager=vllm.enforce_eager,
-        max_num_seqs=vllm.max_num_seqs, max_num_batched_tokens=vllm.max_num_batched_tokens,
+        max_num_seqs=seqs, max_num_batched_tokens=vllm.max_num_batched_tokens,
+        # a decode batch past the largest CUDA graph (vLLM's default: 512) launches every kernel from the host
+        max_cudagraph_capture_size=seqs * (1 + vllm.num_speculative_tokens) if cuda else None,
         enable_prefix_caching=vllm.enable_prefix_caching, tensor_parallel_size=vllm.tensor_parallel_size,
-        enable_expert_parallel=vllm.enable_expert_parallel, gpu_memory_utilization=vllm.gpu_memory_utilization,
+        enable_expert_parallel=vllm.enable_expert_parallel, gpu_memory_utilization=vllm.gpu_memory_utilization / share,
         kv_cache_memory_bytes=None if cuda else int(vllm.kv_cache_gb * 2**30),
         speculative_config=spec if vllm.num_speculative_tokens > 0 else None,
         enable_return_routed_experts=vllm.return_routed_experts, dtype=engine_dtype(model_path, vllm.dtype),

@@ -52,7 +52,7 @@ class LaunchArgs:
     wandb_project: str | None = field(default=None, metadata={"help": "also log to this W&B project (needs wandb)"})
     seed: int = field(default=0, metadata={"help": "seed of data order and sampling"})
     colocate: bool = field(default=False, metadata={
-        "help": "GPU: trainer and engine share one GPU (half each, CUDA IPC refit); else one GPU each (NCCL refit)"})
+        "help": "GPU: trainer and engines share one GPU (half each side, CUDA IPC refit); else whole GPUs (NCCL)"})
     batch_prompts: int = field(default=8, metadata={"help": "prompt groups per step (SFT: examples per step)"})
     samples_per_prompt: int = field(default=8, metadata={"help": "episodes per prompt (the group size G)"})
     max_staleness: int = field(default=0, metadata={
@@ -538,16 +538,17 @@ def chat_counters(per_worker: list[dict]) -> dict:
 
 
 def gpu_shares(launch: LaunchArgs, train: TrainArgs, vllm: VllmArgs) -> tuple[dict | None, float | None]:
-    """Ray GPU requests of (each engine, each trainer rank): half of one GPU each with --launch.colocate;
-    else the engines' default (their GPUs if the cluster has any) and one whole GPU per rank, checked to fit."""
+    """Ray GPU requests of (each engine, each trainer rank): with --launch.colocate half of one GPU for the rank, the
+    other half split between the engines; else the engines' default (their GPUs if the cluster has any) and one whole
+    GPU per rank, checked to fit."""
     gpus = ray.cluster_resources().get("GPU", 0)
     if launch.colocate:
+        if train.world_size > 1 or vllm.tensor_parallel_size > 1:
+            raise ValueError("--launch.colocate shares one GPU between one trainer rank and the engines: set "
+                             "--train.world_size 1 and --vllm.tensor_parallel_size 1, or drop it")
         if not gpus:
             raise ValueError("--launch.colocate: the Ray cluster has no GPUs to share; drop the flag")
-        if train.world_size > 1 or vllm.tensor_parallel_size > 1 or vllm.num_engines > 1:
-            raise ValueError("--launch.colocate shares one GPU between one trainer rank and one engine: set "
-                             "--train.world_size 1, --vllm.num_engines 1, --vllm.tensor_parallel_size 1, or drop it")
-        return {"num_gpus": 0.5}, 0.5
+        return {"num_gpus": int(5000 / vllm.num_engines) / 10000}, 0.5  # Ray counts a GPU in 1e-4 steps: round down
     engine_gpus = vllm.num_engines * vllm.tensor_parallel_size
     if gpus and train.world_size + engine_gpus > gpus:
         raise ValueError(f"--train.world_size {train.world_size} + --vllm.num_engines x tensor_parallel_size "

@@ -39,6 +39,9 @@ built locally. Each section measures ours and its baseline side by side in one r
              to pad less vs packed (rows concatenated, flex_attention kept within each), on long-tail lengths:
              seconds and padding share.
   sampling   raw vLLM on smollm2's requests: unseeded with log-probs (the loop's) vs seeded vs without log-probs.
+  sampling_engines  the peer job's 1,024 requests on 1, 2 and 4 engines sharing one GPU (sampling_engines_2_4: those
+             counts): raw vLLM (each engine a process; CUDA graphs sized to the batch, and vLLM's default where it
+             differs) vs our Generator with as many engines. Target >= 0.95x raw at each count.
   moe        the loop (K=0, one GPU shared) on a random Qwen3-MoE (32 experts, top-4, 8 layers), routing
              recorded: the trainer routing live vs --train.routing_replay: tokens/s and mismatch.
   vlm        the colour-square task (recipes/colour_agent.py) on the tiny Idefics3 in bf16, one GPU shared,
@@ -63,7 +66,8 @@ built locally. Each section measures ours and its baseline side by side in one r
 Peak memory: trainer (torch max allocated) and engine (GPU memory taken by its start) are reported.
 
     python tests/bench_gpu.py [logprobs] [trainer] [generator] [refit] [loop1] [loop2] [smollm2] [smollm2_k1]
-                              [longtail | longtail_drain | longtail_partial][_k2] [plan] [sampling] [moe] [vlm] [lora]
+                              [longtail | longtail_drain | longtail_partial][_k2] [plan] [sampling]
+                              [sampling_engines[_N...]] [moe] [vlm] [lora]
                               [lora_smollm2] [precision] [precision_runs]   # all;
                                                                         # results also appended to $BENCH_OUT
 """
@@ -435,8 +439,8 @@ def bench_sampling() -> dict:
     step's ~56k tokens is ~70 ms per decode step of a 135M model: the engine is host-bound here, and both we and
     TRL pay the log-prob (TRL's importance correction asks for it too). A step's requests are unseeded in the loop,
     so the sync bounds (bench_smollm2) are measured unseeded since that day; smollm2_k1's 1.37x was measured against
-    a seeded raw engine. Then `sampling_graphs_1024`: an engine with CUDA graphs for up to 1,024 sequences (vLLM
-    captures up to 512 by default), unseeded. Not yet run (the probe's second engine did not start in time)."""
+    a seeded raw engine. build_engine_args has since sized the CUDA graphs to the batch (1,024 here; vLLM's default
+    stops at 512): sampling_engines compares the two."""
     import launch
     from recipes.smollm2 import smollm2_dir
     cfg = launch.parse_args(smollm2_argv(os.path.join(ROOT, "runs", "bench_sampling"), 1, "2e-5", 0, 1))
@@ -444,12 +448,146 @@ def bench_sampling() -> dict:
     prompts = smollm2_prompts(model, cfg["launch"].batch_prompts)
     rates = asyncio.run(raw_vllm_rate(model, prompts, 8, cfg["vllm"], cfg["rollout"],
                                       variants=("unseeded", "seeded", "no_logprobs", "flat")))
-    report("sampling", **rates, seeded_ratio=rates["seeded"] / rates["unseeded"],
-           no_logprobs_ratio=rates["no_logprobs"] / rates["unseeded"], flat_ratio=rates["flat"] / rates["unseeded"])
-    # then an engine whose CUDA graphs cover all 1,024 sequences (vLLM's default stops at 512)
-    graphs = asyncio.run(raw_vllm_rate(model, prompts, 8, cfg["vllm"], cfg["rollout"],
-                                       compilation_config={"max_cudagraph_capture_size": 1024}))["unseeded"]
-    return report("sampling_graphs_1024", unseeded=graphs, ratio=graphs / rates["unseeded"])
+    return report("sampling", **rates, seeded_ratio=rates["seeded"] / rates["unseeded"],
+                  no_logprobs_ratio=rates["no_logprobs"] / rates["unseeded"],
+                  flat_ratio=rates["flat"] / rates["unseeded"])
+
+
+# --- sampling_engines: several engines on one GPU, CUDA graphs sized to each engine's batch; raw vLLM vs ours
+
+async def bench_sampling_engines(counts: tuple[int, ...] = (1, 2, 4), rounds: int = 3, raw: bool = True) -> list[dict]:
+    """Raw vLLM on the peer job's 1,024 requests (SmolLM2-135M, 128 prompts x 8, <= 64 new tokens, T 0.7, the sampled
+    token's log-prob, stopping at eos) with N engines on one GPU, each a process of its own, against our Generator
+    with N engines (Ray actors) on the same GPU at once: the engines split --vllm.gpu_memory_utilization 0.3 and
+    --vllm.max_num_seqs 1,024 (build_engine_args's share), a group's 8 requests go to the engine pick_engine gives
+    its id on both sides. Raw with CUDA graphs sized to the batch (ours' default) and, where vLLM's own default of
+    min(2 x batch, 512) captures less than the batch (1 engine), with that default. Rounds alternate raw and ours,
+    every engine of a side started together; tokens/s over the side's wall time, median of `rounds` after a warm-up;
+    ratio: the median of each round of ours over the raw round before it. Goal: ours >= 0.95x raw at every N.
+    Start: seconds to start a side's engines, one after another (vLLM sizes its KV cache by the GPU's free memory).
+    Issue 54's table (H200, raw vLLM 0.26): 1 x 512 graphs 12,000 tokens/s; 1 x 1,024 17,580; 2 x 512 31,820;
+    4 x 256 35,660. H100, 2026-12-06, vLLM 0.26 (three calls on one machine):
+    | engines x graphs       | raw tokens/s | ours tokens/s | ours / raw                                        |
+    | 1 x 512 (vLLM's)       | 12,550       |               |                                                   |
+    | 1 x 1,024 (sized)      | 20,323       | 18,821        | 0.926 (paired; rounds 0.90, 0.93, 1.06)           |
+    | 2 x 512 (sized = vLLM) | 34,221       | not measured  | (that run's Generator had one engine: fixed since)|
+    | 4 x 256 (sized)        | 40,011       | 33,207        | 0.83 (medians, two calls; raw rounds 30-41k)      |
+    Sized graphs 1.62x vLLM's default on one engine (capture 12 s, 0.58 vs 0.40 GiB). Start: a raw engine ~50-70 s
+    (each a fresh process; vLLM's init 9-52 s), ours 61 s for one engine, 227 s for four one after another."""
+    import dataclasses
+
+    import launch
+    from generator import Generator, pick_engine
+    from recipes.smollm2 import smollm2_dir
+    cfg = launch.parse_args(smollm2_argv(os.path.join(ROOT, "runs", "bench_sampling_engines"), 1, "2e-5", 0, 1))
+    model, vllm, rollout = smollm2_dir(), cfg["vllm"], cfg["rollout"]
+    prompts = smollm2_prompts(model, cfg["launch"].batch_prompts)
+    groups = [(f"e0i{k}", p) for k, p in enumerate(prompts) for _ in range(cfg["launch"].samples_per_prompt)]
+    results, idle_gib = [], gpu_used_gib()
+    for n in counts:
+        deadline = time.monotonic() + 60  # the last engines' processes may still be exiting
+        while gpu_used_gib() > idle_gib + 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        graphs = [] if not raw else ["sized"] + (["default"] if -(-vllm.max_num_seqs // n) > 512 else [])
+        starts, raws = {}, {}
+        for g in graphs:
+            t0 = time.perf_counter()
+            raws[g] = start_raw_engines(model, vllm, rollout, n, g, groups)
+            starts[g] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        gen = Generator(model, dataclasses.replace(vllm, num_engines=n), rollout,
+                        actor_options={"num_gpus": 1 / n})  # a fraction of a GPU each: all on this GPU
+        starts["ours"] = time.perf_counter() - t0
+        rates = {k: [] for k in [*graphs, "ours"]}
+        for r in range(rounds + 1):  # round 0 warms up
+            for g in graphs:
+                rates[g].append(await raw_round(raws[g], f"{g}{r}"))
+            start = time.perf_counter()
+            outs = await asyncio.gather(*(gen.generate(p, affinity=group) for group, p in groups))
+            rates["ours"].append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start))
+        await gen.shutdown()
+        for engines in raws.values():
+            stop_raw_engines(engines)
+        med = {k: statistics.median(v[1:]) for k, v in rates.items()}
+        if not raw:  # ours alone (sampling_engines_ours_N), against the raw engines of an earlier run
+            results.append(report(f"sampling_engines_ours_{n}", engines=n, tokens_per_s=med, start_s=starts,
+                                  rounds=rates))
+            continue
+        paired = statistics.median(o / r for o, r in zip(rates["ours"][1:], rates["sized"][1:]))
+        results.append(report(f"sampling_engines_{n}", engines=n, tokens_per_s=med, ratio=paired, target=0.95,
+                              ratio_of_medians=med["ours"] / med["sized"], start_s=starts, rounds=rates,
+                              sized_to_default=med["sized"] / med["default"] if "default" in med else None,
+                              split=[sum(pick_engine(g, n) == e for g, _ in groups) for e in range(n)]))
+    return results
+
+
+def gpu_used_gib() -> float:
+    import pynvml
+    pynvml.nvmlInit()
+    return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used / 2**30
+
+
+def start_raw_engines(model: str, vllm, rollout, n: int, graphs: str, groups: list) -> list:
+    """n raw engine processes, started one after another, engine e holding the requests pick_engine sends it."""
+    import multiprocessing
+
+    from generator import pick_engine
+    ctx, engines = multiprocessing.get_context("spawn"), []
+    for e in range(n):
+        mine = [p for group, p in groups if pick_engine(group, n) == e]
+        conn, child = ctx.Pipe()
+        proc = ctx.Process(target=raw_engine, args=(child, model, vllm, rollout, n, graphs, mine))
+        proc.start()
+        child.close()  # so that recv raises EOFError if the process dies
+        if conn.recv() != "ready":
+            raise RuntimeError(f"raw engine {e} of {n} did not start")
+        engines.append((proc, conn))
+    return engines
+
+
+async def raw_round(engines: list, tag: str) -> float:
+    """One round on every engine at once: tokens / (last end - first start)."""
+    for _, conn in engines:
+        conn.send(tag)
+    answers = [await asyncio.to_thread(conn.recv) for _, conn in engines]
+    return sum(a[0] for a in answers) / (max(a[2] for a in answers) - min(a[1] for a in answers))
+
+
+def stop_raw_engines(engines: list) -> None:
+    for proc, conn in engines:
+        conn.send(None)
+    for proc, _ in engines:
+        proc.join(timeout=120)
+
+
+def raw_engine(conn, model: str, vllm, rollout, share: int, graphs: str, requests: list) -> None:
+    """A raw AsyncLLM in this process, from build_engine_args (as a `share` of the GPU; graphs "default": vLLM's own
+    capture sizes): "ready" once started, then for each round tag received (tokens, start, end), None: stop."""
+    import dataclasses
+
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from generator import build_engine_args, build_sampling_params
+    args = build_engine_args(model, vllm, cuda=torch.cuda.is_available(), share=share)
+    if graphs == "default":
+        args = dataclasses.replace(args, max_cudagraph_capture_size=None)
+
+    async def serve():
+        llm = AsyncLLM.from_engine_args(args)
+
+        async def one(i, p, tag):
+            params = build_sampling_params(rollout, max_new_tokens=None, stop_token_ids=None, seed=None,
+                                           ignore_eos=False)
+            async for out in llm.generate({"prompt_token_ids": p}, params, f"{tag}-{i}"):
+                pass
+            return len(out.outputs[0].token_ids)
+        conn.send("ready")
+        while (tag := await asyncio.to_thread(conn.recv)) is not None:
+            start = time.time()
+            counts = await asyncio.gather(*(one(i, p, tag) for i, p in enumerate(requests)))
+            conn.send((sum(counts), start, time.time()))
+        llm.shutdown()
+    asyncio.run(serve())
 
 
 def smollm2_argv(out_dir: str, steps: int, lr: str, k: int, eval_every: int) -> list[str]:
@@ -1253,7 +1391,8 @@ def main() -> None:
     own_model = {"logprobs", "smollm2", "smollm2_k1", "sampling", "moe", "vlm", "lora_smollm2", "precision",  # the
                  "precision_smollm2", "precision_qwen3_0_6b", "peer", "peer_k1", "peer_verl",  # rest: the 0.6B shape
                  "peer_ours"}
-    model = model_dir() if any(s not in own_model and not s.startswith("precision_runs") for s in sections) else None
+    model = model_dir() if any(s not in own_model and not s.startswith(("precision_runs", "sampling_engines"))
+                               for s in sections) else None
     ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     for s in sections:
         print(f"== {s}", flush=True)
@@ -1301,6 +1440,9 @@ def main() -> None:
             bench_plan(model, packed=s == "plan_packed")
         elif s == "sampling":
             bench_sampling()
+        elif s.startswith("sampling_engines"):  # 1, 2 and 4 engines, or those named: sampling_engines_2_4
+            counts = tuple(int(n) for n in s.removeprefix("sampling_engines").split("_") if n.isdigit()) or (1, 2, 4)
+            asyncio.run(bench_sampling_engines(counts, raw="_ours" not in s))
         elif s == "moe":
             bench_moe()
         elif s == "vlm":

@@ -543,3 +543,60 @@ def test_moe_trainer_refit_sends_the_checkpoint_layout(moe_generator, tiny_moe_m
     prompt = [5, 17, 30, 42, 9]
     c = run(moe_generator.generate(prompt, max_new_tokens=24, seed=7, ignore_eos=True))
     assert mean_abs(c.logprobs, reference(tiny_moe_model, prompt, c.token_ids, 1.0)) <= 1e-4
+
+
+# --- several engines: a GPU's share split between them, a group on one engine, one refit reaching each
+
+def test_engines_sharing_a_gpu_split_its_memory_and_batch_and_cuda_graphs_cover_each_batch(tiny_model):
+    # 4 engines on one GPU with 0.6 of it and 1,024 sequences: 0.6 / 4 = 0.15 and 1,024 / 4 = 256 each, graphs up
+    # to 256. 3 engines round up: ceil(1,024 / 3) = 342 sequences; with 2 MTP drafts a decode step of 342 sequences
+    # runs 342 x (1 + 2) = 1,026 tokens. One engine: graphs up to all 1,024 (vLLM's default stops at 512).
+    vllm = VllmArgs(max_num_seqs=1024, gpu_memory_utilization=0.6, enforce_eager=False)
+    four = build_engine_args(tiny_model, vllm, cuda=True, share=4)
+    assert (four.gpu_memory_utilization, four.max_num_seqs, four.max_cudagraph_capture_size) == (0.15, 256, 256)
+    three = build_engine_args(tiny_model, VllmArgs(max_num_seqs=1024, num_speculative_tokens=2), cuda=True, share=3)
+    assert (three.max_num_seqs, three.max_cudagraph_capture_size) == (342, 1026)
+    one = build_engine_args(tiny_model, vllm, cuda=True)
+    assert (one.gpu_memory_utilization, one.max_num_seqs, one.max_cudagraph_capture_size) == (0.6, 1024, 1024)
+    assert build_engine_args(tiny_model, VllmArgs(), cuda=False).max_cudagraph_capture_size is None  # no graphs
+
+
+def test_colocate_takes_several_engines_and_refuses_ranks_or_engines_across_gpus(ray_local):
+    import launch
+    flags = ["--launch.model", "m", "--launch.colocate"]
+    cfg = launch.parse_args([*flags, "--vllm.num_engines", "4"])  # four engines beside the rank: only no GPU stops it
+    with pytest.raises(ValueError, match="no GPUs to share"):
+        launch.gpu_shares(cfg["launch"], cfg["train"], cfg["vllm"])
+    for more in (["--vllm.tensor_parallel_size", "2"], ["--train.world_size", "2"]):  # each would need a second GPU
+        cfg = launch.parse_args([*flags, *more])
+        with pytest.raises(ValueError, match="set --train.world_size 1 and --vllm.tensor_parallel_size 1"):
+            launch.gpu_shares(cfg["launch"], cfg["train"], cfg["vllm"])
+
+
+@pytest.mark.slow
+def test_two_engines_keep_a_group_on_one_engine_and_one_refit_versions_each_exactly(tiny_model, ray_local, perturbed):
+    gen = Generator(tiny_model, VllmArgs(num_engines=2, max_model_len=512, kv_cache_gb=0.25, refit_bucket_mb=1),
+                    RolloutArgs(max_new_tokens=16))
+    keys = {pick_engine(f"group-{i}", 2): f"group-{i}" for i in range(8)}  # a group id that each engine serves
+    n = 300
+
+    async def scenario() -> list[Completion]:
+        # group 0: one long request and 4 short ones; group 1: one long and 2 short (round robin would split 4 / 4)
+        longs = [asyncio.ensure_future(gen.generate(PROMPT, max_new_tokens=n, ignore_eos=True, affinity=keys[e]))
+                 for e in (0, 1)]
+        await asyncio.gather(*(gen.generate(PROMPT, max_new_tokens=8, ignore_eos=True, affinity=keys[e])
+                               for e in (0, 0, 0, 0, 1, 1)))  # each long request is ~8 tokens in
+        await refit(gen, perturbed[0], 1)  # one pause -> update_weights -> resume over both engines
+        return await asyncio.gather(*longs)
+    try:
+        longs = run(scenario())
+        counts = [ray.get(e.metrics.remote()) for e in gen._engines]
+        assert [c["generator/requests"] for c in counts] == [5, 3]  # each group's requests on its engine alone
+        for c in longs:  # each engine's request in flight: old weights' tokens, then the new version's
+            k = c.versions.count(0)
+            assert c.versions == [0] * k + [1] * (n - k) and 0 < k < n
+            after = reference(perturbed[1], PROMPT, c.token_ids, 1.0)
+            assert mean_abs(c.logprobs[k:], after[k:]) <= 1e-4  # this engine loaded the new weights
+        assert [c["generator/boundaries_checked"] for c in counts] == [1, 1]  # vLLM's spans agree on each engine
+    finally:
+        run(gen.shutdown())
