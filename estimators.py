@@ -207,15 +207,18 @@ def compute_advantages(args: EstimatorArgs, rewards: Tensor, group_ids: Tensor, 
     else:
         raise ValueError(f"--estimator.name {args.name!r}: unknown; choose one of {', '.join(ESTIMATORS)}")
 
-    if group_ids.shape != rewards.shape:  # reinforce and gae read no group ids; the metrics below do
-        raise ValueError(f"group_ids: expected shape {tuple(rewards.shape)}, got {tuple(group_ids.shape)}")
+    for name, x in (("group_ids", group_ids), ("episode_ids", episode_ids)):  # reinforce, gae: only the metrics read
+        if x.shape != rewards.shape:
+            raise ValueError(f"{name}: expected shape {tuple(rewards.shape)}, got {tuple(x.shape)}")
     kept = adv[mask] if mask.any() else adv.new_zeros(1)  # (N,); a batch with no action token logs zeros
     groups, row_group = torch.unique(group_ids, return_inverse=True)  # (P,), (B,)
     live = adv.new_zeros(len(groups)).index_add_(0, row_group, (adv != 0).any(1).to(adv.dtype))  # (P,) rows with signal
+    episodes, row_episode = torch.unique(episode_ids, return_inverse=True)  # (E,), (B,)
+    episode_reward = rewards.new_zeros(len(episodes)).scatter_(0, row_episode, rewards)  # (E,): its rows share it
     metrics = {"estimator/adv_mean": kept.mean().item(), "estimator/adv_std": kept.std(correction=0).item(),
                "estimator/adv_max": kept.max().item(), "estimator/adv_min": kept.min().item(),
                "estimator/zero_adv_groups": (live == 0).float().mean().item(),  # GRPO collapse: groups with no signal
-               "estimator/reward_mean": rewards.mean().item() if len(rewards) else 0.0}  # after shaping
+               "estimator/reward_mean": episode_reward.mean().item() if len(rewards) else 0.0}  # after shaping
     if returns is not None:
         metrics["estimator/returns_mean"] = returns[mask].mean().item() if mask.any() else 0.0
     return adv, returns, metrics

@@ -44,7 +44,8 @@ class LaunchArgs:
     model: str = field(default="", metadata={"help": "Hugging Face model directory or hub id (required)"})
     out_dir: str = field(default="runs/default", metadata={"help": "metrics.jsonl, tb/ and checkpoints go here"})
     steps: int = field(default=20, metadata={"help": "optimizer steps to run"})
-    ray_address: str | None = field(default=None, metadata={"help": "Ray cluster to join; None starts a local one"})
+    ray_address: str | None = field(default=None, metadata={
+        "help": "Ray cluster to join (host:port, or auto: the one running here); None starts a fresh local one"})
     placement: tuple[str, ...] = field(default=(), metadata={
         "help": "Ray custom resources, one per node (`ray start --resources`): trainer rank i and agent worker i go on "
                 "node i mod N, the engines on the first; empty: Ray's default scheduler places them"})
@@ -78,8 +79,8 @@ class DataArgs:
     filter_range: tuple[float, float] | None = field(default=None, metadata={
         "help": "LO HI: drop groups whose mean reward is outside [LO, HI] and sample more"})
     max_filtered_batches: int = field(default=10, metadata={
-        "help": "with --data.filter_range: the run stops once more than this x --launch.batch_prompts groups were "
-                "filtered while one batch filled (data the policy always solves or always fails)"})
+        "help": "the run stops once more than this x --launch.batch_prompts groups were filtered (--data.filter_range: "
+                "data the policy always solves or fails) or lost every episode (a broken agent) as one batch filled"})
 
     def __post_init__(self):
         if self.filter_range is not None and not self.filter_range[0] <= self.filter_range[1]:
@@ -234,10 +235,12 @@ def run_sft(cfg: dict) -> dict:
     examples = load_rows(cfg["data"].path, "sft")
     template = ChatTemplate(launch.model, append_roles=())   # a VLM's expands an example's images
     segments = sft_batch(examples, template.tokenizer, template=template)
+    check_placement(launch.placement, [(r, float(torch.cuda.is_available())) for r in range(train.world_size)],
+                    ray.nodes())  # TrainerGroup's GPUs per rank
     trainer = TrainerGroup(launch.model, train, cfg["fsdp"], cfg["ckpt"], cfg["loss"], cfg["estimator"],
                            temperature=cfg["rollout"].temperature,
                            rank_options=[node_options(launch.placement, r) for r in range(train.world_size)])
-    log = MetricsLog(cfg)
+    log = MetricsLog(cfg, trainer.step)
     order, metrics = random.Random(launch.seed).sample(range(len(segments)), len(segments)), {}
     for step in range(trainer.step, launch.steps):
         start = step * launch.batch_prompts
@@ -253,7 +256,9 @@ def run_sft(cfg: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_args(argv)
-    ray.init(address=cfg["launch"].ray_address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # "local": a new instance even where another job's Ray runs on this machine (address=None would join that one)
+    ray.init(address=cfg["launch"].ray_address or "local", include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
     try:
         out = run_sft(cfg) if cfg["launch"].mode == "sft" else asyncio.run(run_rl(cfg))
     finally:
@@ -321,7 +326,13 @@ def check_cross_flags(cfg: dict) -> None:
                          f"{train.max_tokens_per_microbatch}: such an episode fits no microbatch; raise the microbatch "
                          f"bound or lower max_model_len (an Env agent stops at --agent.max_context "
                          f"{cfg['agent'].max_context})")
-    if train.routing_replay and not cfg["vllm"].return_routed_experts:
+    vllm, k = cfg["vllm"], launch.max_staleness
+    if vllm.max_lora_rank and launch.partial_rollout and vllm.max_loras < k + 2:
+        raise ValueError(f"--launch.partial_rollout with LoRA engines (--vllm.max_lora_rank), --launch.max_staleness "
+                         f"{k}: a request keeps its adapter to its end, so a refit finds those of up to K + 1 versions "
+                         f"still sampling beside the new one; vLLM batches --vllm.max_loras {vllm.max_loras} and the "
+                         f"newest policy's requests wait: set --vllm.max_loras {k + 2}")
+    if train.routing_replay and not vllm.return_routed_experts:
         raise ValueError("--train.routing_replay without --vllm.return_routed_experts: the engine records no "
                          "routing to replay; set --vllm.return_routed_experts")
     rollout.check_logprobs_usable(importance_correction=loss.importance_correction, kl_to_rollout=loss.kl_to_rollout)
@@ -341,7 +352,7 @@ class GroupQueue:
         self.to_launch = groups - len(self.reissue)  # new positions still needed: no group is sampled in vain
         self.pending: dict[str, tuple] = {}  # group id -> (epoch, index): launched, not yet trained or dropped
         self.order: tuple[int, list[int]] = (-1, [])  # (epoch, its row order)
-        self.tasks, self.done, self.launched, self.kept, self.failed = set(), asyncio.Queue(), 0, 0, 0
+        self.tasks, self.done, self.launched, self.kept = set(), asyncio.Queue(), 0, 0
         self.counts = {"agent_error": 0, "timeout": 0, "tainted": 0, "filtered": 0, "stale": 0}  # run totals
         self.errors: list[str] = []
         self.idle_since, self.engine_idle_s = time.perf_counter(), 0.0
@@ -397,9 +408,10 @@ class GroupQueue:
     async def next_batch(self, n: int, *, capacity: int, filter_range: tuple[float, float] | None,
                          min_version: int, max_filtered: int, partial: bool = False) -> list[dict]:
         """n finished groups, launching new ones while fewer than `capacity` are in flight, queued or taken. Replaced
-        by a new position: groups whose every episode failed or filtered by mean reward (over max_filtered stops the
-        run). Re-issued, so long prompts survive: groups with a token older than min_version (`partial`: its newest)."""
-        batch, filtered = [], 0
+        by a new position: groups whose every episode failed, or filtered by mean reward (over max_filtered of either
+        while one batch fills stops the run). Re-issued, so long prompts survive: groups with a token older than
+        min_version (`partial`: its newest)."""
+        batch, filtered, failed = [], 0, 0
         while len(batch) < n:
             self.fill(capacity, len(batch))
             group = await self.done.get()
@@ -410,10 +422,12 @@ class GroupQueue:
             self.errors += group["errors"]
             rewards = list({s.episode_id: s.reward for s in group["segments"]}.values())  # each episode once
             position = self.pending.pop(group["id"])
-            if not rewards:
-                self.failed, self.to_launch = self.failed + 1, self.to_launch + 1
-                if not self.kept and self.failed >= max(2 * capacity, 8):  # nothing ever succeeded: stop, do not spin
-                    raise RuntimeError(f"every episode was dropped ({self.counts}); first errors: {self.errors[:3]}")
+            if not rewards:  # bounded per batch, as filtered groups are: an agent broken mid-run stops it too
+                self.to_launch, failed = self.to_launch + 1, failed + 1
+                if failed > max_filtered:
+                    raise RuntimeError(f"every episode of {failed} groups was dropped while one batch filled, > "
+                                       f"--data.max_filtered_batches x --launch.batch_prompts = {max_filtered} "
+                                       f"({self.counts}); last errors: {self.errors[-3:]}")
                 continue
             self.kept += 1
             self.finished.update((s.episode_id, s.reward) for s in group["segments"])
@@ -451,15 +465,18 @@ class GroupQueue:
 # --- run_rl's set-up, teardown and clock; Ray placement
 async def start_rl(cfg: dict) -> types.SimpleNamespace:
     """run_rl's set-up: engines, trainer ranks (a resume refits the engines), workers, queue, log, baseline eval."""
-    launch, data, train, rollout = cfg["launch"], cfg["data"], cfg["train"], cfg["rollout"]
+    launch, data, train, rollout, vllm = cfg["launch"], cfg["data"], cfg["train"], cfg["rollout"], cfg["vllm"]
     rows = load_rows(data.path, "train")
     held_out = load_rows(data.path, "test") if cfg["eval"].every else []
-    engine_gpus, rank_gpus = gpu_shares(launch, train, cfg["vllm"])
-    generator = Generator(launch.model, cfg["vllm"], rollout,  # first: it sizes its KV cache
+    engine_gpus, rank_gpus = gpu_shares(launch, train, vllm)
+    gpus = engine_gpus["num_gpus"] if engine_gpus else vllm.tensor_parallel_size if rank_gpus else 0  # as Generator
+    actors = [(0, gpus)] * vllm.num_engines + [(r, rank_gpus or 0.0) for r in range(train.world_size)]
+    check_placement(launch.placement, actors, ray.nodes())  # before any actor starts (Ray would wait on it silently)
+    generator = Generator(launch.model, vllm, rollout,  # first: it sizes its KV cache
                           actor_options={**(engine_gpus or {}), **node_options(launch.placement, 0)})
     trainer = TrainerGroup(launch.model, train, cfg["fsdp"], cfg["ckpt"], cfg["loss"], cfg["estimator"],
                            temperature=rollout.temperature, gpus_per_rank=rank_gpus, colocated=launch.colocate,
-                           batch_invariant=cfg["vllm"].batch_invariant,
+                           batch_invariant=vllm.batch_invariant,
                            rank_options=[node_options(launch.placement, r) for r in range(train.world_size)])
     if trainer.version != generator.version:  # resumed: the engines start from the checkpoint's weights
         await refit(generator, trainer)
@@ -469,7 +486,7 @@ async def start_rl(cfg: dict) -> types.SimpleNamespace:
     await asyncio.gather(*(w.start.remote() for w in workers))
     queue = GroupQueue(workers, rows, launch.samples_per_prompt, trainer.data_position or {"epoch": 0, "index": 0},
                        launch.seed, groups=(launch.steps - trainer.step) * launch.batch_prompts)
-    log = MetricsLog(cfg)
+    log = MetricsLog(cfg, trainer.step)
     # K=0: nothing is sampled while training; with partial rollouts --launch.in_flight may keep more groups going
     capacity = launch.in_flight or launch.batch_prompts * (launch.max_staleness + 1)
     before = {}
@@ -557,13 +574,28 @@ def gpu_shares(launch: LaunchArgs, train: TrainArgs, vllm: VllmArgs) -> tuple[di
 
 
 def node_options(placement: tuple[str, ...], i: int) -> dict:
-    """Ray options that put actor i of a kind on node i mod N of --launch.placement, checked against the cluster."""
+    """Ray options that put actor i of a kind on node i mod N of --launch.placement (check_placement: it fits)."""
+    return {"resources": {placement[i % len(placement)]: 1}} if placement else {}
+
+
+def check_placement(placement: tuple[str, ...], gpus: list[tuple[int, float]], nodes: list[dict]) -> None:
+    """Raise unless each --launch.placement resource is on a live node of `nodes` (ray.nodes()) with the GPUs of the
+    actors node_options sends it; gpus: (i, GPUs) for each actor i. Else Ray would wait for them forever, silently."""
     if not placement:
-        return {}
-    if missing := [name for name in placement if name not in ray.cluster_resources()]:
+        return
+    live = [n["Resources"] for n in nodes if n["Alive"]]
+    if missing := [name for name in placement if not any(name in r for r in live)]:
         raise ValueError(f"--launch.placement {' '.join(missing)}: no node of the Ray cluster has that resource; start "
                          f"each node with `ray start --resources '{{\"NAME\": 100}}'`, or drop the flag")
-    return {"resources": {placement[i % len(placement)]: 1}}
+    need = dict.fromkeys(placement, 0.0)
+    for i, g in gpus:
+        need[placement[i % len(placement)]] += g
+    for name, g in need.items():
+        if g > (have := sum(r.get("GPU", 0.0) for r in live if name in r)):
+            raise ValueError(f"--launch.placement {name}: its node has {have:g} GPUs, its actors need {g:g} "
+                             f"(the engines and trainer rank 0 go on the first name, rank i on name i mod "
+                             f"{len(placement)}); put a node with more GPUs first, or lower --vllm.num_engines, "
+                             "--vllm.tensor_parallel_size or --train.world_size")
 
 
 def probe_segments(prompts: list[list[int]], outs: list, images: list[list]) -> list[Segment]:
@@ -590,12 +622,20 @@ def load_rows(path: str, split: str) -> list[dict]:
 
 
 class MetricsLog:
-    def __init__(self, cfg: dict):
+    def __init__(self, cfg: dict, first_step: int):
+        """A run starting at first_step (a resume's checkpoint) replaces the rows from that step on, which the
+        previous run may have logged past its last checkpoint: in metrics.jsonl and, by purge_step, in TensorBoard."""
         launch = cfg["launch"]
         os.makedirs(launch.out_dir, exist_ok=True)
-        self.file = open(os.path.join(launch.out_dir, "metrics.jsonl"), "a")
+        path, kept = os.path.join(launch.out_dir, "metrics.jsonl"), []
+        if os.path.exists(path):
+            with open(path) as f:
+                kept = [line for line in f if line.strip() and json.loads(line)["step"] < first_step]
+        self.file = open(path, "w")
+        self.file.writelines(kept)
         self.logged, self.start, self.total = 0, time.time(), launch.steps
-        self.tb = SummaryWriter(os.path.join(launch.out_dir, "tb")) if launch.tensorboard else None
+        tb = os.path.join(launch.out_dir, "tb")
+        self.tb = SummaryWriter(tb, purge_step=first_step) if launch.tensorboard else None
         self.wandb = None
         if launch.wandb_project:
             import wandb  # optional dependency, asked for by the flag; the logged config is the parsed one

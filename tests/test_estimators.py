@@ -330,8 +330,16 @@ def test_truncated_reward_replaces_the_reward_of_every_row_of_a_truncated_episod
                                          ones_mask(5, 2), truncated=truncated)
     assert torch.allclose(adv[:, 0], rows(-0.78335, -0.78335, 0.26112, 1.30558, -0.78335), atol=1e-5)
     assert torch.equal(adv[:, 0], adv[:, 1])
-    assert metrics["estimator/reward_mean"] == pytest.approx(-0.4)  # (-1 - 1 + 0 + 1 - 1) / 5
-    # unset, the rollout's own rewards: (1 + 1 + 0 + 1 + 0.5) / 5 = 0.7
+    assert metrics["estimator/reward_mean"] == pytest.approx(-0.25)  # per episode (-1 + 0 + 1 - 1) / 4
+    # unset, the rollout's own rewards: per episode (1 + 0 + 1 + 0.5) / 4 = 0.625
     _, _, plain = compute_advantages(EstimatorArgs(name="grpo"), rewards, groups, episodes, ones_mask(5, 2),
                                      truncated=truncated)
-    assert plain["estimator/reward_mean"] == pytest.approx(0.7)
+    assert plain["estimator/reward_mean"] == pytest.approx(0.625)
+
+
+def test_reward_mean_counts_each_episode_once_whatever_its_segments():
+    # Episode A: 2 segments (a compaction) at reward 1; episode B: 1 segment at 0. Per episode (1 + 0) / 2 = 0.5, as
+    # rollout/trained_reward_mean counts; per row it was (1 + 1 + 0) / 3 = 2/3. The ids need not be sorted.
+    _, _, metrics = compute_advantages(EstimatorArgs(name="grpo"), rows(1, 0, 1), ids(0, 0, 0), ids(7, 3, 7),
+                                       ones_mask(3, 2))
+    assert metrics["estimator/reward_mean"] == pytest.approx(0.5)

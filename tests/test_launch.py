@@ -8,10 +8,14 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import subprocess
+import sys
+import tempfile
 import textwrap
 
 import pytest
+import torch
 
 import launch
 from estimators import EstimatorArgs
@@ -175,6 +179,21 @@ def test_an_episode_longer_than_a_microbatch_is_refused_at_parse_time(capsys):
     launch.parse_args(flags + ["--launch.mode", "sft"])
 
 
+def test_lora_engines_with_partial_rollouts_need_an_adapter_slot_for_each_version_in_flight(capsys):
+    # A LoRA engine keeps each request on its adapter to its end (test_lora_requests_outliving...): at K = 1 a refit
+    # can find requests of 2 older versions still sampling, 3 adapters with the new one, where the default
+    # --vllm.max_loras 2 makes the newest wait. K + 2 = 3 is allowed; so is draining before each refit (one adapter).
+    flags = ["--launch.model", "m", "--vllm.max_lora_rank", "8", "--train.lora_rank", "8", "--loss.is_level", "token",
+             "--launch.max_staleness", "1"]
+    with pytest.raises(SystemExit):
+        launch.parse_args(flags + ["--launch.partial_rollout"])
+    err = capsys.readouterr().err
+    assert all(f in err for f in ("--launch.partial_rollout", "--launch.max_staleness 1", "--vllm.max_loras 2",
+                                  "set --vllm.max_loras 3"))
+    launch.parse_args(flags + ["--launch.partial_rollout", "--vllm.max_loras", "3"])
+    launch.parse_args(flags)
+
+
 def recipe_commands(path: str) -> list[list[str]]:
     """Every launch.py command of a recipe, as bash expands it with the recipe's own plain assignments (not its
     command substitutions) and OUT, MODEL, DATA, STEPS as a caller might set them, no extra flags."""
@@ -215,6 +234,60 @@ def test_gpu_placement_flags_are_checked_against_the_cluster(ray_local):
         launch.gpu_shares(cfg["launch"], cfg["train"], cfg["vllm"])
     cfg = launch.parse_args(["--launch.model", "m"])
     assert launch.gpu_shares(cfg["launch"], cfg["train"], cfg["vllm"]) == (None, None)  # CPU: Ray places nothing
+
+
+def test_a_placement_node_without_the_gpus_of_its_actors_is_refused_naming_it(ray_local):
+    # Nodes as ray.nodes() lists them: node_a with 2 GPUs, node_b with 1, node_c dead. One 1-GPU engine and trainer
+    # world size 2 (1 GPU a rank): the cluster's 3 GPUs fit all 3 (gpu_shares' check), but the first name gets the
+    # engine and rank 0, rank 1 the second. By hand: "node_a node_b": node_a 1 + 1 = 2 <= 2, node_b 1 <= 1, fits;
+    # "node_b node_a": node_b 2 > 1, where Ray would wait for the GPU forever and the run hang with no message.
+    nodes = [{"Alive": True, "Resources": {"CPU": 8.0, "GPU": 2.0, "node_a": 100.0}},
+             {"Alive": True, "Resources": {"CPU": 8.0, "GPU": 1.0, "node_b": 100.0}},
+             {"Alive": False, "Resources": {"CPU": 8.0, "GPU": 8.0, "node_c": 100.0}}]
+    actors = [(0, 1.0), (0, 1.0), (1, 1.0)]  # (node_options index, GPUs): the engine, rank 0, rank 1
+    launch.check_placement(("node_a", "node_b"), actors, nodes)
+    with pytest.raises(ValueError, match="--launch.placement node_b: its node has 1 GPUs, its actors need 2"):
+        launch.check_placement(("node_b", "node_a"), actors, nodes)
+    with pytest.raises(ValueError, match="--launch.placement node_c: no node of the Ray cluster has that resource"):
+        launch.check_placement(("node_a", "node_c"), actors, nodes)  # only a dead node had it
+    # A real node's record: this session's Ray (no GPU), named by the resource Ray gives each node, node:<ip>
+    real = ray_local.nodes()
+    name = next(k for k in real[0]["Resources"] if k.startswith("node:") and not k.startswith("node:__"))
+    launch.check_placement((name,), [(0, 0.0), (0, 0.0)], real)  # CPU actors fit
+    with pytest.raises(ValueError, match=f"--launch.placement {name}: its node has 0 GPUs, its actors need 1"):
+        launch.check_placement((name,), [(0, 1.0)], real)
+
+
+WHICH_RAY = """
+import ray
+
+def rows(split):  # read by launch.main after its ray.init: say which cluster it runs on, then stop
+    print("launch.py runs on", ray.get_runtime_context().gcs_address, flush=True)
+    raise RuntimeError("stop here")
+"""
+
+
+@pytest.mark.slow
+def test_without_an_address_launch_starts_its_own_ray_not_the_one_running_on_the_machine(tmp_path):
+    # Another job's Ray, started with `ray start --head` on this machine (in a temp dir of its own, which RAY_TMPDIR
+    # makes the machine's default: `ray start` writes its address there, where ray.init(address=None) looks).
+    from test_cluster import free_port, kill_node, start_node
+    root, port = tempfile.mkdtemp(prefix="vbr", dir="/tmp"), free_port()  # short: socket paths fit 107 bytes
+    data = write_agent(tmp_path, WHICH_RAY, "which_ray.py")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("RAY_")}, "RAY_TMPDIR": root,
+           "RAY_AUTH_MODE": "disabled"}
+    other = start_node(os.path.join(root, "ray"), "other_job", "--head", "--port", str(port),
+                       "--include-dashboard=false", "--ray-client-server-port", str(free_port()))
+    try:
+        done = subprocess.run([sys.executable, "-c", "import sys, launch; launch.main(sys.argv[1:])", "--launch.model",
+                               "m", "--data.path", data], cwd=os.path.join(os.path.dirname(__file__), ".."), env=env,
+                              capture_output=True, text=True, timeout=300)
+    finally:
+        kill_node(other)
+        shutil.rmtree(root, ignore_errors=True)
+    assert done.returncode != 0 and "stop here" in done.stderr, done.stderr[-3000:]
+    (address,) = re.findall(r"launch.py runs on (\S+)", done.stdout)
+    assert not address.endswith(f":{port}"), address  # its own instance, not the other job's
 
 
 def test_chat_counters_of_every_worker_are_summed_and_latency_percentiles_take_the_slowest():
@@ -360,6 +433,54 @@ def test_probe_rows_carry_the_engines_routing_so_the_replaying_trainer_can_recom
         assert (a[-4:] - b[-4:]).abs().max() > 1e-3
 
 
+@pytest.mark.slow
+def test_lora_requests_outliving_two_refits_hold_three_adapters_and_the_newest_waits_past_max_loras(ray_local,
+                                                                                                  tiny_model):
+    # A LoRA engine keeps each request on the adapter it started with (test_lora.py), so each refit with requests in
+    # flight adds one in use. A starts on v1, B on v2, both long; at v3 three are in use, and vLLM batches at most
+    # --vllm.max_loras 2: C, 8 tokens on v3, waits until A or B has ended (b, on v2 beside A, did not). C's tokens
+    # are still v3's; the cost is the newest policy sampling last. Hence check_cross_flags' rule for partial rollouts.
+    from generator import Generator, RolloutArgs, VllmArgs
+    from test_lora import ALPHA, RANK, as_segment, segments
+    from trainer import TrainArgs, TrainerGroup
+    engine = Generator(tiny_model, VllmArgs(max_model_len=4096, kv_cache_gb=0.25, max_lora_rank=RANK, max_loras=2),
+                       RolloutArgs(max_new_tokens=16))
+    trainer = TrainerGroup(tiny_model, TrainArgs(lr=1e-2, lora_rank=RANK, lora_alpha=ALPHA), FsdpArgs(), CkptArgs(),
+                           LossArgs(), EstimatorArgs(), temperature=1.0, gpus_per_rank=0)
+    prompt, ended = [5, 17, 300, 42, 9, 77], []
+
+    async def request(name: str, tokens: int):
+        out = await engine.generate(prompt, max_new_tokens=tokens, ignore_eos=True)
+        ended.append(name)
+        return out
+
+    async def step():  # one train step, then its refit: the engine's next adapter
+        await asyncio.to_thread(trainer.train_step, segments(trainer.version, seed=trainer.version))
+        await launch.refit(engine, trainer)
+
+    async def scenario():
+        await step()
+        long = [asyncio.create_task(request("A", 3000))]
+        await request("a", 8)  # A is sampling on v1
+        await step()
+        long.append(asyncio.create_task(request("B", 3000)))
+        await request("b", 8)  # on v2: 2 adapters in use, both batched
+        await step()
+        in_use, running = (await engine.metrics())["generator/adapters_loaded"], [not t.done() for t in long]
+        short = await request("C", 8)
+        return in_use, running, short, await asyncio.gather(*long)
+    try:
+        in_use, running, short, (a, b) = asyncio.run(scenario())
+        recomputed = trainer.logprobs([as_segment(prompt, short)])[0][len(prompt):]
+    finally:
+        asyncio.run(engine.shutdown())
+        trainer.shutdown()
+    assert running == [True, True] and in_use == 3  # A (v1), B (v2) and the new v3
+    assert a.versions == [1] * 3000 and b.versions == [2] * 3000 and short.versions == [3] * 8
+    assert ended[:2] == ["a", "b"] and ended.index("C") > min(ended.index("A"), ended.index("B")), ended
+    assert (torch.tensor(short.logprobs) - recomputed).abs().max().item() <= 1e-4
+
+
 def test_agent_exception_drops_episode_and_run_continues(ray_local, copy_model, tmp_path):
     agent = write_agent(tmp_path, FLAKY_ENV, "flaky.py")
     out = str(tmp_path / "flaky")
@@ -373,19 +494,32 @@ def test_agent_exception_drops_episode_and_run_continues(ray_local, copy_model, 
 
 
 @pytest.mark.slow
-def test_agent_that_always_fails_stops_the_run_with_its_error(ray_local, copy_model, tmp_path):
-    agent = write_agent(tmp_path, FLAKY_ENV.replace("next(calls) % 2 == 0", "True"), "broken.py")
-    with pytest.raises(RuntimeError, match="every other episode"):
-        run(flags(copy_model, str(tmp_path / "broken"), agent))
+@pytest.mark.parametrize("fails", ["True", "next(calls) >= 4"])  # always; from step 1 on (step 0's 4 episodes pass)
+def test_agent_that_fails_from_some_step_on_stops_the_run_with_its_error(ray_local, copy_model, tmp_path, fails):
+    agent = write_agent(tmp_path, FLAKY_ENV.replace("next(calls) % 2 == 0", fails), "broken.py")
+    out = str(tmp_path / "broken")
+    with pytest.raises(RuntimeError, match="every other episode") as e:  # before, the 2nd spun (test_queue.py)
+        asyncio.run(asyncio.wait_for(launch.run_rl(launch.parse_args(flags(copy_model, out, agent))), 300))
+    # the bound: more than --data.max_filtered_batches 10 x --launch.batch_prompts 2 failed groups for one batch
+    assert "every episode of 21 groups was dropped" in str(e.value)
+    assert len(read_metrics(out)) == (1 if fails != "True" else 0)
 
 
-def test_resume_continues_step_and_version(sync_run, copy_model):
+def test_resume_continues_step_and_version_and_logs_each_step_once(sync_run, copy_model):
     out, _ = sync_run
-    run(flags(copy_model, out, COPY, "--ckpt.dir", os.path.join(out, "ckpt"), "--ckpt.resume", "--launch.steps", "3"))
-    rows = read_metrics(out)  # both runs append to the same metrics.jsonl
+    # The first run logged steps 0 and 1 and saved after each. Its last checkpoint goes, as if it had died after
+    # logging step 1 but before saving it: the resume starts from the earlier one (after step 0) and runs steps 1, 2.
+    shutil.rmtree(os.path.join(out, "ckpt", "step_000002"))
+    run(flags(copy_model, out, COPY, "--ckpt.dir", os.path.join(out, "ckpt"), "--ckpt.resume", "--launch.steps", "3",
+              "--launch.tensorboard"))
+    rows = read_metrics(out)  # the resume's rows replace the first run's from its step 1 on
     assert [r["step"] for r in rows] == [0, 1, 2]
-    assert rows[-1]["train/version"] == 3.0 and rows[-1]["generator/version"] == 3
+    assert [r["train/version"] for r in rows] == [1.0, 2.0, 3.0] and rows[-1]["generator/version"] == 3
     assert rows[-1]["rollout/lag_0"] == 1.0  # the engines were refit to the checkpoint before sampling
+    # TensorBoard reads each step once too, the resume's value where both runs logged it (step 1)
+    tb = read_tensorboard(os.path.join(out, "tb"))
+    for tag in ("train/version", "rollout/reward_mean", "launch/step_s"):
+        assert tb[tag] == [(r["step"], pytest.approx(r[tag], rel=1e-6)) for r in rows], tag
 
 
 # --- recipes: each CPU recipe, shortened to 2 steps, through its own shell script

@@ -3,6 +3,7 @@ coroutines that answer at once (the engine is not under test here: what is launc
 is). Where the version arithmetic matters, the trainer is the real one (Ray, FSDP2 on gloo, the tiny chars model).
 """
 import asyncio
+import itertools
 import random
 import types
 
@@ -168,3 +169,31 @@ def test_the_filter_judges_a_group_by_its_episodes_not_its_segments():
         return batch
     batch = asyncio.run(one_batch())
     assert len(batch) == 1 and queue.counts["filtered"] == 0
+
+
+def test_an_agent_that_fails_after_its_first_success_stops_the_run_within_a_bound():
+    # The first group's episodes succeed, every later episode raises (as AgentWorker reports it: no segments, each
+    # episode counted as agent_error, its message). Driven as run_rl does: batch 0 takes the success, batch 1 only
+    # gets failures. By hand, capacity 2 and a bound of 3 failed groups per batch: batch 0 launches 2 and takes the
+    # success (the first to finish); batch 1 tops up to 2 before each of its 4 takes (the 4th failure, > 3, stops
+    # it): 2 + 4 = 6 launched, 4 failed groups = 8 episodes dropped. The old guard stopped only a run that never
+    # kept a group: this one spun, 200k-320k groups launched in the test's 10 s.
+    calls = itertools.count()
+
+    async def run_group(row, group_id, samples):
+        if next(calls) == 0:
+            return result([s for k in range(samples) for s in episode(f"{group_id}-{k}", [float(k)])])
+        return dict(result([], agent_error=samples), errors=["RuntimeError: the sandbox is gone"] * samples)
+    queue = launch.GroupQueue([worker(run_group)], ROWS, 2, {"epoch": 0, "index": 0}, 0, groups=4)
+
+    async def two_batches():
+        try:
+            for _ in range(2):
+                await asyncio.wait_for(queue.next_batch(1, capacity=2, filter_range=None, max_filtered=3,
+                                                        min_version=0), 10)
+        finally:
+            await queue.drain()
+    with pytest.raises(RuntimeError) as e:
+        asyncio.run(two_batches())
+    assert "the sandbox is gone" in str(e.value) and "--data.max_filtered_batches" in str(e.value)
+    assert queue.launched == 6 and queue.counts["agent_error"] == 8
