@@ -87,7 +87,7 @@ async def run_env_episode(env: Env, generator: Generator, template: ChatTemplate
     limit = min(args.max_context, generator.vllm.max_model_len)  # the engine refuses a prompt that fills its window
     while (room := limit - len(ids)) > 0 and state["turn"] < args.max_turns:
         out = await generator.generate(ids, max_new_tokens=min(room, generator.rollout.max_new_tokens),
-                                       affinity=episode_id, images=spans)
+                                       affinity=group_id, images=spans)  # a group on one engine: its prompt cached
         ids, mask = ids + out.token_ids, mask + [True] * len(out.token_ids)
         logps, versions = logps + out.logprobs, versions + out.versions
         sampled.append((out.token_ids, out.logprobs, out.versions))  # as returned, for the audit

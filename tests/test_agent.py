@@ -12,11 +12,13 @@ class Recording:
 
     def __init__(self, generator):
         self.generator, self.rollout, self.vllm, self.completions = generator, generator.rollout, generator.vllm, []
+        self.affinities = []  # each call's engine key
         self.ignore_eos = False  # True: every call runs to its max_new_tokens (finish_reason "length")
 
     async def generate(self, prompt_ids, **kw):
         out = await self.generator.generate(prompt_ids, **kw, **({"ignore_eos": True} if self.ignore_eos else {}))
         self.completions.append(out)
+        self.affinities.append(kw["affinity"])
         return out
 
 
@@ -165,3 +167,12 @@ def test_agent_args_refuse_bad_values_naming_the_flag():
     for kwargs, flag in (({"max_turns": 0}, "--agent.max_turns"), ({"max_context": 4}, "--agent.max_context")):
         with pytest.raises(ValueError, match=flag):
             AgentArgs(**kwargs)
+
+
+def test_every_turn_of_a_groups_episodes_goes_to_the_groups_engine(tiny_generator, template):
+    # the engine is picked by the group id: a group's prompt is prefilled on one engine, whichever episode asks
+    rec = Recording(tiny_generator)
+    for episode in ("ep-a", "ep-b"):
+        asyncio.run(run_env_episode(Echo(2), rec, template, {"prompt": "p", "label": None}, args=AgentArgs(),
+                                    episode_id=episode, group_id="g7"))
+    assert rec.affinities == ["g7"] * 4  # 2 episodes x 2 turns
