@@ -80,6 +80,9 @@ class TrainArgs:
     lora_dropout: float = field(default=0.0, metadata={
         "help": "LoRA: dropout on an adapter's input, in the loss forward only (the engine and no-grad passes: none)"})
     seed: int = field(default=0, metadata={"help": "torch / python / numpy seed of every rank"})
+    pack: bool = field(default=False, metadata={
+        "help": "GPU: each microbatch is one row of max_tokens_per_microbatch, its segments end to end (first fit), "
+                "attention kept within each by flex_attention; its first forward compiles for minutes at start"})
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -110,6 +113,9 @@ class TrainArgs:
         if not self.lora_rank and (self.lora_alpha, self.lora_targets, self.lora_dropout) != defaults:
             raise ValueError("--train.lora_alpha / --train.lora_targets / --train.lora_dropout with --train.lora_rank 0"
                              ": they shape an adapter; rank 0 trains every weight. Set --train.lora_rank or drop them")
+        if self.pack and self.routing_replay:
+            raise ValueError("--train.pack with --train.routing_replay: replay reads the recorded experts per (row, "
+                             "token) of the padded microbatch, not of the packed row; leave one off")
 
 
 @dataclass
@@ -182,10 +188,12 @@ def collate(segments: list[Segment], moe: tuple[int, int, int] | None = None, vl
     return batch
 
 
-def plan_step(lengths: list[int], *, minibatches: int, dp_size: int, max_tokens: int) -> list[list[list[list[int]]]]:
+def plan_step(lengths: list[int], *, minibatches: int, dp_size: int, max_tokens: int,
+              pack: bool = False) -> list[list[list[list[int]]]]:
     """Row indices as [minibatch][dp rank][microbatch]. Minibatches are contiguous slices of the batch; a minibatch's
     rows go longest first to the least-loaded rank, whose microbatches each hold <= max_tokens padded tokens (rows x
-    longest row; fuller beats less padded: bench_gpu.py plan). All ranks run each forward: short ones get empty ones."""
+    longest row; fuller beats less padded: bench_gpu.py plan), or with pack <= max_tokens tokens end to end (the
+    first microbatch with room). All ranks run each forward: short ones get empty ones."""
     if len(lengths) < minibatches:
         raise ValueError(f"--train.minibatches {minibatches}: the batch has only {len(lengths)} segments")
     for i, n in enumerate(lengths):
@@ -199,8 +207,12 @@ def plan_step(lengths: list[int], *, minibatches: int, dp_size: int, max_tokens:
         for i in rows:  # longest first, so a microbatch's first row sets its padded length
             r = load.index(min(load))
             load[r] += lengths[i]
-            if micro[r] and (len(micro[r][-1]) + 1) * lengths[micro[r][-1][0]] <= max_tokens:
-                micro[r][-1].append(i)
+            if pack:  # --train.pack: first fit
+                fits = [m for m in micro[r] if sum(lengths[j] for j in m) + lengths[i] <= max_tokens]
+            else:  # the last microbatch while rows x its first (longest) row fits
+                fits = [m for m in micro[r][-1:] if (len(m) + 1) * lengths[m[0]] <= max_tokens]
+            if fits:
+                fits[0].append(i)
             else:
                 micro[r].append([i])
         depth = max(len(m) for m in micro)
@@ -208,10 +220,11 @@ def plan_step(lengths: list[int], *, minibatches: int, dp_size: int, max_tokens:
     return plan
 
 
-def pad_frac(lengths: list[int], plan: list) -> float:
-    """Share of padding in a step's forwards (a microbatch computes rows x longest row), empty microbatches left out."""
+def pad_frac(lengths: list[int], plan: list, packed: int | None = None) -> float:
+    """Share of padding in a step's forwards (a microbatch computes rows x longest row, or a packed row of `packed`
+    tokens: --train.pack), empty microbatches left out."""
     micros = [micro for minibatch in plan for rank in minibatch for micro in rank if micro]
-    positions = sum(len(micro) * max(lengths[i] for i in micro) for micro in micros)
+    positions = sum(packed or len(micro) * max(lengths[i] for i in micro) for micro in micros)
     return 1.0 - sum(lengths[i] for micro in micros for i in micro) / positions
 
 
@@ -310,7 +323,25 @@ class TrainerRank:
     # --- forwards: microbatches of rows, and the no-grad pass that every rank assembles into (B, T)
     def plan(self, batch: dict, minibatches: int) -> list:
         return plan_step(batch["lengths"].tolist(), minibatches=minibatches, dp_size=self.dp_size,
-                         max_tokens=self.train.max_tokens_per_microbatch)
+                         max_tokens=self.train.max_tokens_per_microbatch, pack=self.train.pack)
+
+    def packed(self, x: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """--train.pack: x's rows end to end in one (1, max_tokens_per_microbatch) row (one shape: flex compiles once),
+        the rest one filler sequence of id 0; -> its ids, position ids restarting at each sequence (from which
+        transformers masks attention to within it), and each (b, t) token's place in it, 0 at t = 0 and padding."""
+        lengths, N = x["lengths"].tolist(), self.train.max_tokens_per_microbatch
+        t = torch.arange(x["ids"].shape[1], device=self.device)
+        real = t < x["lengths"][:, None]  # (b, t)
+        ids = torch.zeros(1, N, dtype=x["ids"].dtype, device=self.device)  # (1, N)
+        ids[0, :sum(lengths)] = x["ids"][real]  # row-major: row 0's tokens, then row 1's, ...
+        pos = torch.cat([torch.arange(n) for n in lengths + [N - sum(lengths)]])[None].to(self.device)  # (1, N)
+        index = torch.zeros_like(x["ids"])  # (b, t)
+        index[real] = torch.arange(sum(lengths), device=self.device)
+        return ids, pos, torch.where(t > 0, index, 0)
+
+    def unpack(self, y: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
+        """(1, N) per-token values of a packed row -> (b, t); 0 at t = 0 (its packed place predicts across rows)."""
+        return None if y is None else torch.where(index > 0, y[0, index], 0.0)
 
     def microbatch(self, batch: dict, rows: list[int]) -> dict[str, torch.Tensor]:
         """The rows' tensors cropped to their longest row, a VLM's image inputs, on this device; no rows: one pad."""
@@ -329,16 +360,21 @@ class TrainerRank:
         replay x["routed"] (--train.routing_replay); a VLM sees x["images"], or without any the blank row."""
         B, T = x["ids"].shape
         ids, images = add_blank_row(self, x["ids"], x.get("images", {}))  # (B, T), or a VLM's (B + 1, T or more)
+        pos = index = None
+        if self.train.pack:  # one packed row (1, N): its log-probs, then back to (B, T)
+            ids, pos, index = self.packed(x)
         self.replay = x.get("routed")  # read by replayed_ids in this forward and in its checkpoint recompute
         with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.autocast(model)):
-            logits = model(input_ids=ids, use_cache=False, **images).logits
+            logits = model(input_ids=ids, position_ids=pos, use_cache=False, **images).logits
         if isinstance(logits, DTensor):  # --fsdp.tp_size: NeMo's plan shards the logits over the vocabulary
             logits = logits.full_tensor()
-        logits = logits[:B, :T]  # (B, T, V)
+        logits = logits if self.train.pack else logits[:B, :T]  # (B, T, V), or packed (1, N, V)
         if self.image_id is not None:   # a VLM: the engine never samples its image id (banned), nor does the policy
             logits[..., self.image_id] = -1e4   # out of the softmax; -inf would make the entropy's 0 * log 0 NaN
-        return token_logprobs(logits, x["ids"], temperature, entropy=entropy, entropy_grad=self.loss.needs_entropy_grad,
-                              compiled=self.cuda and self.fsdp.compile_logprobs)
+        logp, h = token_logprobs(logits, ids if self.train.pack else x["ids"], temperature, entropy=entropy,
+                                 entropy_grad=self.loss.needs_entropy_grad,
+                                 compiled=self.cuda and self.fsdp.compile_logprobs)
+        return (logp, h) if index is None else (self.unpack(logp, index), self.unpack(h, index))
 
     def replayed_ids(self, layer: int, live: torch.Tensor) -> torch.Tensor:
         """MoE layer `layer`'s (N, K) expert ids, N = b * t: recorded where >= 0, else live; the gate's softmax keeps
@@ -348,11 +384,13 @@ class TrainerRank:
         recorded = self.replay[:, :, layer].reshape(live.shape).long()  # (N, K)
         return torch.where(recorded >= 0, recorded, live)
 
-    def critic_values(self, ids: torch.Tensor) -> torch.Tensor:
-        """(B, T) value of the state before each token: the head's output at the previous position."""
+    def critic_values(self, x: dict) -> torch.Tensor:
+        """(B, T) value of the state before each token of x["ids"]: the head's output at the previous position."""
+        ids, pos, index = self.packed(x) if self.train.pack else (x["ids"], None, None)
         with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.autocast(self.critic)):
-            out = self.critic(input_ids=ids, use_cache=False).logits[..., 0]  # (B, T)
-        return torch.nn.functional.pad(out[:, :-1].float(), (1, 0))  # (B, T)
+            out = self.critic(input_ids=ids, position_ids=pos, use_cache=False).logits[..., 0]  # (B, T) or (1, N)
+        out = torch.nn.functional.pad(out[:, :-1].float(), (1, 0))  # (B, T) or (1, N)
+        return out if index is None else self.unpack(out, index)
 
     @torch.no_grad()
     def forward_rows(self, model, batch: dict, plan: list, temperature: float = 1.0) -> torch.Tensor:
@@ -362,7 +400,7 @@ class TrainerRank:
         for minibatch in plan:
             for rows in minibatch[self.dp_rank]:
                 x = self.microbatch(batch, rows)
-                y = (self.critic_values(x["ids"]) if model is self.critic
+                y = (self.critic_values(x) if model is self.critic
                      else self.policy_logprobs(model, x, temperature)[0])  # (b, t)
                 if rows:
                     out[rows, :y.shape[1]] = y.float()
@@ -376,7 +414,8 @@ class TrainerRank:
         batch = collate(segments, self.moe, vlm=self.processor is not None)  # every rank: the same tensors and plan
         mask = batch["mask"]  # (B, T)
         plan = self.plan(batch, self.train.minibatches)
-        records = [(1.0, {"train/pad_frac": pad_frac(batch["lengths"].tolist(), plan)})]
+        packed = self.train.max_tokens_per_microbatch if self.train.pack else None
+        records = [(1.0, {"train/pad_frac": pad_frac(batch["lengths"].tolist(), plan, packed)})]
         if "routed" in batch:  # share of the batch's (token, MoE layer) positions whose recorded experts are replayed
             real = torch.arange(mask.shape[1]) < batch["lengths"][:, None]  # (B, T)
             records.append((1.0, {"train/replayed_frac": float((batch["routed"][..., 0] >= 0)[real].float().mean())}))
@@ -427,7 +466,7 @@ class TrainerRank:
         records = []
         for micro in micros:
             x = self.microbatch(batch, micro)
-            v = self.critic_values(x["ids"])  # (b, t)
+            v = self.critic_values(x)  # (b, t)
             loss, metrics = compute_value_loss(self.loss, v, x["values"], x["returns"], x["mask"], denoms=denoms)
             (loss * self.dp_size * self.critic_scaler.scale).backward()
             metrics["train/value_mean"] = float((v.detach() * x["mask"]).sum() / x["mask"].sum().clamp(min=1))
@@ -518,6 +557,9 @@ class TrainerGroup:
         if train.lora_rank and (config.model_type == "qwen3_moe" or self.vlm):
             raise ValueError(f"--train.lora_rank {train.lora_rank} with {model_path} ({config.model_type}): LoRA "
                              "covers dense text models (not NeMo's MoE class, not VLMs); set --train.lora_rank 0")
+        if train.pack and (config.model_type == "qwen3_moe" or self.vlm):  # HF's flex_attention path, text rows
+            raise ValueError(f"--train.pack with {model_path} ({config.model_type}): NeMo's Qwen3-MoE class (its own "
+                             "attention) and a VLM's image runs take no packed row; leave --train.pack off")
         if ckpt.hf_merged and not train.lora_rank:
             raise ValueError("--ckpt.hf_merged with --train.lora_rank 0: there is no adapter to merge; drop it")
         actor_class = ray.remote(num_cpus=0, num_gpus=gpus)(TrainerRank)
@@ -645,6 +687,11 @@ def check_args(train: TrainArgs, fsdp: FsdpArgs, loss: LossArgs, estimator: Esti
                          "that reads a critic's values (gae) needs one, no other uses one; set both or neither")
     if estimator.needs_kl and not loss.needs_ref_model:
         raise ValueError("--estimator.kl_coef > 0 with --loss.kl_ref rollout: the KL reward needs --loss.kl_ref model")
+    if train.pack and not cuda:
+        raise ValueError("--train.pack on CPU: torch runs flex_attention's backward only on GPUs; leave it off")
+    if train.pack and fsdp.tp_size > 1:
+        raise ValueError("--train.pack with --fsdp.tp_size > 1: flex_attention under NeMo's tensor-parallel plan is "
+                         "untested (it needs several GPUs); set --fsdp.tp_size 1 or leave --train.pack off")
 
 
 def check_segments(segments: list[Segment]) -> None:
@@ -767,6 +814,8 @@ def build_model(rank: TrainerRank, auto_class, lora: bool = False, **kwargs) -> 
     if auto_class is AutoModelForCausalLM and hasattr(config, "vision_config"):   # a VLM: its own class
         auto_class = AutoModelForImageTextToText
     nemo_moe = auto_class is AutoModelForCausalLM and config.model_type == "qwen3_moe"
+    if rank.train.pack:  # TrainerGroup refused the models that cannot take it
+        kwargs["attn_implementation"] = "flex_attention"
     if nemo_moe:  # aux_loss_coeff 0: in train mode NeMo would add a load-balancing loss to ours
         from nemo_automodel.components.models.common import BackendConfig
         kwargs.update(backend=BackendConfig(experts="torch_mm"), moe_overrides={"aux_loss_coeff": 0.0})
@@ -786,6 +835,9 @@ def build_model(rank: TrainerRank, auto_class, lora: bool = False, **kwargs) -> 
         model.load_state_dict(model.state_dict_adapter.from_hf(hf), strict=True)
     else:
         model = auto_class.from_pretrained(rank.model_path, dtype=torch.float32, **kwargs)
+    if rank.train.pack and model.config._attn_implementation != "flex_attention":  # NeMo falls back on errors
+        raise ValueError(f"--train.pack: {rank.model_path} loaded with {model.config._attn_implementation} attention, "
+                         "not flex_attention; leave --train.pack off")
     zero_dropout(model)  # before LoRA: --train.lora_dropout is the only dropout there is
     if rank.train.freeze_vision:   # the module built from config.vision_config, outermost first
         kind = type(config.vision_config)

@@ -19,8 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from estimators import EstimatorArgs
 from generator import Segment
 from losses import LossArgs
-from trainer import (CkptArgs, FsdpArgs, TrainArgs, TrainerGroup, TrainerRank, check_args, collate, lr_at, pad_frac,
-                     plan_step, refit_pairs, sft_batch, token_logprobs, zero_dropout)
+from trainer import (CkptArgs, FsdpArgs, TrainArgs, TrainerGroup, TrainerRank, check_args, collate, lr_at,
+                     pad_frac, plan_step, refit_pairs, sft_batch, token_logprobs, zero_dropout)
 
 VOCAB = 72  # tiny_chars_model
 
@@ -126,6 +126,77 @@ def test_microbatch_plan_bounds_padded_tokens_and_gives_every_rank_the_same_coun
     with pytest.raises(ValueError, match="segment 0: 10 tokens > --train.max_tokens_per_microbatch 9"):
         plan_step(lengths, minibatches=1, dp_size=1, max_tokens=9)
 
+
+def pack_rank(model_path: str, max_tokens: int) -> TrainerRank:
+    """A rank as far as --train.pack's layout and policy_logprobs need: no process group, no loaded model."""
+    rank = TrainerRank(0, 1, model_path, TrainArgs(pack=True, max_tokens_per_microbatch=max_tokens), FsdpArgs(),
+                       CkptArgs(), LossArgs(), EstimatorArgs(), temperature=1.0)
+    rank.dp_size, rank.compute_dtype, rank.image_id, rank.blank = 1, torch.float32, None, None
+    return rank
+
+
+def test_pack_fills_rows_first_fit_and_restarts_positions_at_each_segment():
+    lengths = [10, 3, 7, 7, 2, 9]
+    # longest first, each into the first row with room for it (16 tokens): 0 (10) -> row a; 5 (9): a would hold 19
+    # -> row b; 2 (7): a 17, b 16 -> b; 3 (7): a 17, b 23 -> row c; 1 (3): a 13 -> a; 4 (2): a 15 -> a
+    plan = plan_step(lengths, minibatches=1, dp_size=1, max_tokens=16, pack=True)
+    assert plan == [[[[0, 1, 4], [5, 2], [3]]]]
+    # 3 packed rows x 16 positions = 48, real tokens 38 (the filled layout's 4 microbatches would compute 51)
+    assert pad_frac(lengths, plan, packed=16) == pytest.approx(10 / 48)
+    rank = pack_rank("unused", 16)
+    ids = [[100 + k for k in range(n)] for n in (10, 3, 2)]  # rows 0, 1, 4 with distinct ids
+    segments = [Segment(token_ids=row, action_mask=[False] + [True] * (len(row) - 1), logprobs=[0.0] * len(row),
+                        versions=[-1] + [0] * (len(row) - 1), episode_id=f"e{i}", group_id="g") for i, row in
+                enumerate(ids)]
+    row, pos, index = rank.packed(rank.microbatch(collate(segments), [0, 1, 2]))
+    assert row.tolist() == [ids[0] + ids[1] + ids[2] + [0]]  # end to end; the 16th token is the filler's
+    assert pos.tolist() == [list(range(10)) + [0, 1, 2] + [0, 1] + [0]]
+    # rows start at offsets 0, 10, 13; t = 0 and padding read nothing (0): t = 0's place predicts across rows
+    assert index.tolist() == [list(range(10)), [0, 11, 12] + [0] * 7, [0, 14] + [0] * 8]
+
+
+def test_pack_is_refused_where_it_cannot_run_naming_the_flags(tiny_moe_model, tmp_path):
+    with pytest.raises(ValueError, match="--train.pack with --train.routing_replay"):
+        TrainArgs(pack=True, routing_replay=True)
+    with pytest.raises(ValueError, match="--train.pack on CPU"):  # FlexAttention does not support backward on CPU
+        check_args(TrainArgs(pack=True), FsdpArgs(), LossArgs(), EstimatorArgs(), cuda=False)
+    with pytest.raises(ValueError, match="--train.pack with --fsdp.tp_size > 1"):
+        check_args(TrainArgs(pack=True, world_size=2), FsdpArgs(tp_size=2), LossArgs(), EstimatorArgs(), cuda=True)
+    check_args(TrainArgs(pack=True), FsdpArgs(), LossArgs(), EstimatorArgs(), cuda=True)
+    with pytest.raises(ValueError, match="--train.pack with .* NeMo's Qwen3-MoE class"):  # before any actor starts
+        TrainerGroup(tiny_moe_model, TrainArgs(pack=True), FsdpArgs(), CkptArgs(), LossArgs(), EstimatorArgs(),
+                     temperature=1.0, gpus_per_rank=1.0)
+    from recipes.tiny_vlm import build_tiny_vlm
+    with pytest.raises(ValueError, match="--train.pack with .* a VLM's image runs"):
+        TrainerGroup(build_tiny_vlm(str(tmp_path), seed=0), TrainArgs(pack=True), FsdpArgs(), CkptArgs(), LossArgs(),
+                     EstimatorArgs(), temperature=1.0, gpus_per_rank=1.0)
+
+
+def test_packed_forward_under_flex_attention_equals_each_row_alone(tiny_chars_model):
+    # torch runs flex_attention's backward only on GPUs (test_gpu.py trains a packed step): here the forward
+    segments = make_segments()[:4]
+    rank = pack_rank(tiny_chars_model, 64)
+    x = rank.microbatch(collate(segments), [0, 1, 2, 3])
+    lengths = x["lengths"].tolist()
+    assert sum(lengths) <= 64
+    flex = AutoModelForCausalLM.from_pretrained(tiny_chars_model, dtype=torch.float32,
+                                                attn_implementation="flex_attention").eval()
+    plain = AutoModelForCausalLM.from_pretrained(tiny_chars_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp, h = rank.policy_logprobs(flex, x, 1.0, entropy=True)  # (b, t), through rank.packed and unpack
+        assert logp.shape == x["ids"].shape
+        for i, (seg, expected) in enumerate(zip(segments, hf_logprobs(plain, segments, 1.0))):
+            assert torch.allclose(logp[i, :lengths[i]], expected, atol=1e-5), i
+            assert not logp[i, lengths[i]:].any()
+            alone = token_logprobs(plain(input_ids=torch.tensor([seg.token_ids])).logits, torch.tensor([seg.token_ids]),
+                                   1.0, entropy=True, entropy_grad=False)[1]
+            assert torch.allclose(h[i, :lengths[i]], alone[0], atol=1e-5), i
+        # the mask does the work: one causal row over the same ids (positions 0..N-1) lets row 2 on see earlier rows
+        ids, _, index = rank.packed(x)
+        causal = rank.unpack(token_logprobs(flex(input_ids=ids, use_cache=False).logits, ids, 1.0, entropy=False,
+                                            entropy_grad=False)[0], index)
+        for i in range(1, len(segments)):
+            assert (causal[i] - logp[i]).abs().max() > 1e-2, i
 
 def test_token_logprobs_shift_by_one_and_scale_by_temperature():
     # row 0 at t = 0: logits (0, 2 ln 3) / T=2 -> p = (1/4, 3/4); row 1 at t = 1: (ln 4, 0) / 2 -> p = (2/3, 1/3)
@@ -280,7 +351,7 @@ def test_config_dropout_is_off_in_every_pass_of_policy_reference_and_critic(ray_
         for model in (rank.model, rank.ref):  # the loss forward (train mode, with grad) and the reference's
             a, b = (rank.policy_logprobs(model, x, 1.0)[0].detach() for _ in range(2))
             assert torch.equal(a, b)
-        assert torch.equal(rank.critic_values(x["ids"]).detach(), rank.critic_values(x["ids"]).detach())
+        assert torch.equal(rank.critic_values(x).detach(), rank.critic_values(x).detach())
     finally:
         rank.shutdown()
         torch.set_num_threads(threads)
@@ -470,7 +541,7 @@ def test_critic_values_are_the_same_on_every_pass_in_train_mode(critic_run):
     actor = group.actors[0]
     ids = torch.tensor([make_segments(seed=9)[0].token_ids])
     assert ray.get(actor.__ray_call__.remote(lambda rank: rank.critic.training))
-    first, second = (ray.get(actor.critic_values.remote(ids)) for _ in range(2))
+    first, second = (ray.get(actor.critic_values.remote({"ids": ids})) for _ in range(2))
     assert first.abs().max() > 0.1 and torch.equal(first, second)  # trained values, not the head's initial zeros
 
 
