@@ -82,12 +82,13 @@ async def run_env_episode(env: Env, generator: Generator, template: ChatTemplate
     first, images = user_turn(await env.reset(row["prompt"], row.get("label")))
     system = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []
     ids, spans = template.expand_images(template.render_full(system + [first]), images)
-    mask, logps, versions, sampled = [False] * len(ids), [0.0] * len(ids), [-1] * len(ids), []
+    mask, logps, versions, sampled, turns = [False] * len(ids), [0.0] * len(ids), [-1] * len(ids), [], []
     result, truncated, routed, reward = Result(reward=0.0), True, None, 0.0  # truncated unless the env ends it
     limit = min(args.max_context, generator.vllm.max_model_len)  # the engine refuses a prompt that fills its window
     while (room := limit - len(ids)) > 0 and state["turn"] < args.max_turns:
         out = await generator.generate(ids, max_new_tokens=min(room, generator.rollout.max_new_tokens),
                                        affinity=group_id, images=spans)  # a group on one engine: its prompt cached
+        turns.append((len(ids), len(ids) + len(out.token_ids)))  # this turn's samples in the row, as the chat path's
         ids, mask = ids + out.token_ids, mask + [True] * len(out.token_ids)
         logps, versions = logps + out.logprobs, versions + out.versions
         sampled.append((out.token_ids, out.logprobs, out.versions))  # as returned, for the audit
@@ -110,7 +111,7 @@ async def run_env_episode(env: Env, generator: Generator, template: ChatTemplate
         logps, versions = logps + [0.0] * len(delta), versions + [-1] * len(delta)
     return [Segment(token_ids=ids, action_mask=mask, logprobs=logps, versions=versions, reward=reward,
                     episode_id=episode_id, group_id=group_id, finish_reason=state["finish_reason"], images=spans,
-                    truncated=truncated, info=dict(result.info, sampled=sampled_record(sampled), turns=state["turn"]),
+                    truncated=truncated, info=dict(result.info, sampled=sampled_record(sampled), turns=turns),
                     routed_experts=None if routed is None else segment_routing(routed, len(ids)))]
 
 

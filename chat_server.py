@@ -304,6 +304,7 @@ class Turn:
     resume: int | None   # where a prefill repeating this turn continues it (its text's end); None: cut at a stop string
     constrained: bool = False   # sampled under constrained decoding: the behaviour policy is the masked sampler
     opens: bool = True   # begins its message (False: continues a prefill), so a RETRY may resample from its start
+    calls: int = 0       # tool calls parsed from this turn's reply
 
 
 @dataclass
@@ -521,7 +522,8 @@ class SegmentStore:
         t.msgs, t.hashes = req.msgs[:n] + [assistant], req.hashes[:n + 1] + [hash((req.hashes[n], assistant.key()))]
         t.turns.append(Turn(len(t.tokens) - len(ids), len(t.tokens), self.template.bridge(ids), finish,
                             (tuple(ids), tuple(logprobs), tuple(versions)), len(t.msgs),
-                            None if cut else len(t.tokens) - shut, req.constraint[0] is not None, not req.prefill))
+                            None if cut else len(t.tokens) - shut, req.constraint[0] is not None, not req.prefill,
+                            len(calls)))
         t.images = plan.images
         if c.routed_experts is not None:   # this call saw the whole segment
             t.experts = segment_routing(c.routed_experts, len(t.tokens))
@@ -537,6 +539,7 @@ class SegmentStore:
                         routed_experts=t.experts, images=t.images,
                         info={"segment": t.index, "forked_from": t.parent, "rewrite_of": t.rewrite_of,
                               "turns": [(u.start, u.end) for u in t.turns], "tainted": ep.tainted,
+                              "tool_calls": sum(u.calls for u in t.turns),
                               "constrained": [(u.start, u.end) for u in t.turns if u.constrained],
                               "sampled": sampled_record(u.sampled for u in t.turns)})
                 for t in ep.tracks]

@@ -1,17 +1,19 @@
 """Advantage estimators: per-row rewards, prompt groups and action masks -> per-token advantages.
 
 Shapes: B rows (segments), T tokens, P prompt groups, E unique episodes. Contract: compute_advantages(args,
-rewards (B,), group_ids (B,), episode_ids (B,), mask (B, T), values=(B, T), kl=(B, T), truncated=(B,)) ->
+rewards (B,), group_ids (B,), episode_ids (B,), mask (B, T), values=(B, T), kl=(B, T), facts=[RolloutFacts] * B) ->
 (advantages (B, T), returns (B, T) for gae else None, metrics). Advantages are exactly 0 where mask is False.
 Group estimators count each episode once (its segments share one reward) and broadcast its advantage to every
 action token of every segment. Token-level estimators (reinforce, gae) work per row and skip non-action tokens
 (prompt, tool output, template glue) in their sums. Inputs carry no gradient; bad input raises ValueError naming
 it. Not here: policy or value losses and length normalisation (losses.py), the KL estimate (the caller's).
 
-Research surface: a new estimator is one pure function, one ESTIMATORS entry and one `elif` in compute_advantages
-(README, "Adding an advantage estimator"); a reward-shaping term from rollout facts is one branch of shape_rewards.
-Neither edits trainer.py or launch.py. Reading order: EstimatorArgs, the group helpers, the estimators,
-shape_rewards, compute_advantages; below the banner: the input checks, and the packed scans of reinforce and gae.
+Research surface (README, "Adding an estimator, a reward shaping or a loss-side method"): a new estimator is one pure
+function, its name in KINDS and one `elif` in compute_advantages, which may add its own `estimator/<name>` metrics;
+a reward-shaping term from what the rollout did is one branch of shape_rewards, reading RolloutFacts (a new fact:
+one line of rollout_facts). None of these edits trainer.py, launch.py or the flag matrix. Reading order:
+EstimatorArgs, the group helpers, the estimators, the rollout facts and shape_rewards, compute_advantages; below the
+banner: the input checks, and the packed scans of reinforce and gae.
 """
 import math
 from dataclasses import dataclass, field
@@ -20,7 +22,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-ESTIMATORS = ("reinforce", "reinforce_baseline", "grpo", "dr_grpo", "rloo", "gae", "batch_baseline")
+# Each estimator's kind: what it reads beyond its episode's reward and the action mask. The flag matrix
+# (tests/test_matrix.py) runs the loop with the first estimator of each kind; the others differ in arithmetic only.
+KINDS = {"group": ("grpo", "dr_grpo", "rloo"),                  # the episodes of its prompt group
+         "whitened": ("reinforce_baseline", "reinforce"),       # the batch's action tokens, whitened over
+         "batch": ("batch_baseline",),                          # every episode of the batch
+         "critic": ("gae",)}                                    # a critic's value per token
+ESTIMATORS = tuple(name for names in KINDS.values() for name in names)
 
 
 @dataclass
@@ -102,7 +110,7 @@ def whiten_tokens(x: Tensor, mask: Tensor, eps: float) -> Tensor:
     return torch.where(mask, (x - kept.mean()) / (kept.std() + eps), 0.0)  # (B, T)
 
 
-# --- estimators, in the order of ESTIMATORS
+# --- the estimators: reinforce and reinforce_baseline, the group ones, gae, batch_baseline
 def reinforce(rewards: Tensor, mask: Tensor, *, kl: Tensor | None = None, kl_coef: float = 0.0, gamma: float = 1.0,
               whiten: bool = True, std_eps: float = 1e-6) -> Tensor:
     """REINFORCE++, https://arxiv.org/abs/2501.03262: A_t = whiten(G_t), G_t = r_t + gamma * G_next,
@@ -172,22 +180,44 @@ def batch_baseline(rewards: Tensor, episode_ids: Tensor, mask: Tensor) -> Tensor
     return dr_grpo(rewards, torch.zeros_like(episode_ids), episode_ids, mask)  # one group holding every episode
 
 
-# --- reward shaping from rollout facts, then the dispatch: the one place that reads EstimatorArgs
+# --- what the rollout did, reward shaping from it, then the dispatch: the one place that reads EstimatorArgs
+@dataclass(frozen=True)
+class RolloutFacts:
+    """One row's (segment's) rollout, the same for Env and ChatAgent episodes: shape_rewards reads it as data."""
+    turns: int                # engine calls sampled into this row
+    action_tokens: int        # tokens sampled into this row
+    truncated: bool           # cut at max tokens, max turns or max context
+    finish_reason: str        # the row's last engine call's: "stop", "length" or "abort"
+    tool_calls: int | None    # tool calls the chat server parsed from this row's replies; None for an Env (it parses)
+    info: dict                # the agent's Result.info, beside the runner's own keys (see agent.py and chat_server.py)
+
+
+def rollout_facts(segments: list) -> list[RolloutFacts]:
+    """The facts of each segment (generator.Segment), in row order; info["turns"] is each turn's (start, end)."""
+    return [RolloutFacts(turns=len(s.info.get("turns", ())), action_tokens=sum(s.action_mask), truncated=s.truncated,
+                         finish_reason=s.finish_reason, tool_calls=s.info.get("tool_calls"), info=s.info)
+            for s in segments]
+
+
 def shape_rewards(args: EstimatorArgs, rewards: Tensor, episode_ids: Tensor, mask: Tensor,
-                  truncated: Tensor | None) -> Tensor:
-    """Reward shaping from rollout facts, before any estimator reads rewards (B,): mask's row sums are the action
-    lengths, truncated (B,) bool marks rows cut at max tokens or context (None: none); one reward per episode."""
-    if args.truncated_reward is not None and truncated is not None:  # a truncated row marks its whole episode
+                  facts: list[RolloutFacts] | None) -> Tensor:
+    """Reward shaping from rollout facts, before any estimator reads rewards (B,); facts: one per row (None: none
+    given, no shaping). The result must keep one reward per episode: a fact of one row marks its whole episode."""
+    if facts is not None and len(facts) != len(rewards):
+        raise ValueError(f"facts: expected one RolloutFacts per row ({len(rewards)}), got {len(facts)}")
+    if args.truncated_reward is not None and facts is not None:
+        truncated = torch.tensor([f.truncated for f in facts], dtype=torch.bool)  # (B,)
         rewards = torch.where(torch.isin(episode_ids, episode_ids[truncated]), args.truncated_reward, rewards)  # (B,)
     return rewards
 
 
 def compute_advantages(args: EstimatorArgs, rewards: Tensor, group_ids: Tensor, episode_ids: Tensor, mask: Tensor, *,
-                       values: Tensor | None = None, kl: Tensor | None = None, truncated: Tensor | None = None
+                       values: Tensor | None = None, kl: Tensor | None = None, facts: list[RolloutFacts] | None = None
                        ) -> tuple[Tensor, Tensor | None, dict[str, float]]:
-    """-> (advantages (B, T), returns (B, T) for gae else None, metrics); the estimator validates the inputs."""
-    returns = None
-    rewards = shape_rewards(args, rewards, episode_ids, mask, truncated)
+    """-> (advantages (B, T), returns (B, T) for gae else None, metrics); the estimator validates the inputs.
+    A branch may add its estimator's own metrics as metrics["estimator/<name>"]: the trainer logs every key."""
+    returns, metrics = None, {}
+    rewards = shape_rewards(args, rewards, episode_ids, mask, facts)
     if args.name == "reinforce":
         adv = reinforce(rewards, mask, kl=kl, kl_coef=args.kl_coef, gamma=args.gamma, whiten=args.whiten,
                         std_eps=args.std_eps)
@@ -202,6 +232,7 @@ def compute_advantages(args: EstimatorArgs, rewards: Tensor, group_ids: Tensor, 
     elif args.name == "gae":
         adv, returns = gae(rewards, values, mask, kl=kl, kl_coef=args.kl_coef, gamma=args.gamma, lam=args.lam,
                            whiten=args.whiten, std_eps=args.std_eps)
+        metrics["estimator/returns_mean"] = returns[mask].mean().item() if mask.any() else 0.0
     elif args.name == "batch_baseline":
         adv = batch_baseline(rewards, episode_ids, mask)
     else:
@@ -215,12 +246,10 @@ def compute_advantages(args: EstimatorArgs, rewards: Tensor, group_ids: Tensor, 
     live = adv.new_zeros(len(groups)).index_add_(0, row_group, (adv != 0).any(1).to(adv.dtype))  # (P,) rows with signal
     episodes, row_episode = torch.unique(episode_ids, return_inverse=True)  # (E,), (B,)
     episode_reward = rewards.new_zeros(len(episodes)).scatter_(0, row_episode, rewards)  # (E,): its rows share it
-    metrics = {"estimator/adv_mean": kept.mean().item(), "estimator/adv_std": kept.std(correction=0).item(),
-               "estimator/adv_max": kept.max().item(), "estimator/adv_min": kept.min().item(),
-               "estimator/zero_adv_groups": (live == 0).float().mean().item(),  # GRPO collapse: groups with no signal
-               "estimator/reward_mean": episode_reward.mean().item() if len(rewards) else 0.0}  # after shaping
-    if returns is not None:
-        metrics["estimator/returns_mean"] = returns[mask].mean().item() if mask.any() else 0.0
+    metrics |= {"estimator/adv_mean": kept.mean().item(), "estimator/adv_std": kept.std(correction=0).item(),
+                "estimator/adv_max": kept.max().item(), "estimator/adv_min": kept.min().item(),
+                "estimator/zero_adv_groups": (live == 0).float().mean().item(),  # GRPO collapse: groups with no signal
+                "estimator/reward_mean": episode_reward.mean().item() if len(rewards) else 0.0}  # after shaping
     return adv, returns, metrics
 
 

@@ -8,10 +8,13 @@ global Denoms and metrics are means over each record's count, so sums and count-
 ranks give the full-batch values (each rank holds the whole batch). Masked positions pass torch.where before any exp
 (-inf or NaN there give zero gradient). Not here: log-probs and entropy (trainer.py), advantages (estimators.py).
 
-Research surface: a new surrogate is one function (logp, old_logp, adv, mask) -> (per-token loss, clipped), one
-SURROGATES entry and one `elif` in compute_policy_loss; an importance correction is one IS_LEVELS / IS_MODES branch;
-neither edits trainer.py. Reading order: LossArgs and Denoms, surrogates, importance correction, versions, KL and
-aggregation, the other losses, compute_policy_loss; below the banner: shape checks and masked means.
+Research surface (README, "Adding an estimator, a reward shaping or a loss-side method"): a new surrogate is one
+function (logp, old_logp, adv, mask) -> (per-token loss, clipped), one SURROGATES entry and one `elif` in
+compute_policy_loss; an importance correction is one IS_LEVELS / IS_MODES branch; a method that picks tokens over an
+optimizer step's whole batch (by entropy, advantage or their covariance with the log-probs) is one branch of
+step_tokens, switched on by needs_batch_stats. None edits trainer.py. Reading order: LossArgs and Denoms,
+surrogates, importance correction, versions, KL and aggregation, the other losses, step_tokens,
+compute_policy_loss; below the banner: shape checks and masked means.
 """
 import math
 from dataclasses import dataclass, field
@@ -46,6 +49,9 @@ class LossArgs:
     entropy_coef: float = field(default=0.0, metadata={"help": "entropy bonus: loss -= coef * aggregated entropy"})
     agg: str = field(default="token_mean", metadata={"help": "how per-token losses become one number", "choices": AGGS})
     value_clip: float | None = field(default=0.2, metadata={"help": "PPO value clip around old_values; None = off"})
+    top_entropy_frac: float | None = field(default=None, metadata={
+        "help": "train only this share of each optimizer step's action tokens, those of highest entropy over the "
+                "whole step (the 80/20 rule, arXiv 2506.01939); None = every token"})
 
     def __post_init__(self):
         for flag, choices in (("surrogate", SURROGATES), ("is_level", IS_LEVELS), ("is_mode", IS_MODES),
@@ -75,6 +81,8 @@ class LossArgs:
         if self.surrogate == "gspo" and self.agg != "seq_mean_token_mean":
             raise ValueError(f"--loss.surrogate gspo with --loss.agg {self.agg}: GSPO's objective is a mean over "
                              "sequences of each one's token mean; set --loss.agg seq_mean_token_mean")
+        if self.top_entropy_frac is not None and not 0.0 < self.top_entropy_frac <= 1.0:
+            raise ValueError(f"--loss.top_entropy_frac {self.top_entropy_frac}: must be in (0, 1], or None for all")
         if self.is_level == "seq" and self.is_mode == "clip":
             raise ValueError("--loss.is_level seq with --loss.is_mode clip: raising tiny sequence products to LOW "
                              "up-weights sequences the trainer would not sample; set --loss.is_mode trunc or mask")
@@ -96,6 +104,11 @@ class LossArgs:
     def importance_correction(self) -> bool:
         """The loss reweights by old/rollout, so stale, mixed-version or constrained tokens may train."""
         return self.is_level != "off"
+
+    @property
+    def needs_batch_stats(self) -> bool:
+        """The loss picks tokens over each optimizer step's whole batch: the trainer calls step_tokens once a step."""
+        return self.top_entropy_frac is not None
 
     @property
     def needs_entropy_grad(self) -> bool:
@@ -294,18 +307,40 @@ def mismatch_metrics(rollout_logp: Tensor, trainer_logp: Tensor, mask: Tensor) -
             "loss/mismatch_frac": masked_mean(delta.abs() > 1e-6, mask)}
 
 
+# --- batch-wide token choice: once per optimizer step, over the step's whole batch, only when the loss asks
+def step_tokens(args: LossArgs, logp: Tensor, entropy: Tensor, adv: Tensor, mask: Tensor) -> Tensor:
+    """Which action tokens of one optimizer step train, (B, T) bool, chosen over the step's whole batch (every rank
+    and microbatch), so the choice does not depend on --train.max_tokens_per_microbatch or the dp size. mask: the
+    step's action tokens; logp, entropy: the current policy's before the step, no gradient; adv: the advantages.
+    The trainer calls it when args.needs_batch_stats and hands each microbatch its rows as `selected`."""
+    check_shapes(mask, logp=logp, entropy=entropy, adv=adv)
+    if args.top_entropy_frac is not None:  # the highest-entropy ("forking") tokens: top ceil(frac * N) of the N
+        k = math.ceil(args.top_entropy_frac * int(mask.sum()))
+        top = torch.where(mask, entropy, -math.inf).flatten().topk(k).indices  # (k,); ties: torch.topk's order
+        return torch.zeros_like(mask).flatten().index_fill_(0, top, True).view_as(mask) & mask
+    return mask
+
+
 # --- the two entry points: read the flags, dispatch, pass values down
 def compute_policy_loss(args: LossArgs, logp: Tensor, old_logp: Tensor, rollout_logp: Tensor, adv: Tensor, mask: Tensor,
                         *, versions: Tensor, current_version: int, denoms: Denoms, group_tokens: Tensor | None = None,
-                        ref_logp: Tensor | None = None,
-                        entropy: Tensor | None = None) -> tuple[Tensor, list[tuple[float, dict[str, float]]]]:
+                        ref_logp: Tensor | None = None, entropy: Tensor | None = None,
+                        selected: Tensor | None = None) -> tuple[Tensor, list[tuple[float, dict[str, float]]]]:
     """The policy loss () of one microbatch and its metric records, (count, means over count tokens). group_tokens
-    (B,) only for agg prompt_mean_token_mean; ref_logp only for kl_ref model; entropy (B, T) to use or log it."""
+    (B,) only for agg prompt_mean_token_mean; ref_logp only for kl_ref model; entropy (B, T) to use or log it;
+    selected (B, T): step_tokens' choice, given exactly when args.needs_batch_stats."""
     # --- inputs, then which tokens train: drop those past the lag bound, refuse uncorrected stale data
     check_shapes(mask, logp=logp, old_logp=old_logp, rollout_logp=rollout_logp, adv=adv, versions=versions,
-                 ref_logp=ref_logp, entropy=entropy)
+                 ref_logp=ref_logp, entropy=entropy, selected=selected)
     kept = stale_mask(versions, mask, current_version=current_version, max_lag=args.max_token_lag)  # (B, T)
     check_versions(versions, kept, current_version=current_version, is_level=args.is_level)
+    records = [(float(mask.sum()), {"loss/stale_frac": masked_mean(mask & ~kept, mask)})]
+    if (selected is None) == args.needs_batch_stats:
+        raise ValueError(f"selected: {'missing' if selected is None else 'given'}; step_tokens' choice is passed "
+                         "exactly when LossArgs.needs_batch_stats (--loss.top_entropy_frac)")
+    if selected is not None:  # the others count in the step's denominators, at 0 loss, as stale tokens do
+        records.append((float(kept.sum()), {"loss/selected_frac": masked_mean(selected, kept)}))
+        kept = kept & selected
     # --- surrogate per token
     clip = dict(clip_low=args.clip_low, clip_high=args.clip_high)
     if args.surrogate == "ppo":
@@ -339,7 +374,7 @@ def compute_policy_loss(args: LossArgs, logp: Tensor, old_logp: Tensor, rollout_
                                                         denoms=denoms, group_tokens=group_tokens)
     # --- records: each mean with its count. Mismatch only on tokens the current weights sampled (lag is not
     # mismatch); a batch with none (asynchronous steps) reports no mismatch keys rather than a false zero.
-    records = [(float(kept.sum()), metrics), (float(mask.sum()), {"loss/stale_frac": masked_mean(mask & ~kept, mask)})]
+    records.append((float(kept.sum()), metrics))
     same = mask & (versions == current_version)  # (B, T)
     if same.any():
         records.append((float(same.sum()), mismatch_metrics(rollout_logp, old_logp, same)))

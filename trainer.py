@@ -40,9 +40,10 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTex
                           AutoModelForTokenClassification, AutoProcessor)
 from transformers.core_model_loading import revert_weight_conversion
 
-from estimators import EstimatorArgs, compute_advantages
+from estimators import EstimatorArgs, compute_advantages, rollout_facts
 from generator import Segment, decode_image
-from losses import Denoms, LossArgs, compute_policy_loss, compute_value_loss, sft_loss, step_denoms
+from losses import (Denoms, LossArgs, compute_policy_loss, compute_value_loss, sft_loss, step_denoms,
+                    step_tokens)
 
 SCHEDULES = ("constant", "cosine")
 OFFLOADS = ("none", "optimizer")
@@ -176,8 +177,7 @@ def collate(segments: list[Segment], moe: tuple[int, int, int] | None = None, vl
              "rewards": torch.tensor([float(seg.reward) for seg in segments]),  # (B,)
              "group_ids": torch.tensor([group_index[seg.group_id] for seg in segments]),  # (B,)
              "episode_ids": torch.tensor([episode_index[seg.episode_id] for seg in segments]),  # (B,)
-             "lengths": torch.tensor([len(seg.token_ids) for seg in segments]),  # (B,)
-             "truncated": torch.tensor([seg.truncated for seg in segments])}  # (B,) bool
+             "lengths": torch.tensor([len(seg.token_ids) for seg in segments])}  # (B,)
     if moe is not None:  # --train.routing_replay
         batch["routed"] = torch.from_numpy(collate_routing(segments, T, *moe))  # (B, T, layers, top_k)
     if vlm:
@@ -393,20 +393,22 @@ class TrainerRank:
         return out if index is None else self.unpack(out, index)
 
     @torch.no_grad()
-    def forward_rows(self, model, batch: dict, plan: list, temperature: float = 1.0) -> torch.Tensor:
-        """model's log-probs at temperature (the critic's: its values) of this rank's rows, as (B, T) on every rank."""
-        out = torch.zeros(batch["ids"].shape, device=self.device)  # (B, T)
+    def forward_rows(self, model, batch: dict, plan: list, temperature: float = 1.0, entropy: bool = False):
+        """model's log-probs at temperature (the critic's: its values) of this rank's rows, as (B, T) on every rank;
+        with entropy: (log-probs, entropy), each (B, T)."""
+        out = torch.zeros((1 + entropy, *batch["ids"].shape), device=self.device)  # (1 or 2, B, T)
         model.eval()  # as the engine: no --train.lora_dropout (config dropout is zeroed at load), no checkpointing
         for minibatch in plan:
             for rows in minibatch[self.dp_rank]:
                 x = self.microbatch(batch, rows)
-                y = (self.critic_values(x) if model is self.critic
-                     else self.policy_logprobs(model, x, temperature)[0])  # (b, t)
-                if rows:
-                    out[rows, :y.shape[1]] = y.float()
+                y = ((self.critic_values(x), None) if model is self.critic
+                     else self.policy_logprobs(model, x, temperature, entropy=entropy))  # (b, t), (b, t) or None
+                for k, part in enumerate(y if rows else ()):
+                    if part is not None:
+                        out[k, rows, :part.shape[1]] = part.float()
         model.train()
         dist.all_reduce(out, group=self.dp_group)  # rows are disjoint across dp ranks: the sum is a gather
-        return out.cpu()
+        return (out[0].cpu(), out[1].cpu()) if entropy else out[0].cpu()
 
     # --- the train step: one flat sequence
     def train_step(self, segments: list[Segment]) -> tuple[list[tuple[float, dict]], int]:
@@ -434,7 +436,7 @@ class TrainerRank:
         # --- advantages over the whole batch (estimators.py); gae turns the critic's values into returns
         batch["adv"], returns, metrics = compute_advantages(
             self.estimator, batch["rewards"], batch["group_ids"], batch["episode_ids"], mask,
-            values=batch.get("values"), kl=kl, truncated=batch["truncated"])
+            values=batch.get("values"), kl=kl, facts=rollout_facts(segments))
         if returns is not None:
             batch["returns"] = returns
         records.append((1.0, metrics))
@@ -443,6 +445,10 @@ class TrainerRank:
             for minibatch in plan:
                 rows = [i for rank_rows in minibatch for micro in rank_rows for i in micro]
                 denoms, group_tokens = step_denoms(mask[rows], batch["group_ids"][rows])  # every rank: the same
+                if self.loss.needs_batch_stats:  # the loss picks this step's tokens over all its rows (losses.py)
+                    logp, entropy = self.forward_rows(self.model, batch, [minibatch], self.temperature, entropy=True)
+                    step_mask = torch.zeros_like(mask).index_copy_(0, torch.tensor(rows), mask[rows])  # (B, T)
+                    batch["selected"] = step_tokens(self.loss, logp, entropy, batch["adv"], step_mask)  # (B, T)
                 step_loss = torch.zeros((), device=self.device)
                 for micro in minibatch[self.dp_rank]:
                     x = self.microbatch(batch, micro)
@@ -450,7 +456,8 @@ class TrainerRank:
                     loss, loss_records = compute_policy_loss(
                         self.loss, logp, x.get("old_logp", logp.detach()), x["rollout_logp"], x["adv"], x["mask"],
                         versions=x["versions"], current_version=self.version, denoms=denoms, entropy=entropy,
-                        group_tokens=group_tokens.to(self.device)[x["group_ids"]], ref_logp=x.get("ref_logp"))
+                        group_tokens=group_tokens.to(self.device)[x["group_ids"]], ref_logp=x.get("ref_logp"),
+                        selected=x.get("selected"))
                     # FSDP averages gradients over dp ranks; the shares already sum to the batch loss, so undo it
                     (loss * self.dp_size * self.scaler.scale).backward()
                     step_loss += loss.detach()

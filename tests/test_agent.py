@@ -78,6 +78,7 @@ def test_multiturn_episode_trains_on_exact_sampled_ids(tiny_generator, template)
     assert seg.token_ids == expected
     mask = [any(a <= i < b for a, b in actions) for i in range(len(expected))]
     assert seg.action_mask == mask
+    assert seg.info["turns"] == actions  # each turn's (start, end), the shape the chat server records
     sampled = c1.token_ids + c2.token_ids + c3.token_ids
     assert [t for t, m in zip(seg.token_ids, seg.action_mask) if m] == sampled
     assert [lp for lp, m in zip(seg.logprobs, seg.action_mask) if m] == c1.logprobs + c2.logprobs + c3.logprobs
@@ -115,7 +116,7 @@ def test_env_episode_reward_is_the_sum_of_its_step_rewards(tiny_generator, templ
 def test_turn_limit_ends_episode_as_truncated(tiny_generator, template):
     gen = Recording(tiny_generator)
     (seg,) = run(Echo(turns=10), gen, template, max_turns=2)
-    assert len(gen.completions) == 2 and seg.truncated and seg.info["turns"] == 2
+    assert len(gen.completions) == 2 and seg.truncated and len(seg.info["turns"]) == 2
     # No sample follows the second observation, so the row ends at the last sampled token, not after it.
     assert seg.action_mask[-1]
 

@@ -372,6 +372,7 @@ def test_dropped_reasoning_and_reordered_arguments_still_match(tiny_model):
     assert asyncio.run(main()) == "EXTEND"
     [seg] = server.close_episode(ep.id)
     assert_exact_replay(seg, server.generator.calls)
+    assert seg.info["tool_calls"] == 1  # the segment's facts: the first reply's one call, "3" has none
 
 
 def test_concurrent_commits_branch_a_segment_whose_shared_prefix_is_prompt(tiny_model):

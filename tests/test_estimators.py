@@ -4,7 +4,9 @@ import math
 import pytest
 import torch
 
-from estimators import ESTIMATORS, EstimatorArgs, compute_advantages, dr_grpo, gae, grpo, reinforce, rloo
+from estimators import (ESTIMATORS, EstimatorArgs, RolloutFacts, compute_advantages, dr_grpo, gae, grpo, reinforce,
+                        rloo, rollout_facts)
+from generator import Segment
 
 
 def ids(*xs):
@@ -325,16 +327,37 @@ def test_truncated_reward_replaces_the_reward_of_every_row_of_a_truncated_episod
     # shaped rewards [-1, -1, 0, 1, -1]; per episode [-1, 0, 1, -1]: mean -0.25, deviations [-0.75, 0.25, 1.25, -0.75],
     # squares sum 2.75, unbiased std sqrt(2.75 / 3) = 0.957427: grpo advantages -0.78335, 0.26112, 1.30558, -0.78335
     rewards, episodes, groups = rows(1, 1, 0, 1, 0.5), ids(0, 0, 1, 2, 3), ids(0, 0, 0, 0, 0)
-    truncated = torch.tensor([False, True, False, False, True])
+    facts = [RolloutFacts(turns=1, action_tokens=2, truncated=cut, finish_reason="length" if cut else "stop",
+                          tool_calls=None, info={}) for cut in (False, True, False, False, True)]
     adv, _, metrics = compute_advantages(EstimatorArgs(name="grpo", truncated_reward=-1.0), rewards, groups, episodes,
-                                         ones_mask(5, 2), truncated=truncated)
+                                         ones_mask(5, 2), facts=facts)
     assert torch.allclose(adv[:, 0], rows(-0.78335, -0.78335, 0.26112, 1.30558, -0.78335), atol=1e-5)
     assert torch.equal(adv[:, 0], adv[:, 1])
     assert metrics["estimator/reward_mean"] == pytest.approx(-0.25)  # per episode (-1 + 0 + 1 - 1) / 4
     # unset, the rollout's own rewards: per episode (1 + 0 + 1 + 0.5) / 4 = 0.625
     _, _, plain = compute_advantages(EstimatorArgs(name="grpo"), rewards, groups, episodes, ones_mask(5, 2),
-                                     truncated=truncated)
+                                     facts=facts)
     assert plain["estimator/reward_mean"] == pytest.approx(0.625)
+    with pytest.raises(ValueError, match=r"facts: expected one RolloutFacts per row \(5\), got 4"):
+        compute_advantages(EstimatorArgs(name="grpo"), rewards, groups, episodes, ones_mask(5, 2), facts=facts[:4])
+
+
+def test_rollout_facts_have_one_shape_for_env_and_chat_segments():
+    # An Env row (agent.run_env_episode): prompt 2, turn 1 samples 3, observation 2, turn 2 samples 2 and is cut at
+    # max tokens; a chat row (chat_server): prompt 1, one turn of 4 whose reply held 2 tool calls. Both record their
+    # turns as (start, end) spans of sampled tokens, so turns and action tokens read the same way for both.
+    def row(mask, turns, finish, **info):
+        n = len(mask)
+        return Segment(token_ids=[5] * n, action_mask=mask, logprobs=[-1.0 if m else 0.0 for m in mask],
+                       versions=[0 if m else -1 for m in mask], finish_reason=finish, truncated=finish == "length",
+                       info={"turns": turns, **info})
+    env = row([False] * 2 + [True] * 3 + [False] * 2 + [True] * 2, [(2, 5), (7, 9)], "length", score=0.5)
+    chat = row([False] + [True] * 4, [(1, 5)], "stop", tool_calls=2)
+    assert rollout_facts([env, chat]) == [
+        RolloutFacts(turns=2, action_tokens=5, truncated=True, finish_reason="length", tool_calls=None,
+                     info=env.info),
+        RolloutFacts(turns=1, action_tokens=4, truncated=False, finish_reason="stop", tool_calls=2, info=chat.info)]
+    assert rollout_facts([env])[0].info["score"] == 0.5  # the agent's own Result.info reaches shape_rewards
 
 
 def test_reward_mean_counts_each_episode_once_whatever_its_segments():

@@ -576,7 +576,7 @@ def test_moe_routing_recorded_by_vllm_is_replayed_at_every_position(moe_setup):
     env_segments = [run(run_env_episode(ThreeTurns(), gen, template, {"prompt": f"copy {i}7"}, args=AgentArgs(),
                                         episode_id=f"env{i}", group_id="env"))[0] for i in range(4)]
     for s in env_segments:
-        assert s.info["turns"] == 3 and s.routed_experts.shape == (len(s.token_ids), MOE_LAYERS, MOE_TOP_K)
+        assert len(s.info["turns"]) == 3 and s.routed_experts.shape == (len(s.token_ids), MOE_LAYERS, MOE_TOP_K)
         assert (s.routed_experts[:-1] >= 0).all() and (s.routed_experts[-1] == -1).all()
     segs = [segment(p, o) for p, o in zip(prompts, outs)]
     for s, o in zip(segs, outs):

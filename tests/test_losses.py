@@ -6,7 +6,7 @@ import torch
 
 from losses import (IS_MODES, Denoms, LossArgs, aggregate, check_versions, cispo, compute_policy_loss,
                     compute_value_loss, gspo, importance_weights, kl_penalty, mismatch_metrics, ppo, sft_loss,
-                    stale_mask, step_denoms, value_loss)
+                    stale_mask, step_denoms, step_tokens, value_loss)
 
 LN2 = math.log(2.0)
 
@@ -634,6 +634,8 @@ def test_metrics_merged_over_microbatches_equal_the_whole_batch(surrogate, clip_
     (dict(surrogate="gspo"), "--loss.surrogate gspo with --loss.agg token_mean"),
     (dict(surrogate="cispo", clip_low=1.0), "--loss.clip_low 1.0 with --loss.surrogate cispo"),
     (dict(is_level="seq", is_mode="clip"), "--loss.is_level seq with --loss.is_mode clip"),
+    (dict(top_entropy_frac=0.0), "--loss.top_entropy_frac"),
+    (dict(top_entropy_frac=1.5), "--loss.top_entropy_frac"),
 ])
 def test_loss_args_errors_name_the_flag(flags, flag):
     with pytest.raises(ValueError, match=flag):
@@ -651,6 +653,41 @@ def test_flag_owner_predicates_answer_for_the_other_files():
             ("off", "token", "seq", "geo")] == [False, True, True, True]
     # A bonus of either sign needs the entropy's gradient; 0 only logs it.
     assert [LossArgs(entropy_coef=c).needs_entropy_grad for c in (0.0, 0.01, -0.01)] == [False, True, True]
+    # The trainer runs step_tokens once per optimizer step only for a loss that picks tokens over the whole step.
+    assert [LossArgs(top_entropy_frac=f).needs_batch_stats for f in (None, 0.2, 1.0)] == [False, True, True]
+
+
+# --- batch-wide token choice (step_tokens), then its use in the loss
+
+def test_top_entropy_frac_picks_the_highest_entropy_tokens_of_the_whole_step():
+    # Two rows; row 0's last token is not an action (its entropy 9.0 must never be picked), so N = 5 action tokens
+    # with entropies 0.1 0.9 | 0.7 0.2 0.5. frac 0.4: ceil(0.4 * 5) = 2 tokens, the two highest: 0.9 and 0.7 (a
+    # per-row choice would take ceil(0.4 * 2) = 1 of row 0 and ceil(0.4 * 3) = 2 of row 1: 0.9, 0.7 and 0.5).
+    # frac 0.6: ceil(3.0) = 3 tokens, 0.9, 0.7 and 0.5. frac 1.0: every action token.
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    entropy = t([[0.1, 0.9, 9.0], [0.7, 0.2, 0.5]])
+    zeros = torch.zeros(2, 3, dtype=torch.float64)
+    pick = lambda frac: step_tokens(LossArgs(top_entropy_frac=frac), zeros, entropy, zeros, mask).tolist()
+    assert pick(0.4) == [[False, True, False], [True, False, False]]
+    assert pick(0.6) == [[False, True, False], [True, False, True]]
+    assert pick(1.0) == mask.tolist()
+
+
+def test_selected_tokens_alone_train_while_every_action_token_stays_in_the_denominator():
+    # On policy, ppo's per-token loss is -A. A = (4, 2, 1, 3) on one row, token_mean over all N = 4 action tokens;
+    # the step chose tokens 1 and 3: loss = -(2 + 3) / 4 = -1.25, the gradient reaches those two alone, and
+    # loss/selected_frac = 2 / 4. Without the choice the same loss is -(4 + 2 + 1 + 3) / 4 = -2.5.
+    logp, adv, mask = leaf([[-1.0, -1.0, -1.0, -1.0]]), t([[4.0, 2.0, 1.0, 3.0]]), torch.ones(1, 4, dtype=torch.bool)
+    selected = torch.tensor([[False, True, False, True]])
+    loss, metrics = policy_loss(LossArgs(top_entropy_frac=0.5), logp, logp.detach(), adv, mask, selected=selected)
+    loss.backward()
+    assert close(loss, -1.25) and metrics["loss/selected_frac"] == 0.5
+    assert close(logp.grad, [[0.0, -0.5, 0.0, -0.75]])  # d(-A_t * ratio_t / 4) / d logp_t = -A_t / 4 at ratio 1
+    assert close(policy_loss(LossArgs(), logp, logp.detach(), adv, mask)[0], -2.5)
+    with pytest.raises(ValueError, match="selected: missing.*--loss.top_entropy_frac"):
+        policy_loss(LossArgs(top_entropy_frac=0.5), logp, logp.detach(), adv, mask)
+    with pytest.raises(ValueError, match="selected: given"):
+        policy_loss(LossArgs(), logp, logp.detach(), adv, mask, selected=selected)
 
 
 @pytest.mark.parametrize("flags, expected", [

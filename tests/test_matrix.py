@@ -28,6 +28,7 @@ import time
 import pytest
 import ray
 
+import estimators
 import launch
 from trainer import TrainerGroup
 
@@ -46,16 +47,16 @@ FACTORS = {
     "is_mode": ("trunc", "mask", "clip"),
     "max_token_lag": (None, 1),
     "filter": (False, True),
-    "estimator": ("grpo", "reinforce_baseline", "batch_baseline", "gae"),  # one of each kind: see SAME_KIND
+    "estimator": tuple(names[0] for names in estimators.KINDS.values()),  # one estimator of each kind
     "surrogate": ("ppo", "gspo", "cispo"),
     "lora_rank": (0, 4),
     "world_size": (1, 2),
 }
 
-# Estimators enter the loop by what they read: the group (grpo), the group then the batch (reinforce_baseline), the
-# batch (batch_baseline), a critic's values (gae). These read what their kind's member in FACTORS reads and differ from
-# it in arithmetic only (tests/test_estimators.py), so the array holds one of each kind.
-SAME_KIND = {"dr_grpo": "grpo", "rloo": "grpo", "reinforce": "reinforce_baseline"}
+# Estimators enter the loop by what they read, their kind (estimators.KINDS): the group (grpo), the batch's tokens
+# whitened (reinforce_baseline), every episode of the batch (batch_baseline), a critic's values (gae). The others of a
+# kind read what its first reads and differ from it in arithmetic only (tests/test_estimators.py), so the array holds
+# the first of each kind, and a new estimator joins it by its kind, with no edit here.
 
 # Pairs no run can hold: parse_args refuses each, naming these flags (test_refused_pairs_are_refused_at_parse_time).
 REFUSED = {
@@ -431,11 +432,16 @@ def test_lag_check_counts_a_token_masked_by_max_token_lag_as_untrained():
 
 
 def test_every_pair_is_in_the_flag_values_parse_args_knows():
-    """FACTORS' values are the flags' choices: a new estimator (or a SAME_KIND entry) or surrogate joins the array."""
-    import estimators
+    """FACTORS' values are the flags' choices: a new surrogate joins the array, a new estimator joins it by its kind."""
+    import inspect
+    import re
+
     import losses
-    assert set(FACTORS["estimator"]) | set(SAME_KIND) == set(estimators.ESTIMATORS)
-    assert set(SAME_KIND.values()) <= set(FACTORS["estimator"]) and not set(SAME_KIND) & set(FACTORS["estimator"])
+    # Every estimator compute_advantages dispatches to declares exactly one kind, and nothing else is declared.
+    dispatched = re.findall(r'args\.name == "(\w+)"', inspect.getsource(estimators.compute_advantages))
+    declared = [name for names in estimators.KINDS.values() for name in names]
+    assert sorted(dispatched) == sorted(declared) and len(set(declared)) == len(declared), (dispatched, declared)
+    assert FACTORS["estimator"] == ("grpo", "reinforce_baseline", "batch_baseline", "gae")  # 19 runs, as before
     assert set(FACTORS["surrogate"]) == set(losses.SURROGATES)
     assert set(FACTORS["is_level"]) == set(losses.IS_LEVELS) and set(FACTORS["is_mode"]) == set(losses.IS_MODES)
     assert math.prod(map(len, FACTORS.values())) > 10_000 * len(ROWS)  # a covering array, not the product

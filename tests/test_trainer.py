@@ -5,6 +5,7 @@ checkpoint's own safetensors file, and counts derived by hand. Trainer groups ar
 (each start costs ~15 s of imports); tests that need untouched weights say so and come first.
 """
 import json
+import math
 import os
 import random
 import shutil
@@ -98,14 +99,6 @@ def ws1_after_one_step(ws1):
 
 
 # --- pure functions
-
-def test_collate_carries_each_rows_truncation_for_reward_shaping():
-    # estimators.shape_rewards reads it (--estimator.truncated_reward): rows 1 and 4 were cut off
-    segments = make_segments()
-    for i in (1, 4):
-        segments[i].truncated = True
-    assert collate(segments)["truncated"].tolist() == [i in (1, 4) for i in range(9)]  # 3 groups x 3
-
 
 def test_microbatch_plan_bounds_padded_tokens_and_gives_every_rank_the_same_count():
     lengths = [10, 3, 7, 7, 2, 9]
@@ -416,6 +409,31 @@ def test_accumulated_microbatches_equal_one_batch(ws1_after_one_step, ray_local,
     assert metrics_acc["train/grad_norm"] == pytest.approx(metrics_one["train/grad_norm"], rel=1e-6)
     for name, tensor in params_one.items():
         assert torch.allclose(tensor, params_acc[name], atol=5e-5, rtol=0), name
+
+
+@pytest.mark.slow
+def test_top_entropy_tokens_are_chosen_over_the_whole_step_whatever_the_microbatches_and_ranks(
+        ws1_after_one_step, ray_local, tiny_chars_model):
+    # --loss.top_entropy_frac 0.5 keeps the ceil(N / 2) highest-entropy action tokens of the step's N. Chosen over
+    # the whole step (losses.step_tokens), the step is the same with one microbatch on one rank as with microbatches
+    # of <= 20 tokens on two ranks; a choice made per microbatch would differ (each would keep its own top half).
+    segments = make_segments()
+    n = sum(sum(s.action_mask) for s in segments)
+    out = []
+    for world_size, max_tokens in ((1, 4096), (2, 20)):
+        group = start_group(tiny_chars_model, world_size=world_size, max_tokens_per_microbatch=max_tokens,
+                            loss=LossArgs(top_entropy_frac=0.5))
+        try:
+            out.append((group.train_step(segments), exported(group)))
+        finally:
+            group.shutdown()
+    (one, params_one), (split, params_split) = out
+    assert one["loss/selected_frac"] == split["loss/selected_frac"] == pytest.approx(math.ceil(n / 2) / n)
+    assert split["train/grad_norm"] == pytest.approx(one["train/grad_norm"], rel=1e-5)
+    for name, tensor in params_one.items():
+        assert torch.allclose(tensor, params_split[name], atol=5e-5, rtol=0), name
+    # Half the tokens train: not the step of every token (ws1_after_one_step, same batch and weights).
+    assert abs(one["train/grad_norm"] / ws1_after_one_step[0]["train/grad_norm"] - 1) > 0.05
 
 
 def test_gradient_checkpointing_changes_neither_the_step_nor_the_export_names(ws1_after_one_step, ray_local,
