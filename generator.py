@@ -415,6 +415,7 @@ class Engine:
         self.paused, self.adding, self.open = False, 0, asyncio.Event()  # open: no refit under way
         self.open.set()
         self.refits, self.at_pause = {}, {}  # request id -> [(k, v)]: from output token k on, version v
+        self.aborted = {}  # ids whose asker gave up, in order: one not yet in vLLM never starts (bounded: 4,096)
         # LoRA: the adapter new requests use (None: the loaded weights), users per loaded adapter id, last id, files
         self.adapter, self.users, self.adapter_ids, self.adapter_dir = None, {}, 0, None
 
@@ -439,6 +440,9 @@ class Engine:
     async def generate(self, prompt_ids: list[int], rollout: RolloutArgs, request_id: str, images: list = (),
                        **kw) -> Completion:
         await self.open.wait()  # a request sent during a refit waits for it: all its tokens get the new version
+        if request_id in self.aborted:  # its asker gave up before it reached vLLM
+            del self.aborted[request_id]
+            return Completion(token_ids=[], logprobs=[], versions=[], finish_reason="abort")
         start, version, marks = time.perf_counter(), self.version, []
         adapter = self.adapter  # --vllm.max_lora_rank: version's adapter, which this request keeps to its end
         prompt = {"prompt_token_ids": contract_images(prompt_ids, images, self.image_id)}  # vLLM expands them again
@@ -460,6 +464,8 @@ class Engine:
             self.adding -= 1
         self.refits[request_id] = marks
         try:
+            if request_id in self.aborted:  # the abort came while vLLM took the request in, so vLLM missed it
+                await self.llm.abort(q.request_id, internal=True)
             final = None
             while final is None or not final.finished:
                 final = q.get_nowait() or await q.get()
@@ -468,6 +474,7 @@ class Engine:
             raise
         finally:
             del self.refits[request_id]
+            self.aborted.pop(request_id, None)
             await self.release(adapter)
         if images and list(final.prompt_token_ids) != prompt_ids:
             raise RuntimeError(f"request {request_id}: vLLM expanded the images into other ids than the row's runs")
@@ -503,7 +510,11 @@ class Engine:
             yield await done
 
     async def abort(self, request_id: str) -> None:
-        """End a request its asker gave up on: vLLM finishes it as "abort" and frees its slot."""
+        """End a request its asker gave up on: vLLM finishes it as "abort" and frees its slot; one that has not
+        reached vLLM yet (waiting out a refit, or its call still on the way) never starts."""
+        self.aborted[request_id] = None
+        if len(self.aborted) > 4096:  # ids of requests that had already ended: nothing will pop them
+            del self.aborted[next(iter(self.aborted))]
         await self.llm.abort(request_id)
 
     async def pause(self) -> None:

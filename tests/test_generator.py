@@ -502,6 +502,32 @@ def test_a_cancelled_request_is_aborted_on_the_engine(tiny_generator):
     assert serves(gen)
 
 
+def test_a_request_cancelled_before_it_reaches_vllm_never_starts(tiny_generator):
+    # The engines are paused (a refit under way), so a 400-token request waits at the engine's gate, not yet in vLLM,
+    # when its asker gives up: vLLM's abort of an id it does not know does nothing. Once the engines resume, an
+    # 8-token request runs to its end; the first must not have started: no request of the engine's is in flight
+    # then (it would still be decoding: 400 tokens take ~50x the 8), and the engines count 1 request and 8 tokens.
+    gen = tiny_generator
+
+    async def main():
+        before = await gen.metrics()
+        await gen.pause()
+        long = asyncio.ensure_future(gen.generate(PROMPT, max_new_tokens=400, ignore_eos=True))
+        await asyncio.sleep(0)  # its request is queued for the engine (a loop turn, not a wait for timing)
+        long.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await long
+        await gen.resume()
+        await gen.generate(PROMPT, max_new_tokens=8, ignore_eos=True)
+        in_flight = [await gen._await(i, e.sampled_counts.remote()) for i, e in enumerate(gen._engines)]
+        return before, await gen.metrics(), in_flight
+    before, after, in_flight = run(main())
+    assert in_flight == [{}] * len(gen._engines)
+    assert after["generator/requests"] - before["generator/requests"] == 1
+    assert after["generator/tokens"] - before["generator/tokens"] == 8
+    assert serves(gen)
+
+
 # --- mixture of experts: its own engine (vLLM's CPU reload skips the experts' repacking)
 
 @pytest.fixture(scope="module")
