@@ -472,12 +472,16 @@ async def start_rl(cfg: dict) -> types.SimpleNamespace:
     gpus = engine_gpus["num_gpus"] if engine_gpus else vllm.tensor_parallel_size if rank_gpus else 0  # as Generator
     actors = [(0, gpus)] * vllm.num_engines + [(r, rank_gpus or 0.0) for r in range(train.world_size)]
     check_placement(launch.placement, actors, ray.nodes())  # before any actor starts (Ray would wait on it silently)
-    generator = Generator(launch.model, vllm, rollout,  # first: it sizes its KV cache
-                          actor_options={**(engine_gpus or {}), **node_options(launch.placement, 0)})
-    trainer = TrainerGroup(launch.model, train, cfg["fsdp"], cfg["ckpt"], cfg["loss"], cfg["estimator"],
-                           temperature=rollout.temperature, gpus_per_rank=rank_gpus, colocated=launch.colocate,
-                           batch_invariant=vllm.batch_invariant,
-                           rank_options=[node_options(launch.placement, r) for r in range(train.world_size)])
+    engines = lambda: Generator(launch.model, vllm, rollout,
+                                actor_options={**(engine_gpus or {}), **node_options(launch.placement, 0)})
+    ranks = lambda: TrainerGroup(launch.model, train, cfg["fsdp"], cfg["ckpt"], cfg["loss"], cfg["estimator"],
+                                 temperature=rollout.temperature, gpus_per_rank=rank_gpus, colocated=launch.colocate,
+                                 batch_invariant=vllm.batch_invariant,
+                                 rank_options=[node_options(launch.placement, r) for r in range(train.world_size)])
+    if launch.colocate:  # one GPU: the engines first, as vLLM sizes its KV cache by the memory free when it profiles
+        generator, trainer = engines(), ranks()
+    else:  # devices of their own (or CPU): both start at once, each in a thread (their start-up blocks)
+        generator, trainer = await start_together(engines, ranks)
     if trainer.version != generator.version:  # resumed: the engines start from the checkpoint's weights
         await refit(generator, trainer)
     worker_class = ray.remote(num_cpus=0)(AgentWorker)
@@ -494,6 +498,17 @@ async def start_rl(cfg: dict) -> types.SimpleNamespace:
         before["eval/before_reward_mean"] = (await evaluate(workers, held_out, cfg["eval"].prompts))["eval/reward_mean"]
     return types.SimpleNamespace(generator=generator, trainer=trainer, workers=workers, queue=queue, log=log,
                                  held_out=held_out, capacity=capacity, before=before, out_dir=launch.out_dir)
+
+
+async def start_together(*makers):
+    """Each maker() in a thread of its own, at once; if one fails, the others' objects are shut down and it raises."""
+    made = await asyncio.gather(*(asyncio.to_thread(make) for make in makers), return_exceptions=True)
+    if failed := [x for x in made if isinstance(x, BaseException)]:
+        for x in made:
+            if not isinstance(x, BaseException):
+                await x.shutdown() if asyncio.iscoroutinefunction(x.shutdown) else x.shutdown()
+        raise failed[0]
+    return made
 
 
 async def end_step(run: types.SimpleNamespace, clock: "Clock", action_tokens: float) -> dict:

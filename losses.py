@@ -308,10 +308,11 @@ def mismatch_metrics(rollout_logp: Tensor, trainer_logp: Tensor, mask: Tensor) -
 
 
 # --- batch-wide token choice: once per optimizer step, over the step's whole batch, only when the loss asks
-def step_tokens(args: LossArgs, logp: Tensor, entropy: Tensor, adv: Tensor, mask: Tensor) -> Tensor:
+def step_tokens(args: LossArgs, logp: Tensor, entropy: Tensor, adv: Tensor, mask: Tensor, *, step: int) -> Tensor:
     """Which action tokens of one optimizer step train, (B, T) bool, chosen over the step's whole batch (every rank
     and microbatch), so the choice does not depend on --train.max_tokens_per_microbatch or the dp size. mask: the
-    step's action tokens; logp, entropy: the current policy's before the step, no gradient; adv: the advantages.
+    step's action tokens; logp, entropy: the current policy's before the step, no gradient; adv: the advantages;
+    step: the optimizer step's index (a random choice seeds its generator with it: every rank draws the same).
     The trainer calls it when args.needs_batch_stats and hands each microbatch its rows as `selected`."""
     check_shapes(mask, logp=logp, entropy=entropy, adv=adv)
     if args.top_entropy_frac is not None:  # the highest-entropy ("forking") tokens: top ceil(frac * N) of the N

@@ -448,7 +448,8 @@ class TrainerRank:
                 if self.loss.needs_batch_stats:  # the loss picks this step's tokens over all its rows (losses.py)
                     logp, entropy = self.forward_rows(self.model, batch, [minibatch], self.temperature, entropy=True)
                     step_mask = torch.zeros_like(mask).index_copy_(0, torch.tensor(rows), mask[rows])  # (B, T)
-                    batch["selected"] = step_tokens(self.loss, logp, entropy, batch["adv"], step_mask)  # (B, T)
+                    batch["selected"] = step_tokens(self.loss, logp, entropy, batch["adv"], step_mask,
+                                                    step=self.optimizer_steps)  # (B, T)
                 step_loss = torch.zeros((), device=self.device)
                 for micro in minibatch[self.dp_rank]:
                     x = self.microbatch(batch, micro)

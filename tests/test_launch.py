@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 
 import pytest
 import torch
@@ -479,6 +480,23 @@ def test_lora_requests_outliving_two_refits_hold_three_adapters_and_the_newest_w
     assert a.versions == [1] * 3000 and b.versions == [2] * 3000 and short.versions == [3] * 8
     assert ended[:2] == ["a", "b"] and ended.index("C") > min(ended.index("A"), ended.index("B")), ended
     assert (torch.tensor(short.logprobs) - recomputed).abs().max().item() <= 1e-4
+
+
+@pytest.mark.slow
+def test_ranks_that_refuse_to_start_stop_the_run_naming_the_flag_and_the_engines_started_beside_them_end(
+        ray_local, copy_model, tmp_path):
+    # Off a shared GPU the engines and the trainer ranks start at once (launch.start_together). The ranks refuse
+    # --train.freeze_vision on a model with no vision tower, known once its config is read, while the engines start:
+    # the run raises that error, and the engines are shut down, so none of the run's actors stays alive.
+    from ray._private.state import actors
+    before = set(actors())
+    with pytest.raises(ValueError, match="--train.freeze_vision: .* has no vision_config"):
+        run(flags(copy_model, str(tmp_path), COPY, "--train.freeze_vision"))
+    deadline = time.monotonic() + 60  # ray.kill returns before the actor is dead: wait for Ray's record, bounded
+    while (alive := [a["ActorClassName"] for i, a in actors().items() if i not in before and a["State"] != "DEAD"]
+           ) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert alive == []
 
 
 def test_agent_exception_drops_episode_and_run_continues(ray_local, copy_model, tmp_path):
