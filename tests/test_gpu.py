@@ -211,7 +211,7 @@ class TestOneGpuShared:
 def test_two_engines_share_the_trainers_gpu_and_one_ipc_refit_versions_each_exactly(gpu_model, ray_local):
     """--launch.colocate --vllm.num_engines 2: a quarter of the GPU per engine in Ray (half for the rank), each engine
     half of the 0.3 memory share, one pause -> refit over CUDA IPC (one buffer, opened by both) -> resume.
-    H100, 2026-12-06: passed in 169 s; the two engines took 0.311 of the GPU."""
+    H100, 2026-12-06: passed in 169 s; the two engines took 0.311 of the GPU. Passed again the same day (0.3111)."""
     from generator import pick_engine
     cfg = launch.parse_args(["--launch.model", gpu_model, "--launch.colocate", "--vllm.num_engines", "2"])
     engine_options, rank_gpus = launch.gpu_shares(cfg["launch"], cfg["train"], cfg["vllm"])
@@ -603,7 +603,9 @@ def test_packed_step_with_flex_attention_matches_the_padded_step(gpu_model, ray_
     """--train.pack on NeMo's model: the batch's rows end to end in one flex_attention row of 1,024 tokens must
     compute the padded step's function. Bounds (module docstring: bf16, kernels that sum in other orders): per-token
     log-probs within 0.1 and their mean within 0.02, before one step at lr 1e-3 and after it (a wrong gradient, e.g.
-    attention across rows, moves them apart); the gradient norm, a sum over ~700 tokens' bf16 terms, within 5%."""
+    attention across rows, moves them apart); the gradient norm, a sum over ~700 tokens' bf16 terms, within 5%.
+    H100, 2026-12-06: passed in 98 s; |delta log p| mean 0.0007 (max 0.0086) before the step, 0.0041 (max 0.0195)
+    after; grad norm 2.6839 padded, 2.6835 packed."""
     from random import Random
 
     from estimators import EstimatorArgs
