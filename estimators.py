@@ -41,6 +41,10 @@ class EstimatorArgs:
     kl_coef: float = field(default=0.0, metadata={"help": "weight of the -kl reward per action token (reinforce, gae)"})
     truncated_reward: float | None = field(default=None, metadata={
         "help": "reward of an episode cut off at max tokens or max context, in place of its own; unset: its own"})
+    overlong_max: int | None = field(default=None, metadata={
+        "help": "DAPO's soft overlong penalty: an episode's action tokens past overlong_max - overlong_cache lower its "
+                "reward linearly, by 1 at overlong_max and beyond; None: off"})
+    overlong_cache: int = field(default=0, metadata={"help": "the penalty's ramp, in action tokens (overlong_max)"})
 
     def __post_init__(self):
         if self.name not in ESTIMATORS:
@@ -60,6 +64,11 @@ class EstimatorArgs:
                              "episode, so nothing is discounted; set --estimator.gamma 1 or use reinforce or gae")
         if self.truncated_reward is not None and not math.isfinite(self.truncated_reward):
             raise ValueError(f"--estimator.truncated_reward {self.truncated_reward}: must be a finite number")
+        if self.overlong_max is not None and not 0 < self.overlong_cache <= self.overlong_max:
+            raise ValueError(f"--estimator.overlong_cache {self.overlong_cache}: must be in [1, "
+                             f"--estimator.overlong_max {self.overlong_max}], the tokens the penalty ramps over")
+        if self.overlong_max is None and self.overlong_cache:
+            raise ValueError("--estimator.overlong_cache without --estimator.overlong_max: set both, or neither")
         if self.lam < 1.0 and self.name != "gae":
             raise ValueError(f"--estimator.lam with --estimator.name {self.name}: lambda only exists in gae; "
                              "set --estimator.lam 1 or --estimator.name gae")
@@ -205,7 +214,13 @@ def shape_rewards(args: EstimatorArgs, rewards: Tensor, episode_ids: Tensor, mas
     given, no shaping). The result must keep one reward per episode: a fact of one row marks its whole episode."""
     if facts is not None and len(facts) != len(rewards):
         raise ValueError(f"facts: expected one RolloutFacts per row ({len(rewards)}), got {len(facts)}")
-    if args.truncated_reward is not None and facts is not None:
+    if args.overlong_max is not None and facts is not None:  # DAPO https://arxiv.org/abs/2503.14476, eq. 13
+        _, row_episode = torch.unique(episode_ids, return_inverse=True)  # (B,)
+        tokens = torch.tensor([float(f.action_tokens) for f in facts], dtype=rewards.dtype)  # (B,)
+        length = tokens.new_zeros(len(tokens)).index_add_(0, row_episode, tokens)[row_episode]  # (B,) all its rows
+        ramp = (args.overlong_max - args.overlong_cache - length) / args.overlong_cache  # (B,) >= 0 below the ramp
+        rewards = rewards + ramp.clamp(min=-1.0, max=0.0)
+    if args.truncated_reward is not None and facts is not None:  # last: a cut episode's reward is exactly this
         truncated = torch.tensor([f.truncated for f in facts], dtype=torch.bool)  # (B,)
         rewards = torch.where(torch.isin(episode_ids, episode_ids[truncated]), args.truncated_reward, rewards)  # (B,)
     return rewards

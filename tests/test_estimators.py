@@ -316,6 +316,9 @@ def test_only_gae_needs_values_and_only_a_kl_coef_needs_kl():
     (dict(gamma=0.9, name="rloo"), "--estimator.gamma with --estimator.name"),
     (dict(lam=0.9, name="reinforce"), "--estimator.lam with --estimator.name"),
     (dict(truncated_reward=float("nan")), "--estimator.truncated_reward"),
+    (dict(overlong_max=10), "--estimator.overlong_cache 0"),
+    (dict(overlong_max=10, overlong_cache=11), "--estimator.overlong_cache 11"),
+    (dict(overlong_cache=4), "--estimator.overlong_cache without --estimator.overlong_max"),
 ])
 def test_estimator_args_reject_bad_flags_naming_the_flag(flags, flag):
     with pytest.raises(ValueError, match=flag):
@@ -340,6 +343,31 @@ def test_truncated_reward_replaces_the_reward_of_every_row_of_a_truncated_episod
     assert plain["estimator/reward_mean"] == pytest.approx(0.625)
     with pytest.raises(ValueError, match=r"facts: expected one RolloutFacts per row \(5\), got 4"):
         compute_advantages(EstimatorArgs(name="grpo"), rewards, groups, episodes, ones_mask(5, 2), facts=facts[:4])
+
+
+def facts_of(tokens, truncated=()):
+    """One RolloutFacts per row: its action tokens, and whether it was cut (rows listed in truncated)."""
+    return [RolloutFacts(turns=1, action_tokens=n, truncated=i in truncated, finish_reason="stop", tool_calls=None,
+                         info={}) for i, n in enumerate(tokens)]
+
+
+def test_overlong_penalty_ramps_over_the_cache_by_each_episodes_action_tokens_of_all_its_rows():
+    # DAPO's soft overlong punishment, L_max 10, L_cache 4: 0 up to 6 tokens, (6 - L) / 4 from 6 to 10, -1 beyond.
+    # Episodes (rows): e0 5 tokens -> 0; e1 two segments 3 + 4 = 7 -> -0.25; e2 8 -> -0.5; e3 10 -> -1; e4 12 -> -1.
+    # Rewards 1 each: shaped [1, 0.75, 0.75, 0.5, 0, 0] per row, per episode (1 + 0.75 + 0.5 + 0 + 0) / 5 = 0.45.
+    rewards, episodes, groups = rows(1, 1, 1, 1, 1, 1), ids(0, 1, 1, 2, 3, 4), ids(0, 0, 0, 0, 0, 0)
+    args = EstimatorArgs(name="dr_grpo", overlong_max=10, overlong_cache=4)
+    adv, _, metrics = compute_advantages(args, rewards, groups, episodes, ones_mask(6, 2),
+                                         facts=facts_of([5, 3, 4, 8, 10, 12]))
+    assert metrics["estimator/reward_mean"] == pytest.approx(0.45)
+    # dr_grpo: A = R - 0.45 per episode: 0.55, 0.3, 0.3, 0.05, -0.45, -0.45 per row
+    assert torch.allclose(adv[:, 0], rows(0.55, 0.3, 0.3, 0.05, -0.45, -0.45), atol=1e-6)
+    # With --estimator.truncated_reward -2, a cut episode's reward is exactly -2, not -2 plus its length penalty:
+    # e3 cut -> per episode (1 + 0.75 + 0.5 - 2 + 0) / 5 = 0.05.
+    args = EstimatorArgs(name="dr_grpo", overlong_max=10, overlong_cache=4, truncated_reward=-2.0)
+    _, _, metrics = compute_advantages(args, rewards, groups, episodes, ones_mask(6, 2),
+                                       facts=facts_of([5, 3, 4, 8, 10, 12], truncated=(4,)))
+    assert metrics["estimator/reward_mean"] == pytest.approx(0.05)
 
 
 def test_rollout_facts_have_one_shape_for_env_and_chat_segments():

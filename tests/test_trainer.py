@@ -392,6 +392,19 @@ def test_world_size_2_step_equals_world_size_1_step(ws1_after_one_step, ws2, tin
     assert metrics1["train/pad_frac"] == pytest.approx(1 - sum(lengths) / (len(lengths) * max(lengths)))
 
 
+def test_rollout_facts_reach_reward_shaping_inside_the_trainer(ray_local, tiny_chars_model):
+    # The rows cross Ray to the rank, which hands estimators.shape_rewards each row's RolloutFacts: 9 episodes at
+    # reward 0.5, rows 1 and 4 cut off, --estimator.truncated_reward -1: per episode (7 x 0.5 + 2 x -1) / 9 = 1/6.
+    segments = make_segments(reward=0.5)
+    for i in (1, 4):
+        segments[i].truncated = True
+    group = start_group(tiny_chars_model, estimator=EstimatorArgs(truncated_reward=-1.0))
+    try:
+        assert group.train_step(segments)["estimator/reward_mean"] == pytest.approx(1 / 6)
+    finally:
+        group.shutdown()
+
+
 def test_accumulated_microbatches_equal_one_batch(ws1_after_one_step, ray_local, tiny_chars_model):
     metrics_one, params_one = ws1_after_one_step
     segments = make_segments()
