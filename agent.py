@@ -118,7 +118,7 @@ async def run_env_episode(env: Env, generator: Generator, template: ChatTemplate
 async def run_chat_episode(agent: ChatAgent, server: ChatServer, row: dict, *, model: str, episode_id: str,
                            group_id: str) -> list[Segment]:
     """Agent-owned loop via the chat server; each segment of the episode (compaction, sub-agents) gets its reward."""
-    ep = server.open_episode()
+    ep = server.open_episode(affinity=group_id)  # a group on one engine: its prompt prefilled once, as an Env's
     messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
     ctx = ChatContext(base_url=ep.openai_base_url, anthropic_base_url=ep.anthropic_base_url, api_key=ep.api_key,
                       model=model, messages=messages, tools=row.get("tools", []), label=row.get("label"),

@@ -369,6 +369,7 @@ class Reply:
 class EpisodeState:
     id: str
     api_key: str
+    affinity: str = ""   # the engine key of its requests (agent.py: its group's id); "" = the episode's id
     tracks: list = field(default_factory=list)
     pending: dict = field(default_factory=dict)   # request hash -> Pending (in flight or answered)
     handles: dict = field(default_factory=dict)   # reasoning handle we sent -> the reasoning text it stands for
@@ -460,7 +461,7 @@ class SegmentStore:
             try:
                 seed = None if req.seed is None else hash((ep.id, req.seed)) & (1 << 63) - 1   # per episode: G differ
                 c = await self.generator.generate(plan.prompt, max_new_tokens=plan.max_new, seed=seed,
-                                                  request_id=plan.reply_id, affinity=ep.id,
+                                                  request_id=plan.reply_id, affinity=ep.affinity or ep.id,
                                                   constraint=req.constraint[0], images=plan.images)
             except ConstraintError as e:
                 raise bad(req.constraint[1], str(e)) from None
@@ -1161,8 +1162,9 @@ class ChatServer(SegmentStore):
         self._uvicorn.should_exit = True
         await self._serving
 
-    def open_episode(self) -> Episode:
-        ep = EpisodeState(secrets.token_urlsafe(16), "sk-ep-" + secrets.token_urlsafe(24))
+    def open_episode(self, affinity: str = "") -> Episode:
+        """A new episode's URLs and key; its requests go to the engine that `affinity` picks (default: its own id)."""
+        ep = EpisodeState(secrets.token_urlsafe(16), "sk-ep-" + secrets.token_urlsafe(24), affinity)
         self.episodes[ep.id], self.keys[ep.api_key] = ep, ep.id
         return Episode(ep.id, ep.api_key, f"{self.base_url}/e/{ep.id}/v1", f"{self.base_url}/e/{ep.id}")
 

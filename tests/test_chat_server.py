@@ -419,6 +419,33 @@ def test_openai_tool_loop_is_one_segment_of_exact_sampled_ids(served, loop):
     assert server.metrics()["chat/requests_extend"] >= 2
 
 
+def test_a_groups_chat_episodes_send_every_request_to_the_engine_their_group_picks(served, loop):
+    # agent.run_chat_episode opens each episode under its group's id, as an Env's requests go, so the engines
+    # (generator.pick_engine) keep a group's shared prompt on one engine: every request of both episodes carries
+    # affinity "g7", none its episode's own id. An episode opened without one keeps its own id (as before).
+    from agent import ChatAgent, Result, run_chat_episode
+    server, recorder = served
+
+    class TwoTurns(ChatAgent):
+        async def run(self, ctx):
+            client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+            msgs = list(ctx.messages)
+            for _ in range(2):
+                out = await client.chat.completions.create(model=ctx.model, messages=msgs, max_tokens=4)
+                msgs += [out.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+            return Result(reward=1.0)
+
+    async def group():
+        return await asyncio.gather(*(run_chat_episode(TwoTurns(), server, {"prompt": "copy 7"}, model="m",
+                                                       episode_id=f"g7-{k}", group_id="g7") for k in range(2)))
+    start = len(recorder.calls)
+    segments = [s for episode in call(loop, group) for s in episode]
+    assert len(recorder.calls) - start == 4 and {a for a, _, _ in recorder.calls[start:]} == {"g7"}
+    assert [s.group_id for s in segments] == ["g7"] * len(segments)
+    ep = call(loop, server.open_episode)
+    assert server.episodes[ep.id].affinity == "" and call(loop, server.close_episode, ep.id) == []
+
+
 def test_anthropic_tool_loop_is_one_segment_of_exact_sampled_ids(served, loop, monkeypatch):
     server, recorder = served
     monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
