@@ -9,7 +9,9 @@ Not here: scheduling, batching or staleness (launch.py), token capture (generato
 Reading order: the contract, the two runners, AgentWorker; then the banner `machinery: the user's file, observations`.
 """
 import asyncio
+import dataclasses
 import importlib.util
+import math
 import os
 import time
 import uuid
@@ -26,12 +28,16 @@ class AgentArgs:
     max_context: int = field(default=2048, metadata={
         "help": "tokens after which an Env episode ends as truncated (--vllm.max_model_len if that is lower)"})
     episode_timeout_s: float = field(default=600.0, metadata={"help": "an episode still running after this is dropped"})
+    failed_reward: float | None = field(default=None, metadata={
+        "help": "reward of an episode whose agent raised or timed out: what it sampled trains with it; unset: dropped"})
 
     def __post_init__(self):
         if self.max_turns < 1:
             raise ValueError(f"--agent.max_turns {self.max_turns}: must be >= 1")
         if self.max_context < 16:
             raise ValueError(f"--agent.max_context {self.max_context}: must be >= 16 tokens")
+        if self.failed_reward is not None and not math.isfinite(self.failed_reward):
+            raise ValueError(f"--agent.failed_reward {self.failed_reward}: must be a finite number")
 
 
 # --- the contract
@@ -75,15 +81,27 @@ class ChatAgent:
 
 # --- runners: one episode -> Segments
 async def run_env_episode(env: Env, generator: Generator, template: ChatTemplate, row: dict, *, args: AgentArgs,
-                          episode_id: str, group_id: str) -> list[Segment]:
+                          episode_id: str, group_id: str, sampled_so_far: list | None = None) -> list[Segment]:
     """The framework-owned loop, one segment: render the first observation once, then append sampled ids verbatim
-    and each observation as delta tokens (mask 0; a template that cannot make them fails the episode, naming why)."""
+    and each observation as delta tokens (mask 0; a template that cannot make them fails the episode, naming why).
+    sampled_so_far gets a function returning the row up to its last action, for an episode that fails midway."""
     state = {"label": row.get("label"), "prompt": row["prompt"], "turn": 0, "finish_reason": ""}
+    ids, mask, logps, versions, spans, sampled, turns = [], [], [], [], [], [], []
+    result, truncated, routed, reward = Result(reward=0.0), True, None, 0.0  # truncated unless the env ends it
+
+    def rows(cut: bool = False) -> list[Segment]:  # reads the loop's lists when called: consistent at every await
+        end = max((t + 1 for t, m in enumerate(mask) if m), default=0) if cut else len(ids)  # cut: to its last action
+        return [Segment(token_ids=ids[:end], action_mask=mask[:end], logprobs=logps[:end], versions=versions[:end],
+                        reward=reward, episode_id=episode_id, group_id=group_id, finish_reason=state["finish_reason"],
+                        images=[x for x in spans if x[1] <= end], truncated=truncated and not cut,
+                        info=dict(result.info, sampled=sampled_record(sampled), turns=list(turns)),
+                        routed_experts=None if routed is None else segment_routing(routed, end))] if end else []
+    if sampled_so_far is not None:
+        sampled_so_far.append(lambda: rows(cut=True))
     first, images = user_turn(await env.reset(row["prompt"], row.get("label")))
     system = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []
     ids, spans = template.expand_images(template.render_full(system + [first]), images)
-    mask, logps, versions, sampled, turns = [False] * len(ids), [0.0] * len(ids), [-1] * len(ids), [], []
-    result, truncated, routed, reward = Result(reward=0.0), True, None, 0.0  # truncated unless the env ends it
+    mask, logps, versions = [False] * len(ids), [0.0] * len(ids), [-1] * len(ids)
     limit = min(args.max_context, generator.vllm.max_model_len)  # the engine refuses a prompt that fills its window
     while (room := limit - len(ids)) > 0 and state["turn"] < args.max_turns:
         out = await generator.generate(ids, max_new_tokens=min(room, generator.rollout.max_new_tokens),
@@ -109,15 +127,13 @@ async def run_env_episode(env: Env, generator: Generator, template: ChatTemplate
             break  # no sample would follow it: the row ends at the last action
         ids, mask, spans = ids + delta, mask + [False] * len(delta), spans + new
         logps, versions = logps + [0.0] * len(delta), versions + [-1] * len(delta)
-    return [Segment(token_ids=ids, action_mask=mask, logprobs=logps, versions=versions, reward=reward,
-                    episode_id=episode_id, group_id=group_id, finish_reason=state["finish_reason"], images=spans,
-                    truncated=truncated, info=dict(result.info, sampled=sampled_record(sampled), turns=turns),
-                    routed_experts=None if routed is None else segment_routing(routed, len(ids)))]
+    return rows()
 
 
 async def run_chat_episode(agent: ChatAgent, server: ChatServer, row: dict, *, model: str, episode_id: str,
-                           group_id: str) -> list[Segment]:
-    """Agent-owned loop via the chat server; each segment of the episode (compaction, sub-agents) gets its reward."""
+                           group_id: str, sampled_so_far: list | None = None) -> list[Segment]:
+    """Agent-owned loop via the chat server; each segment of the episode (compaction, sub-agents) gets its reward.
+    sampled_so_far gets a function returning the episode's segments, for an episode that fails midway."""
     ep = server.open_episode(affinity=group_id)  # a group on one engine: its prompt prefilled once, as an Env's
     messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
     ctx = ChatContext(base_url=ep.openai_base_url, anthropic_base_url=ep.anthropic_base_url, api_key=ep.api_key,
@@ -127,6 +143,8 @@ async def run_chat_episode(agent: ChatAgent, server: ChatServer, row: dict, *, m
         result = await agent.run(ctx)
     finally:
         segments = server.close_episode(ep.id)
+        if sampled_so_far is not None:
+            sampled_so_far.append(lambda: segments)
     for s in segments:
         s.reward, s.episode_id, s.group_id = result.reward, episode_id, group_id
         s.info = {**result.info, **s.info}  # the agent's info never replaces the audit's record
@@ -148,9 +166,9 @@ class AgentWorker:
             await self.server.start()
         return type(agent).__name__
 
-    async def run_episode(self, row: dict, episode_id: str, group_id: str) -> list[Segment]:
+    async def run_episode(self, row: dict, episode_id: str, group_id: str, sampled_so_far: list) -> list[Segment]:
         agent = self.module.make_agent()
-        names = {"episode_id": episode_id, "group_id": group_id}
+        names = {"episode_id": episode_id, "group_id": group_id, "sampled_so_far": sampled_so_far}
         if isinstance(agent, Env):
             run = run_env_episode(agent, self.generator, self.template, row, args=self.args, **names)
         elif isinstance(agent, ChatAgent):
@@ -161,24 +179,34 @@ class AgentWorker:
         return await asyncio.wait_for(run, self.args.episode_timeout_s)
 
     async def run_group(self, row: dict, group_id: str, samples: int) -> dict:
-        """`samples` episodes of one prompt; an episode that raises or times out is dropped and counted."""
+        """`samples` episodes of one prompt; an episode that raises or times out is dropped and counted, or with
+        --agent.failed_reward scored: what it sampled trains at that reward, counted as scored. Tainted: dropped."""
         start = time.perf_counter()
-        ids = [f"{group_id}-{k}" for k in range(samples)]
-        outcomes = await asyncio.gather(*(self.run_episode(row, e, group_id) for e in ids), return_exceptions=True)
+        ids, partial = [f"{group_id}-{k}" for k in range(samples)], [[] for _ in range(samples)]
+        outcomes = await asyncio.gather(*(self.run_episode(row, e, group_id, p) for e, p in zip(ids, partial)),
+                                        return_exceptions=True)
         if self.generator.dead is not None:  # not an agent's failure: the loop stops with it
             raise self.generator.dead
-        segments, dropped, errors = [], {"agent_error": 0, "timeout": 0, "tainted": 0}, []
-        for out in outcomes:
-            if isinstance(out, asyncio.TimeoutError):
-                dropped["timeout"] += 1
-            elif isinstance(out, BaseException):
-                dropped["agent_error"] += 1
+        segments, dropped, scored, errors = [], {"agent_error": 0, "timeout": 0, "tainted": 0}, {}, []
+        for out, episode_id, sampled_so_far in zip(outcomes, ids, partial):
+            failed = ("timeout" if isinstance(out, asyncio.TimeoutError) else
+                      "agent_error" if isinstance(out, BaseException) else None)
+            if failed == "agent_error":
                 errors.append(f"{type(out).__name__}: {out}")
-            elif any(s.info.get("tainted") for s in out):
+            if failed:  # with --agent.failed_reward, its rows up to the failure at that reward; else none
+                out = [dataclasses.replace(s, reward=self.args.failed_reward, episode_id=episode_id, group_id=group_id,
+                                           info={**s.info, "failed": failed})
+                       for s in (sampled_so_far[0]() if self.args.failed_reward is not None and sampled_so_far else [])]
+            if failed and not out:
+                dropped[failed] += 1
+            elif any(s.info.get("tainted") for s in out):  # the chat server lost track: never trained
                 dropped["tainted"] += 1
             else:
                 segments += out
-        return {"segments": segments, "dropped": dropped, "errors": errors[:3], "seconds": time.perf_counter() - start}
+                if failed:
+                    scored[failed] = scored.get(failed, 0) + 1
+        return {"segments": segments, "dropped": dropped, "scored": scored, "errors": errors[:3],
+                "seconds": time.perf_counter() - start}
 
     async def metrics(self) -> dict:
         return self.server.metrics() if self.server is not None else {}

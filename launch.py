@@ -173,8 +173,9 @@ async def evaluate(workers: list, rows: list[dict], count: int) -> dict:
     """One sample for each of the first `count` held-out rows, not trained; an episode counts once, a failed one 0."""
     results = await asyncio.gather(*(workers[i % len(workers)].run_group.remote(row, f"eval{i}", 1)
                                      for i, row in enumerate(rows[:count])))
-    rewards = [r for out in results for r in {s.episode_id: s.reward for s in out["segments"]}.values()]
-    failed = sum(n for out in results for n in out["dropped"].values())
+    rewards = [r for out in results for r in {s.episode_id: s.reward for s in out["segments"]
+                                              if "failed" not in s.info}.values()]  # --agent.failed_reward's: 0 here
+    failed = sum(n for out in results for kind in ("dropped", "scored") for n in out[kind].values())
     episodes = len(rewards) + failed
     return {"eval/reward_mean": sum(rewards) / max(episodes, 1), "eval/episodes": float(episodes),
             "eval/failed_episodes": float(failed)}
@@ -353,7 +354,8 @@ class GroupQueue:
         self.pending: dict[str, tuple] = {}  # group id -> (epoch, index): launched, not yet trained or dropped
         self.order: tuple[int, list[int]] = (-1, [])  # (epoch, its row order)
         self.tasks, self.done, self.launched, self.kept = set(), asyncio.Queue(), 0, 0
-        self.counts = {"agent_error": 0, "timeout": 0, "tainted": 0, "filtered": 0, "stale": 0}  # run totals
+        self.counts = {f"dropped_{k}": 0 for k in ("agent_error", "timeout", "tainted", "filtered", "stale")}  # run
+        self.counts.update(scored_agent_error=0, scored_timeout=0)  # totals; scored: --agent.failed_reward's
         self.errors: list[str] = []
         self.idle_since, self.engine_idle_s = time.perf_counter(), 0.0
         self.logged = (dict(self.counts), 0.0)  # the totals at the last step_metrics
@@ -417,8 +419,9 @@ class GroupQueue:
             group = await self.done.get()
             if isinstance(group, Exception):
                 raise group
-            for reason, k in group["dropped"].items():
-                self.counts[reason] += k
+            for kind in ("dropped", "scored"):
+                for reason, k in group[kind].items():
+                    self.counts[f"{kind}_{reason}"] += k
             self.errors += group["errors"]
             rewards = list({s.episode_id: s.reward for s in group["segments"]}.values())  # each episode once
             position = self.pending.pop(group["id"])
@@ -432,19 +435,19 @@ class GroupQueue:
             self.kept += 1
             self.finished.update((s.episode_id, s.reward) for s in group["segments"])
             if filter_range and not filter_range[0] <= sum(rewards) / len(rewards) <= filter_range[1]:
-                self.counts["filtered"] += 1
+                self.counts["dropped_filtered"] += 1
                 self.to_launch, filtered = self.to_launch + 1, filtered + 1
                 if filtered > max_filtered:
                     raise RuntimeError(
                         f"--data.filter_range {filter_range[0]:g} {filter_range[1]:g}: {filtered} groups were filtered "
                         f"for one batch, > --data.max_filtered_batches x --launch.batch_prompts = {max_filtered} (all: "
-                        f"{self.counts['filtered'] / self.kept:.1%} of the {self.kept} groups). Widen the range, use "
-                        "data the policy solves only sometimes, or raise --data.max_filtered_batches")
+                        f"{self.counts['dropped_filtered'] / self.kept:.1%} of the {self.kept} groups). Widen the "
+                        "range, use data the policy solves only sometimes, or raise --data.max_filtered_batches")
                 continue
             versions = [v for s in group["segments"] for v, m in zip(s.versions, s.action_mask) if m]
             # partial: as fresh as its newest token (older ones are corrected per token); else as old as its oldest
             if (max(versions) if partial else min(versions)) < min_version:
-                self.counts["stale"] += 1
+                self.counts["dropped_stale"] += 1
                 self.reissue.append(position)
                 continue
             batch.append(group)
@@ -455,7 +458,7 @@ class GroupQueue:
         episode of the groups that finished, filtered and stale ones included (unlike rollout/trained_reward_mean)."""
         counts, idle = self.logged
         rewards = list(self.finished.values())
-        out = {f"rollout/dropped_{k}": float(v - counts[k]) for k, v in self.counts.items()}
+        out = {f"rollout/{k}": float(v - counts[k]) for k, v in self.counts.items()}
         out.update({"launch/engine_idle_s": self.engine_idle_s - idle,
                     "rollout/reward_mean": sum(rewards) / max(len(rewards), 1)})
         self.logged, self.finished = (dict(self.counts), self.engine_idle_s), {}

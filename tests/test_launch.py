@@ -379,7 +379,7 @@ def test_a_group_spanning_refits_is_as_fresh_as_its_newest_token_with_partial_ro
         n = len(versions)
         seg = Segment(token_ids=[5] * (n + 1), action_mask=[False] + [True] * n, logprobs=[0.0] + [-1.0] * n,
                       versions=[-1] + versions, reward=1.0, episode_id=name, group_id=name)
-        return {"segments": [seg], "dropped": {}, "errors": [], "seconds": 0.0}
+        return {"segments": [seg], "dropped": {}, "scored": {}, "errors": [], "seconds": 0.0}
 
     @ray.remote
     class Scripted:
@@ -394,7 +394,7 @@ def test_a_group_spanning_refits_is_as_fresh_as_its_newest_token_with_partial_ro
         batch = await queue.next_batch(1, capacity=1, filter_range=None, min_version=1, max_filtered=1,
                                        partial=partial)
         await queue.drain()
-        return batch, queue.counts["stale"], queue.launched
+        return batch, queue.counts["dropped_stale"], queue.launched
     batch, dropped, launched = asyncio.run(one_batch())
     # a stale group's prompt is sampled again (a second launch of the one position), not lost
     assert [g["segments"][0].episode_id for g in batch] == [kept] and dropped == stale and launched == 1 + stale
@@ -509,6 +509,57 @@ def test_agent_exception_drops_episode_and_run_continues(ray_local, copy_model, 
     assert [r["rollout/dropped_agent_error"] for r in rows] == [2.0, 2.0]
     assert all(r["rollout/episodes"] == 2.0 for r in rows)  # the survivors: 2 groups x 1 episode
     assert any("every other episode" in e for e in result["errors"])
+
+
+FAILS_LATE_ENV = '''
+import itertools
+from agent import Env, Result
+
+def rows(split):
+    return [{"prompt": f"copy {i:03d}", "label": i} for i in range(40)]
+
+calls = itertools.count()
+
+class FailsLate(Env):
+    async def reset(self, prompt, label):
+        self.fails = next(calls) % 2 == 0
+        return prompt
+
+    async def step(self, action_text, state):
+        if state["turn"] == 1:
+            return Result(reward=0.5, observation="again", terminated=False)
+        if self.fails:
+            raise RuntimeError("this environment breaks in every other episode's second turn")
+        return Result(reward=0.5)
+
+def make_agent():
+    return FailsLate()
+'''
+
+
+@pytest.mark.slow
+def test_failed_episodes_train_what_they_sampled_at_the_failed_reward(ray_local, copy_model, tmp_path, monkeypatch):
+    # --agent.failed_reward -1: an episode whose env raises in its second turn trains its row up to that turn's
+    # sample, at reward -1 (the audit checks it as any row); the others train at 0.5 + 0.5. K=0, 2 groups x 2
+    # episodes a step, one of each group failing: 2 scored and none dropped per step, 4 episodes trained.
+    from trainer import TrainerGroup
+    trained, train_step = [], TrainerGroup.train_step
+    monkeypatch.setattr(TrainerGroup, "train_step", lambda group, segments, **kw: (
+        trained.append(segments), train_step(group, segments, **kw))[1])
+    out = str(tmp_path / "late")
+    run(flags(copy_model, out, write_agent(tmp_path, FAILS_LATE_ENV, "late.py"), "--agent.failed_reward", "-1"))
+    rows = read_metrics(out)
+    assert [(r["rollout/scored_agent_error"], r["rollout/dropped_agent_error"]) for r in rows] == [(2.0, 0.0)] * 2
+    assert all(r["rollout/episodes"] == 4.0 for r in rows)
+    for segments in trained:
+        failed = [s for s in segments if s.info.get("failed")]
+        assert sorted(s.reward for s in segments) == [-1.0, -1.0, 1.0, 1.0]
+        assert [s.info["failed"] for s in failed] == ["agent_error"] * 2
+        for s in failed:  # both turns sampled, the row ends at the second's last token
+            (a, b), (c, d) = s.info["turns"]
+            assert s.action_mask == [a <= t < b or c <= t < d for t in range(len(s.token_ids))]
+            assert d == len(s.token_ids)
+        assert len({s.group_id for s in failed}) == 2  # one in each group: the group estimator counts it
 
 
 @pytest.mark.slow

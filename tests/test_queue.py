@@ -33,7 +33,7 @@ def episode(name: str, rewards: list[float], version: int = 0, rng=None) -> list
 
 def result(segments: list[Segment], **dropped: int) -> dict:
     return {"segments": segments, "dropped": {"agent_error": 0, "timeout": 0, "tainted": 0, **dropped},
-            "errors": [], "seconds": 0.0}
+            "scored": {}, "errors": [], "seconds": 0.0}
 
 
 def worker(run_group) -> types.SimpleNamespace:
@@ -95,7 +95,7 @@ def test_k1_trains_what_it_launches_one_refit_late_whatever_the_optimizer_steps_
     finally:
         trainer.shutdown()
     assert lags == [[0], [1], [1], [1]]
-    assert queue.launched == 8 and queue.counts["stale"] == 0 and trainer.version == steps
+    assert queue.launched == 8 and queue.counts["dropped_stale"] == 0 and trainer.version == steps
 
 
 def test_data_that_is_always_filtered_stops_the_run_naming_the_flags_and_the_share():
@@ -143,7 +143,7 @@ def test_step_metrics_are_this_steps_and_the_reward_mean_counts_filtered_groups(
     assert first["rollout/dropped_filtered"] == 1.0 and first["rollout/dropped_agent_error"] == 0.0
     # Step 1 takes D (filtered), E, F: 0 0, 1 0, 0 1 -> 2 / 6. One filtered this step (two in the run).
     assert second["rollout/reward_mean"] == pytest.approx(2 / 6) and trained2["rollout/trained_reward_mean"] == 0.5
-    assert second["rollout/dropped_filtered"] == 1.0 and queue.counts["filtered"] == 2
+    assert second["rollout/dropped_filtered"] == 1.0 and queue.counts["dropped_filtered"] == 2
 
 
 def test_eval_reward_mean_counts_each_episode_once_and_a_failed_one_as_zero():
@@ -168,7 +168,7 @@ def test_the_filter_judges_a_group_by_its_episodes_not_its_segments():
         await queue.drain()
         return batch
     batch = asyncio.run(one_batch())
-    assert len(batch) == 1 and queue.counts["filtered"] == 0
+    assert len(batch) == 1 and queue.counts["dropped_filtered"] == 0
 
 
 def test_an_agent_that_fails_after_its_first_success_stops_the_run_within_a_bound():
@@ -196,4 +196,4 @@ def test_an_agent_that_fails_after_its_first_success_stops_the_run_within_a_boun
     with pytest.raises(RuntimeError) as e:
         asyncio.run(two_batches())
     assert "the sandbox is gone" in str(e.value) and "--data.max_filtered_batches" in str(e.value)
-    assert queue.launched == 6 and queue.counts["agent_error"] == 8
+    assert queue.launched == 6 and queue.counts["dropped_agent_error"] == 8
