@@ -51,6 +51,7 @@ PARAM_DTYPES = ("float32", "bfloat16", "float16")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # attention + MLP
 PEER_DEATH_S = 30.0  # Ray sees a killed rank's socket close at once, a vanished node after 5 x 3 s health checks
 PEFT_PREFIX = "base_model.model."  # peft's names for a LoRA model's tensors: this + the module's own name
+PEAK_FLOPS = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H200": 989e12}  # dense bf16 FLOP/s of the SXM cards: train/mfu
 WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt)$|.*\.safetensors\.index\.json$")  # not copied into an HF export
 
 
@@ -278,6 +279,22 @@ def merge_metrics(records: list[tuple[float, dict[str, float]]]) -> dict[str, fl
             elif weight > 0:
                 out[key] = EXTREMES[key](out.get(key, value), value)
     return {k: v / weights[k] if weights.get(k) else v for k, v in out.items()}
+
+
+def model_flops(config, params: int, lengths: list[int]) -> float:
+    """FLOPs to train rows of these lengths once, as PaLM's MFU (https://arxiv.org/abs/2204.02311, appendix B) with
+    causal attention: per token 6 N + 6 L T d_attn (N = params, every parameter, a tied head once; L layers; T the
+    row's own length; d_attn = heads x head_dim). Recompute under activation checkpointing is not counted."""
+    text = config.get_text_config()
+    heads, layers = text.num_attention_heads, text.num_hidden_layers
+    d_attn = heads * (getattr(text, "head_dim", None) or text.hidden_size // heads)
+    return float(sum(T * (6 * params + 6 * layers * T * d_attn) for T in lengths))
+
+
+def mfu(flops: float, seconds: float, gpus: int, device: str) -> float | None:
+    """flops / (seconds x gpus x the device's PEAK_FLOPS); None on any device not in PEAK_FLOPS (CPU, other GPUs)."""
+    peak = PEAK_FLOPS.get(device)
+    return None if peak is None else flops / (seconds * gpus * peak)
 
 
 # --- one rank: its shard of the policy (and critic, reference), its optimizers; a Ray actor
@@ -534,6 +551,11 @@ class TrainerRank:
             s.bind(("", 0))
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
+    def mfu_facts(self) -> tuple[str, int]:
+        """train/mfu's facts: this rank's device name ("cpu" without CUDA) and the policy's N (a tied head once)."""
+        return (torch.cuda.get_device_name(self.device) if self.cuda else "cpu",
+                sum(p.numel() for p in self.model.parameters()))  # a DTensor's numel is the whole tensor's
+
     def shutdown(self) -> None:
         dist.destroy_process_group()
 
@@ -580,11 +602,14 @@ class TrainerGroup:
             if batch_invariant:  # before setup: vLLM's cuBLAS settings (env) hold only before a rank's first matmul
                 self.call("enable_batch_invariance")
             self.nodes = self.call("setup", addr, port)
+            devices, params = zip(*self.call("mfu_facts"))
         except Exception:  # a rank that failed to start leaves the others waiting in the rendezvous
             for a in self.actors:
                 ray.kill(a)
             raise
         self.step, self.version, self.data_position, self.saved = 0, 0, None, (-1, None)
+        self.config, self.params, self.epochs = config, params[0], train.epochs  # train/mfu's model FLOPs
+        self.device_name = devices[0] if len(set(devices)) == 1 else "mixed"  # ranks on unlike GPUs: no one peak
         if ckpt.resume:
             if not (found := checkpoint_dirs(ckpt.dir)):
                 raise ValueError(f"--ckpt.resume: no complete checkpoint under --ckpt.dir {ckpt.dir}; "
@@ -619,6 +644,12 @@ class TrainerGroup:
         step_s = time.perf_counter() - start  # tokens_per_s: every token of the batch, prompt too
         metrics.update({"train/version": float(self.version), "train/step_s": step_s,
                         "train/tokens_per_s": float(batch["lengths"].sum()) / step_s})
+        # train/mfu: the trained rows' model FLOPs (train_step: each row epochs times; not the critic's, not no-grad
+        # passes) over train/step_s x world size x the ranks' peak; no key on CPU or on a GPU not in PEAK_FLOPS
+        passes = self.epochs if method == "train_step" else 1
+        flops = passes * model_flops(self.config, self.params, batch["lengths"].tolist())
+        if (value := mfu(flops, step_s, len(self.actors), self.device_name)) is not None:
+            metrics["train/mfu"] = value
         if self.ckpt.every and self.step % self.ckpt.every == 0:
             self.save(data_position)
         return metrics

@@ -20,8 +20,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from estimators import EstimatorArgs
 from generator import Segment
 from losses import LossArgs
-from trainer import (CkptArgs, FsdpArgs, TrainArgs, TrainerGroup, TrainerRank, check_args, collate, lr_at,
-                     pad_frac, plan_step, refit_pairs, sft_batch, token_logprobs, zero_dropout)
+from trainer import (CkptArgs, FsdpArgs, TrainArgs, TrainerGroup, TrainerRank, check_args, collate, lr_at, mfu,
+                     model_flops, pad_frac, plan_step, refit_pairs, sft_batch, token_logprobs, zero_dropout)
 
 VOCAB = 72  # tiny_chars_model
 
@@ -219,6 +219,38 @@ def test_cosine_schedule_warms_up_then_decays_to_zero():
     lr = [lr_at(s, lr=1.0, warmup_steps=2, schedule="cosine", total_steps=6) for s in (0, 1, 2, 4, 6, 9)]
     assert lr == pytest.approx([0.5, 1.0, 1.0, 0.5, 0.0, 0.0], abs=1e-12)
     assert lr_at(5, lr=0.1, warmup_steps=0, schedule="constant", total_steps=None) == 0.1
+
+
+def test_mfu_counts_6n_plus_causal_attention_at_each_rows_length_against_the_dense_bf16_peak():
+    from transformers import Qwen3Config
+    config = Qwen3Config(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, head_dim=128,
+                         num_key_value_heads=8, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True)
+    # Qwen3-0.6B's N by hand: embedding 151,936 x 1,024 = 155,582,464 (the tied head adds nothing); per layer
+    # q 1,024 x 2,048 + k, v 2 x 1,024 x 1,024 + o 2,048 x 1,024 = 6,291,456, MLP 3 x 1,024 x 3,072 = 9,437,184,
+    # norms q, k 2 x 128 + input, post 2 x 1,024 = 2,304: 15,730,944 x 28 = 440,466,432; final norm 1,024.
+    n = 155_582_464 + 440_466_432 + 1_024  # 596,049,920
+    # per token at T = 16,384: 6N = 3,576,299,520, + 6 x 28 x 16,384 x (16 x 128) = 5,637,144,576 -> 9.21 GFLOP
+    per_token = 9_213_444_096
+    assert model_flops(config, n, [16384]) == 16384 * per_token
+    # each row at its own length: two 8,192-token rows, 6N + 6 x 28 x 8,192 x 2,048 = 6,394,871,808 per token
+    assert model_flops(config, n, [8192, 8192]) == 2 * 8192 * 6_394_871_808
+    # the H200 rates, one 16,384-token row: 24,683 tokens/s x 9.2134e9 / 989e12 = 0.2299 (23%),
+    # 30,657 x 9.2134e9 / 989e12 = 0.2856 (28.6%); the step's time is 16,384 / rate
+    for rate, expected in ((24683, 0.230), (30657, 0.286)):
+        assert round(mfu(model_flops(config, n, [16384]), 16384 / rate, 1, "NVIDIA H200"), 3) == expected
+        assert round(mfu(model_flops(config, n, [16384]), 16384 / rate, 1, "NVIDIA H100 80GB HBM3"), 3) == expected
+    # two ranks, one such row each, in the same time: twice the FLOPs over twice the peak, the same MFU
+    assert mfu(model_flops(config, n, [16384] * 2), 16384 / 24683, 2, "NVIDIA H200") == pytest.approx(0.2299, 1e-3)
+    for device in ("cpu", "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-80GB"):  # no peak of ours: no number at all
+        assert mfu(1e15, 1.0, 1, device) is None
+
+
+def test_cpu_step_logs_no_mfu_and_every_rank_counts_each_parameter_once(ws1_after_one_step, ws2):
+    assert "train/mfu" not in ws1_after_one_step[0] and "train/tokens_per_s" in ws1_after_one_step[0]
+    # tiny_chars_model's N by hand (hidden 128, 2 layers, 4 x 64 heads, 2 KV heads, MLP 256, 72 ids, tied):
+    # embedding 72 x 128 = 9,216; per layer q 128 x 256 + k, v 2 x 128 x 128 + o 256 x 128 = 98,304,
+    # MLP 3 x 128 x 256 = 98,304, norms 2 x 64 + 2 x 128 = 384: 196,992 x 2 = 393,984; final norm 128
+    assert ws2.call("mfu_facts") == [("cpu", 9216 + 393_984 + 128)] * 2  # FSDP-sharded at world size 2: still N
 
 
 def test_flag_combinations_are_refused_naming_the_flags():
