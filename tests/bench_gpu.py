@@ -42,6 +42,8 @@ built locally. Each section measures ours and its baseline side by side in one r
   sampling_engines  the peer job's 1,024 requests on 1, 2 and 4 engines sharing one GPU (sampling_engines_2_4: those
              counts): raw vLLM (each engine a process; CUDA graphs sized to the batch, and vLLM's default where it
              differs) vs our Generator with as many engines. Target >= 0.95x raw at each count.
+  speculative  raw vLLM with n-gram drafts (--vllm.speculative_method ngram) vs without, on a job that copies from
+             its prompt and on the peer job: tokens/s, acceptance rate, tokens per decode step.
   moe        the loop (K=0, one GPU shared) on a random Qwen3-MoE (32 experts, top-4, 8 layers), routing
              recorded: the trainer routing live vs --train.routing_replay: tokens/s and mismatch.
   vlm        the colour-square task (recipes/colour_agent.py) on the tiny Idefics3 in bf16, one GPU shared,
@@ -527,6 +529,57 @@ async def bench_sampling_engines(counts: tuple[int, ...] = (1, 2, 4), rounds: in
                               sized_to_default=med["sized"] / med["default"] if "default" in med else None,
                               split=[sum(pick_engine(g, n) == e for g, _ in groups) for e in range(n)]))
     return results
+
+
+# --- speculative: n-gram drafts (prompt lookup) on a job that copies from its prompt, and on the peer job
+
+def copy_prompts(model: str, n: int) -> list[list[int]]:
+    """n requests to repeat a passage of the Zen of Python word for word (the answer copies the prompt)."""
+    import codecs
+    import this
+    from transformers import AutoTokenizer
+    tok, lines = AutoTokenizer.from_pretrained(model), codecs.decode(this.s, "rot13").splitlines()[2:]
+    return [tok.apply_chat_template([{"role": "user", "content": "Repeat this text exactly, word for word:\n\n" +
+                                      "\n".join(lines[i % 12:i % 12 + 6])}], add_generation_prompt=True,
+                                    return_dict=False) for i in range(n)]
+
+
+def spec_counts() -> dict:
+    """vLLM's speculative-decoding counters of the last engine this process started (its Prometheus stat logger,
+    reset at each engine's start), warm-up included: drafts, draft_tokens, accepted_tokens."""
+    from vllm.v1.metrics.reader import get_metrics_snapshot
+    names = {f"vllm:spec_decode_num_{c}": c for c in ("drafts", "draft_tokens", "accepted_tokens")}
+    return {names[m.name]: m.value for m in get_metrics_snapshot() if m.name in names}
+
+
+def bench_speculative(drafts: tuple[int, ...] = (0, 4), rounds: int = 3) -> dict:
+    """Raw vLLM (build_engine_args, one engine, SmolLM2-135M, the peer job's settings: T 0.7, log-probs, CUDA graphs)
+    with --vllm.speculative_method ngram at each count of drafts (0: off) on two jobs: copy (64 prompts x 4 samples
+    asking to repeat a 6-line passage, <= 256 new tokens) and peer (its 1,024 requests, <= 64 new tokens). Per job:
+    sampled tokens/s (median of `rounds` after a warm-up), the acceptance rate (accepted / drafted tokens) and
+    the tokens a decode step yields (1 + accepted / drafts), over all rounds."""
+    import dataclasses
+
+    import launch
+    from recipes.smollm2 import smollm2_dir
+    cfg = launch.parse_args(smollm2_argv(os.path.join(ROOT, "runs", "bench_speculative"), 1, "2e-5", 0, 1))
+    model, vllm, rollout = smollm2_dir(), cfg["vllm"], cfg["rollout"]
+    jobs = {"copy": (copy_prompts(model, 64), 4, dataclasses.replace(rollout, max_new_tokens=256)),
+            "peer": (smollm2_prompts(model, cfg["launch"].batch_prompts), 8, rollout)}
+    out = {}
+    for k in drafts:
+        engine = dataclasses.replace(vllm, num_speculative_tokens=k, speculative_method="ngram")
+        for job, (prompts, samples, job_rollout) in jobs.items():
+            rate = asyncio.run(raw_vllm_rate(model, prompts, samples, engine, job_rollout, rounds=rounds,
+                                             disable_log_stats=False))["unseeded"]
+            delta = spec_counts() if k else {}
+            out[f"{job}_k{k}"] = {"tokens_per_s": rate, **delta,
+                                  "acceptance": delta["accepted_tokens"] / delta["draft_tokens"] if k else None,
+                                  "tokens_per_step": 1 + delta["accepted_tokens"] / delta["drafts"] if k else 1}
+            print(job, k, out[f"{job}_k{k}"], flush=True)
+    speedups = {f"{job}_k{k}": out[f"{job}_k{k}"]["tokens_per_s"] / out[f"{job}_k0"]["tokens_per_s"]
+                for job in jobs for k in drafts if k}
+    return report("speculative", **out, speedup=speedups)
 
 
 def gpu_used_gib() -> float:
@@ -1418,7 +1471,7 @@ def main() -> None:
                                 "longtail", "plan", "moe", "vlm", "lora", "lora_smollm2", "precision"]
     own_model = {"logprobs", "smollm2", "smollm2_k1", "sampling", "moe", "vlm", "lora_smollm2", "precision",  # the
                  "precision_smollm2", "precision_qwen3_0_6b", "peer", "peer_k1", "peer_verl",  # rest: the 0.6B shape
-                 "peer_ours"}
+                 "peer_ours", "speculative"}
     model = model_dir() if any(s not in own_model and not s.startswith(("precision_runs", "sampling_engines"))
                                for s in sections) else None
     ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
@@ -1471,6 +1524,8 @@ def main() -> None:
         elif s.startswith("sampling_engines"):  # 1, 2 and 4 engines, or those named: sampling_engines_2_4
             counts = tuple(int(n) for n in s.removeprefix("sampling_engines").split("_") if n.isdigit()) or (1, 2, 4)
             asyncio.run(bench_sampling_engines(counts, raw="_ours" not in s))
+        elif s == "speculative":
+            bench_speculative()
         elif s == "moe":
             bench_moe()
         elif s == "vlm":

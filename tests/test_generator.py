@@ -106,6 +106,7 @@ def test_flags_refuse_impossible_values_naming_the_flag(cls, kwargs, match):
     ({"gpu_memory_utilization": 0.9}, False, "size its KV cache with --vllm.kv_cache_gb"),
     ({"kv_cache_gb": 4.0}, True, "size its KV cache with --vllm.gpu_memory_utilization"),
     ({"cpu_threads": 4}, True, "cpu_threads on a GPU engine"),
+    ({"num_speculative_tokens": 3, "speculative_method": "ngram"}, False, "num_speculative_tokens on a CPU engine"),
 ])
 def test_engine_refuses_flags_its_machine_cannot_honour(tiny_model, kwargs, cuda, match):
     with pytest.raises(ValueError, match=match):
@@ -585,6 +586,14 @@ def test_engines_sharing_a_gpu_split_its_memory_and_batch_and_cuda_graphs_cover_
     one = build_engine_args(tiny_model, vllm, cuda=True)
     assert (one.gpu_memory_utilization, one.max_num_seqs, one.max_cudagraph_capture_size) == (0.6, 1024, 1024)
     assert build_engine_args(tiny_model, VllmArgs(), cuda=False).max_cudagraph_capture_size is None  # no graphs
+
+
+def test_ngram_drafts_reach_the_engine_matching_from_two_tokens(tiny_model):
+    # vLLM's n-gram proposer defaults to 5-token matches (prompt_lookup_min = max = 5); ours looks up 2..5 tokens
+    args = build_engine_args(tiny_model, VllmArgs(num_speculative_tokens=3, speculative_method="ngram"), cuda=True)
+    assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+                                       "prompt_lookup_max": 5}
+    assert build_engine_args(tiny_model, VllmArgs(), cuda=True).speculative_config is None
 
 
 def test_colocate_takes_several_engines_and_refuses_ranks_or_engines_across_gpus(ray_local):
