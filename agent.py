@@ -187,7 +187,7 @@ class AgentWorker:
                                         return_exceptions=True)
         if self.generator.dead is not None:  # not an agent's failure: the loop stops with it
             raise self.generator.dead
-        segments, dropped, scored, errors = [], {"agent_error": 0, "timeout": 0, "tainted": 0}, {}, []
+        segments, dropped, scored, errors, scored_ids = [], {"agent_error": 0, "timeout": 0, "tainted": 0}, {}, [], []
         for out, episode_id, sampled_so_far in zip(outcomes, ids, partial):
             failed = ("timeout" if isinstance(out, asyncio.TimeoutError) else
                       "agent_error" if isinstance(out, BaseException) else None)
@@ -204,9 +204,9 @@ class AgentWorker:
             else:
                 segments += out
                 if failed:
-                    scored[failed] = scored.get(failed, 0) + 1
-        return {"segments": segments, "dropped": dropped, "scored": scored, "errors": errors[:3],
-                "seconds": time.perf_counter() - start}
+                    scored[failed], scored_ids = scored.get(failed, 0) + 1, scored_ids + [episode_id]
+        return {"segments": segments, "dropped": dropped, "scored": scored, "scored_ids": scored_ids,
+                "errors": errors[:3], "seconds": time.perf_counter() - start}
 
     async def metrics(self) -> dict:
         return self.server.metrics() if self.server is not None else {}

@@ -174,7 +174,7 @@ async def evaluate(workers: list, rows: list[dict], count: int) -> dict:
     results = await asyncio.gather(*(workers[i % len(workers)].run_group.remote(row, f"eval{i}", 1)
                                      for i, row in enumerate(rows[:count])))
     rewards = [r for out in results for r in {s.episode_id: s.reward for s in out["segments"]
-                                              if "failed" not in s.info}.values()]  # --agent.failed_reward's: 0 here
+                                              if s.episode_id not in out["scored_ids"]}.values()]  # failed: 0 here
     failed = sum(n for out in results for kind in ("dropped", "scored") for n in out[kind].values())
     episodes = len(rewards) + failed
     return {"eval/reward_mean": sum(rewards) / max(episodes, 1), "eval/episodes": float(episodes),
@@ -252,6 +252,7 @@ def run_sft(cfg: dict) -> dict:
     trainer.export_hf(hf)
     path = trainer.final_checkpoint({"index": launch.steps * launch.batch_prompts})
     trainer.shutdown()
+    log.close()
     return {"metrics": metrics, "checkpoint": path, "hf": hf, "out_dir": launch.out_dir}
 
 
@@ -530,6 +531,7 @@ async def stop_rl(run: types.SimpleNamespace, metrics: dict) -> dict:
         await w.stop.remote()
     await run.generator.shutdown()
     run.trainer.shutdown()
+    run.log.close()
     return {"metrics": metrics, "checkpoint": path, "out_dir": run.out_dir, "errors": run.queue.errors}
 
 
@@ -678,6 +680,15 @@ class MetricsLog:
         tok_s = metrics.get("launch/tokens_per_s", metrics.get("train/tokens_per_s", 0.0))
         print(f"\rstep {done:>4}/{self.total} [{bar:<20}] {shown} tok/s {tok_s:7.1f} eta {eta:5.0f}s",
               end="\n" if done == self.total else "", flush=True)
+
+    def close(self) -> None:
+        """The run's end: W&B writes its history only once its run finishes (a next wandb.init in this process
+        would otherwise hand back this run); a resume logs to a new W&B run."""
+        self.file.close()
+        if self.tb:
+            self.tb.close()
+        if self.wandb:
+            self.wandb.finish()
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ the same parser as `python launch.py`, so every test also exercises the flag plu
 """
 import asyncio
 import dataclasses
+import glob
 import json
 import os
 import re
@@ -106,6 +107,34 @@ def read_tensorboard(path: str) -> dict[str, list[tuple[int, float]]]:
     events = EventAccumulator(path, size_guidance={"scalars": 0})   # 0: keep every point
     events.Reload()
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def read_wandb(path: str) -> tuple[dict, dict[str, list[tuple[int, float]]]]:
+    """The config and every logged number of the one offline W&B run under path: (config, key -> [(step, value)]).
+    Read from its transaction log, run-<id>.wandb: a 7-byte header, then leveldb log chunks (crc 4 bytes, length 2,
+    type 1: full, first, middle, last) in 32 KiB blocks whose last < 7 bytes are zero padding; a record, cut into
+    chunks, is one wandb Record protobuf. Values are JSON text, so a float64 reads back exactly."""
+    from wandb.proto.wandb_internal_pb2 import Record
+    (log,) = glob.glob(os.path.join(path, "wandb", "offline-run-*", "run-*.wandb"))
+    with open(log, "rb") as f:
+        data = f.read()
+    assert data[:7] == b":W&B\xe1\xbe\x00", data[:7]  # ident, magic 0xBEE1, version 0
+    config, history, pos, record = {}, {}, 7, b""
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # no chunk header fits: the block's zero padding
+            pos += 32768 - pos % 32768
+            continue
+        size, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        record, pos = record + data[pos + 7:pos + 7 + size], pos + 7 + size
+        if kind in (1, 4):  # full, last: a whole record
+            r, record = Record.FromString(record), b""
+            for item in r.run.config.update if r.WhichOneof("record_type") == "run" else r.config.update:
+                config[item.key] = json.loads(item.value_json)
+            for item in r.history.item:  # wandb's own keys (_step, _runtime, _timestamp) start with _
+                if not (key := item.key or ".".join(item.nested_key)).startswith("_"):
+                    history.setdefault(key, []).append((r.history.step.num, json.loads(item.value_json)))
+    assert pos == len(data) and not record, (pos, len(data))
+    return config, history
 
 
 def write_agent(tmp_path, source: str, name: str) -> str:
@@ -303,16 +332,21 @@ def test_chat_counters_of_every_worker_are_summed_and_latency_percentiles_take_t
 
 
 @pytest.fixture(scope="module")
-def sync_run(ray_local, copy_model, tmp_path_factory) -> tuple[str, dict]:
-    """Two strictly on-policy steps (K=0) with a checkpoint after each, and TensorBoard: shared by the sync and resume
-    tests."""
+def sync_run(ray_local, copy_model, tmp_path_factory) -> tuple[str, dict, dict]:
+    """Two strictly on-policy steps (K=0) with a checkpoint after each, TensorBoard and W&B (offline, its files under
+    out): shared by the sync and resume tests. Returns out, run_rl's result and the parsed flags."""
     out = str(tmp_path_factory.mktemp("sync"))
-    return out, run(flags(copy_model, out, COPY, "--ckpt.dir", os.path.join(out, "ckpt"), "--ckpt.every", "1",
-                          "--launch.tensorboard"))
+    cfg = launch.parse_args(flags(copy_model, out, COPY, "--ckpt.dir", os.path.join(out, "ckpt"), "--ckpt.every", "1",
+                                  "--launch.tensorboard", "--launch.wandb_project", "verbatim-test"))
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("WANDB_MODE", "offline")
+        env.setenv("WANDB_DIR", out)
+        result = asyncio.run(launch.run_rl(cfg))   # its end finishes the W&B run: no step of it is written before
+    return out, result, cfg
 
 
 def test_sync_loop_trains_only_sampled_tokens(sync_run):
-    out, result = sync_run
+    out, result, cfg = sync_run
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:
@@ -344,6 +378,13 @@ def test_sync_loop_trains_only_sampled_tokens(sync_run):
     assert set(tb) == {k for r in rows for k in r} - {"step", "time"}
     for tag, points in tb.items():
         assert points == [(r["step"], pytest.approx(r[tag], rel=1e-6)) for r in rows if tag in r], tag
+    # --launch.wandb_project: the same, exactly (wandb keeps a value as JSON text, in which a float64 reads back as
+    # itself, as in metrics.jsonl), and its config is the parsed flags, every section and field (tuples: JSON lists)
+    config, history = read_wandb(out)
+    assert history == {k: [(r["step"], r[k]) for r in rows if k in r] for k in set(tb)}
+    del config["_wandb"]  # wandb's own entry
+    assert config == json.loads(json.dumps({p: vars(a) for p, a in cfg.items()}))
+    assert config["launch"]["samples_per_prompt"] == 2 and config["launch"]["out_dir"] == out
     assert result["errors"] == []
 
 
@@ -575,7 +616,7 @@ def test_agent_that_fails_from_some_step_on_stops_the_run_with_its_error(ray_loc
 
 
 def test_resume_continues_step_and_version_and_logs_each_step_once(sync_run, copy_model):
-    out, _ = sync_run
+    out, _, _ = sync_run
     # The first run logged steps 0 and 1 and saved after each. Its last checkpoint goes, as if it had died after
     # logging step 1 but before saving it: the resume starts from the earlier one (after step 0) and runs steps 1, 2.
     shutil.rmtree(os.path.join(out, "ckpt", "step_000002"))

@@ -33,7 +33,7 @@ def episode(name: str, rewards: list[float], version: int = 0, rng=None) -> list
 
 def result(segments: list[Segment], **dropped: int) -> dict:
     return {"segments": segments, "dropped": {"agent_error": 0, "timeout": 0, "tainted": 0, **dropped},
-            "scored": {}, "errors": [], "seconds": 0.0}
+            "scored": {}, "scored_ids": [], "errors": [], "seconds": 0.0}
 
 
 def worker(run_group) -> types.SimpleNamespace:
@@ -156,6 +156,20 @@ def test_eval_reward_mean_counts_each_episode_once_and_a_failed_one_as_zero():
     out = asyncio.run(launch.evaluate([worker(run_group)], ROWS, 3))
     # 3 episodes, rewards 1, 0 and 0 (the failure): 1 / 3. Per segment, without the failure, it was 2 / 3.
     assert out == {"eval/reward_mean": pytest.approx(1 / 3), "eval/episodes": 3.0, "eval/failed_episodes": 1.0}
+
+
+def test_eval_counts_a_scored_failure_as_zero_and_an_agents_own_failed_info_at_its_reward():
+    own = episode("eval0-0", [1.0])
+    own[0].info["failed"] = "the agent's own word: its reward stands"   # an Env's Result.info may hold any key
+    scored = episode("eval1-0", [-1.0])                                 # --agent.failed_reward -1: kept for training
+    scored[0].info["failed"] = "timeout"                                # as AgentWorker.run_group marks it
+    answers = {"eval0": result(own), "eval1": {**result(scored), "scored": {"timeout": 1}, "scored_ids": ["eval1-0"]}}
+
+    async def run_group(row, group_id, samples):
+        return answers[group_id]
+    out = asyncio.run(launch.evaluate([worker(run_group)], ROWS, 2))
+    # 2 episodes: reward 1 and the failure's 0 (not its training reward -1): 1 / 2
+    assert out == {"eval/reward_mean": 0.5, "eval/episodes": 2.0, "eval/failed_episodes": 1.0}
 
 
 def test_the_filter_judges_a_group_by_its_episodes_not_its_segments():
