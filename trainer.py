@@ -420,7 +420,9 @@ class TrainerRank:
                 x = self.microbatch(batch, rows)
                 y = ((self.critic_values(x), None) if model is self.critic
                      else self.policy_logprobs(model, x, temperature, entropy=entropy))  # (b, t), (b, t) or None
-                for k, part in enumerate(y if rows else ()):
+                if not rows:  # this rank's share is empty: it ran a stand-in row for FSDP's collectives only
+                    continue
+                for k, part in enumerate(y):  # log-probs (the critic's values), then entropy when asked
                     if part is not None:
                         out[k, rows, :part.shape[1]] = part.float()
         model.train()
