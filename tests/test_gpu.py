@@ -73,6 +73,26 @@ def segment(prompt: list[int], out):
                    logprobs=[0.0] * len(prompt) + out.logprobs, versions=[-1] * len(prompt) + out.versions)
 
 
+def copy_batch(model: str) -> list:
+    """Eight copies of one "copy 123" SFT example: a few steps of it move the weights well past bf16 noise."""
+    from transformers import AutoTokenizer
+    example = {"messages": [{"role": "user", "content": "copy 123"}, {"role": "assistant", "content": "123"}]}
+    return sft_batch([example] * 8, AutoTokenizer.from_pretrained(model))
+
+
+def refit_mid_request(gen: Generator, trainer: TrainerGroup, n: int):
+    """PROMPTS[0] sampling n tokens while the trainer refits the engine (pause -> refit -> resume) ~64 tokens in:
+    (the refit's report, the long request's Completion)."""
+    async def scenario():
+        long = asyncio.create_task(gen.generate(PROMPTS[0], max_new_tokens=n, ignore_eos=True, seed=1))
+        await gen.generate(PROMPTS[1], max_new_tokens=64, ignore_eos=True, seed=2)  # `long` is ~64 tokens in
+        await gen.pause()
+        report = await asyncio.to_thread(trainer.refit, gen)
+        await gen.resume()
+        return report, await long
+    return run(scenario())
+
+
 def old_logprobs(hf, prompt: list[int], completion: list[int]) -> torch.Tensor:
     """Teacher-forced log-probs of completion after prompt from a transformers model (temperature 1), on CPU."""
     ids = torch.tensor([prompt + completion], device="cuda")
@@ -150,25 +170,12 @@ class TestOneGpuShared:
 
     def test_refit_over_ipc_loads_trained_weights_and_versions_are_exact(self, colocated, gpu_model):
         gen, trainer = colocated
-        from transformers import AutoTokenizer
-        batch = sft_batch([{"messages": [{"role": "user", "content": "copy 123"},
-                                         {"role": "assistant", "content": "123"}]}] * 8,
-                          AutoTokenizer.from_pretrained(gpu_model))
+        batch = copy_batch(gpu_model)
         before = sample(gen, PROMPTS[:4], max_new_tokens=32)
         for _ in range(3):
             trainer.sft_step(batch)
-        v = trainer.version
-
-        n = 900
-
-        async def refit_while_one_runs():
-            long = asyncio.create_task(gen.generate(PROMPTS[0], max_new_tokens=n, ignore_eos=True, seed=1))
-            await gen.generate(PROMPTS[1], max_new_tokens=64, ignore_eos=True, seed=2)  # `long` is ~64 tokens in
-            await gen.pause()
-            report = await asyncio.to_thread(trainer.refit, gen)
-            await gen.resume()
-            return report, await long
-        report, long = run(refit_while_one_runs())
+        v, n = trainer.version, 900
+        report, long = refit_mid_request(gen, trainer, n)
         print("refit", report["refit_s"], "s over", len(report["applied"]), "buckets by", report["transport"])
         assert report["transport"] == "ipc" and len(report["applied"]) > 1 and gen.version == v
         assert all(dtype == "bfloat16" for bucket in report["applied"] for _, dtype in bucket)
@@ -234,10 +241,7 @@ def test_two_engines_share_the_trainers_gpu_and_one_ipc_refit_versions_each_exac
                                                        affinity=keys[k % 2]) for k, p in enumerate(prompts)))
         before = run(on_each(32))
         trainer = make_trainer(gpu_model, colocated=True)
-        from transformers import AutoTokenizer
-        batch = sft_batch([{"messages": [{"role": "user", "content": "copy 123"},
-                                         {"role": "assistant", "content": "123"}]}] * 8,
-                          AutoTokenizer.from_pretrained(gpu_model))
+        batch = copy_batch(gpu_model)
         for _ in range(3):
             trainer.sft_step(batch)
         v, n = trainer.version, 900
@@ -288,22 +292,11 @@ def test_ngram_speculation_keeps_the_target_models_logprobs_and_exact_versions(g
         m = compare(trainer, PROMPTS[:8], outs)
         print("drafts", drafts, "mismatch", m)
         assert m["loss/mismatch_abs"] < 0.02 and m["loss/mismatch_max_abs"] < 0.1, m
-        from transformers import AutoTokenizer
-        batch = sft_batch([{"messages": [{"role": "user", "content": "copy 123"},
-                                         {"role": "assistant", "content": "123"}]}] * 8,
-                          AutoTokenizer.from_pretrained(gpu_model))
+        batch = copy_batch(gpu_model)
         for _ in range(3):
             trainer.sft_step(batch)
         v, n = trainer.version, 900
-
-        async def refit_while_one_runs():
-            long = asyncio.create_task(gen.generate(PROMPTS[0], max_new_tokens=n, ignore_eos=True, seed=1))
-            await gen.generate(PROMPTS[1], max_new_tokens=64, ignore_eos=True, seed=2)  # `long` is ~64 tokens in
-            await gen.pause()
-            report = await asyncio.to_thread(trainer.refit, gen)
-            await gen.resume()
-            return report, await long
-        report, long = run(refit_while_one_runs())
+        report, long = refit_mid_request(gen, trainer, n)
         k = long.versions.count(0)
         assert report["transport"] == "ipc" and long.versions == [0] * k + [v] * (n - k) and 0 < k < n, k
         after = sample(gen, PROMPTS[:8], max_new_tokens=256)
