@@ -11,8 +11,9 @@ run_group scores one: group-level reward functions see every episode of the prom
 rows(split): the environment's dataset ("train") or eval dataset ("test"); a label names the environment and row.
 An episode is dropped (rollout/dropped_agent_error) when its rollout raises or ends with an error other than an empty
 or malformed reply, or when the rubric gives a reward that is not a finite number.
-Not here: verifiers 0.4, which replaced this environment API and pins openai<3 and mcp==2.0.0. 0.3.1 and the
-packages .venv lacks are installed beside .venv with --no-deps (install()), so it runs on .venv's openai and mcp.
+Not here: verifiers 0.4, which replaced this environment API and pins openai<3 and mcp==2.0.0: its environments
+train through recipes/verifiers04_agent.py, in a virtualenv of their own. 0.3.1 and the packages .venv lacks are
+installed beside .venv with --no-deps (install()), so it runs on .venv's openai and mcp.
 """
 import asyncio
 import importlib
