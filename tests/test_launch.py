@@ -528,7 +528,8 @@ def test_ranks_that_refuse_to_start_stop_the_run_naming_the_flag_and_the_engines
         ray_local, copy_model, tmp_path):
     # Off a shared GPU the engines and the trainer ranks start at once (launch.start_together). The ranks refuse
     # --train.freeze_vision on a model with no vision tower, known once its config is read, while the engines start:
-    # the run raises that error, and the engines are shut down, so none of the run's actors stays alive.
+    # the run raises that error, and the engines are shut down, so none of the run's actors stays alive. The engine
+    # died by start_together's shutdown (ray.kill), not because its dropped handle let Ray collect it.
     from ray._private.state import actors
     before = set(actors())
     with pytest.raises(ValueError, match="--train.freeze_vision: .* has no vision_config"):
@@ -538,6 +539,10 @@ def test_ranks_that_refuse_to_start_stop_the_run_naming_the_flag_and_the_engines
            ) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert alive == []
+    from ray.core.generated.common_pb2 import ActorDiedErrorContext
+    causes = {a["ActorClassName"]: ActorDiedErrorContext.Reason.Name(a["DeathCause"].actor_died_error_context.reason)
+              for i, a in actors().items() if i not in before}
+    assert causes["Engine"] == "RAY_KILL", causes  # a dropped handle that Ray collects dies of REF_DELETED
 
 
 def test_agent_exception_drops_episode_and_run_continues(ray_local, copy_model, tmp_path):
