@@ -94,3 +94,14 @@ def call(loop, fn, *args):
         result = fn(*args)
         return await result if asyncio.iscoroutine(result) else result
     return asyncio.run_coroutine_threadsafe(run(), loop).result(timeout=300)
+
+
+def audited(group: dict, samples: int) -> list:
+    """An AgentWorker.run_group result with nothing dropped, one segment per episode, and the audit passed: each
+    sampled token is in exactly one trained position, with the id, log-prob and version the engine returned."""
+    import launch
+    assert group["dropped"] == {"agent_error": 0, "timeout": 0, "tainted": 0}, group["errors"]
+    segments = group["segments"]
+    assert len(segments) == len({s.episode_id for s in segments}) == samples
+    launch.audit(segments)
+    return segments

@@ -12,7 +12,7 @@ import subprocess
 import textwrap
 
 import pytest
-from conftest import call
+from conftest import audited, call
 
 import launch
 from agent import AgentArgs, AgentWorker, load_module
@@ -154,12 +154,8 @@ def answered(template: ChatTemplate, seg, turns: int) -> int:
 
 
 def exact(group: dict, samples: int, turns: int, template: ChatTemplate) -> list:
-    """Nothing dropped, one segment per episode holding every turn, and the audit passes: each sampled token is in
-    exactly one trained position, with the id, log-prob and version the engine returned."""
-    assert group["dropped"] == {"agent_error": 0, "timeout": 0, "tainted": 0}, group["errors"]
-    segments = group["segments"]
-    assert len(segments) == len({s.episode_id for s in segments}) == samples
-    launch.audit(segments)
+    """conftest.audited, each segment holding every turn."""
+    segments = audited(group, samples)
     for s in segments:
         kept, spans = answered(template, s, turns), s.info["turns"]
         assert len(spans) == min(turns, kept + 1) and s.info["env_turns"] == kept

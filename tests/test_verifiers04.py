@@ -13,7 +13,7 @@ import os
 import re
 
 import pytest
-from conftest import call
+from conftest import audited, call
 from test_verifiers import content, read_metrics, replies, write_env
 
 import launch
@@ -211,12 +211,8 @@ def run_group(loop, generator, model: str, config: str, monkeypatch, samples: in
 
 
 def exact(group: dict, samples: int, turns: int) -> list:
-    """Nothing dropped, one segment per episode holding its `turns` turns (verifiers counts the same), and the audit
-    passes: each sampled token is in exactly one trained position, with the id, log-prob and version the engine gave."""
-    assert group["dropped"] == {"agent_error": 0, "timeout": 0, "tainted": 0}, group["errors"]
-    segments = group["segments"]
-    assert len(segments) == len({s.episode_id for s in segments}) == samples
-    launch.audit(segments)
+    """conftest.audited, each segment holding its `turns` turns (verifiers counts the same)."""
+    segments = audited(group, samples)
     for s in segments:
         spans = s.info["turns"]
         assert len(spans) == turns == s.info["env_turns"]
