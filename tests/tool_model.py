@@ -42,10 +42,11 @@ from recipes.tiny_model import build_tiny_model
 from trainer import sft_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The code a tool model's training runs: its tokenizer and weights (tiny_model), the SFT (launch, trainer, losses,
-# the chat template's rendering) and this file's variants and checks.
-TRAINING_CODE = ("tests/tool_model.py", "recipes/tiny_model.py", "launch.py", "trainer.py", "losses.py",
-                 "chat_server.py")
+# The code that decides what a tool model is: its tokenizer and weights (tiny_model), the rendering of the requests
+# it learns (chat_server) and this file's variants and checks. Not the SFT that trains it (launch, trainer, losses):
+# a cached model is used only once it replays this run's checks (build_tool_model), whatever code trained it, and
+# the SFT has tests of its own (test_launch, test_trainer); keying on it rebuilt both models (~15 min) per edit.
+MODEL_CODE = ("tests/tool_model.py", "recipes/tiny_model.py", "chat_server.py")
 FINAL = "Done: done.txt is created."
 
 
@@ -177,13 +178,13 @@ def replay_odds(model_dir: str, examples: list[dict], temperature: float) -> lis
 
 def tool_model_key(examples: list[dict], vary: Callable, hyper: dict) -> str:
     """SHA-256 of what a tool model is trained on: the examples, the hyper-parameters and seed, the source of `vary`'s
-    file and of TRAINING_CODE, the torch and transformers versions. In the examples, WORD's words and digit runs are
+    file and of MODEL_CODE, the torch and transformers versions. In the examples, WORD's words and digit runs are
     blanked: dates, temporary paths and ids differ on every capture, and training redraws such words anyway."""
     digest = hashlib.sha256()
     stable = re.sub(r"[0-9]+", "0", WORD.sub("#", json.dumps(examples, sort_keys=True)))
     for part in (stable, json.dumps(hyper, sort_keys=True), torch.__version__, transformers.__version__):
         digest.update(part.encode() + b"\0")
-    for path in (inspect.getsourcefile(vary), *(os.path.join(ROOT, p) for p in TRAINING_CODE)):
+    for path in (inspect.getsourcefile(vary), *(os.path.join(ROOT, p) for p in MODEL_CODE)):
         with open(path, "rb") as f:
             digest.update(f.read())
     return digest.hexdigest()
