@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText,
                           AutoModelForTokenClassification, AutoProcessor)
 from transformers.core_model_loading import revert_weight_conversion
@@ -132,13 +133,17 @@ class FsdpArgs:
                 "(dynamic) and needs --vllm.dtype float16", "choices": PARAM_DTYPES})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute layer activations in backward"})
     compile_logprobs: bool = field(default=True, metadata={"help": "GPU: torch.compile log-probs into fused passes"})
+    logprob_chunk: int = field(default=4096, metadata={
+        "help": "tokens at a time through the LM head: log-probs and entropy from the hidden states, each chunk's "
+                "logits made again in backward, the (tokens x vocabulary) logits never whole; 0: whole logits (as "
+                "with --fsdp.tp_size > 1, whose head is split over the vocabulary)"})
 
     def __post_init__(self):
         if self.offload not in OFFLOADS or self.param_dtype not in PARAM_DTYPES:
             raise ValueError(f"--fsdp.offload {self.offload!r} / --fsdp.param_dtype {self.param_dtype!r}: "
                              f"choose from {OFFLOADS} / {PARAM_DTYPES}")
-        if min(self.tp_size, self.ep_size) < 1:
-            raise ValueError("--fsdp.tp_size, --fsdp.ep_size must be >= 1")
+        if min(self.tp_size, self.ep_size) < 1 or self.logprob_chunk < 0:
+            raise ValueError("--fsdp.tp_size, --fsdp.ep_size must be >= 1, --fsdp.logprob_chunk >= 0")
 
 
 @dataclass
@@ -241,15 +246,38 @@ def rows_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: floa
     return logp, -(src.exp() * src).sum(-1)  # (N,): H = -sum_v p log p
 
 
+def head_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, *, entropy: bool,
+                  entropy_grad: bool, chunk: int, compiled: bool = False, banned: int | None = None) -> torch.Tensor:
+    """rows_logprobs over head(hidden) for (N, H) hidden states, `chunk` rows at a time: a chunk's (chunk, V) logits
+    live inside one checkpointed call and backward makes them again, so the (N, V) logits never exist. -> (N, 2): log
+    p(targets), entropy (0 unless asked). banned: a vocabulary id kept out of the softmax (a VLM's image id)."""
+    fn = compiled_rows_logprobs if compiled else rows_logprobs
+
+    def part(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = head(h)  # (n, V)
+        if banned is not None:  # -1e4, not -inf: the entropy's 0 * log 0 would be NaN
+            logits = logits.index_fill(-1, torch.tensor([banned], device=logits.device), -1e4)
+        logp, ent = fn(logits, y, temperature, entropy, entropy_grad)
+        return torch.stack([logp, ent if entropy else torch.zeros_like(logp)], -1)  # (n, 2)
+    run = functools.partial(checkpoint, part, use_reentrant=False) if torch.is_grad_enabled() else part
+    return torch.cat([run(hidden[i:i + chunk], targets[i:i + chunk]) for i in range(0, len(hidden), chunk)])
+
+
+def next_ids(ids: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.pad(ids[:, 1:], (0, 1))  # (B, T): position t predicts t + 1; the last one nothing
+
+
+def shifted(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.pad(x[:, :-1], (1, 0))  # (B, T): t's value moves to t + 1; 0 at t = 0
+
+
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float, *, entropy: bool, entropy_grad: bool,
                    compiled: bool = False):
     """log p(ids_t | ids_<t) under softmax(logits / temperature) (B, T), and its entropy (B, T) if asked; 0 at t = 0."""
     B, T, V = logits.shape
-    targets = torch.nn.functional.pad(ids[:, 1:], (0, 1))  # (B, T): position t predicts t + 1; the last one nothing
     fn = compiled_rows_logprobs if compiled else rows_logprobs
-    logp, h = fn(logits.reshape(B * T, V), targets.reshape(B * T), temperature, entropy, entropy_grad)
-    shift = lambda x: torch.nn.functional.pad(x.view(B, T)[:, :-1], (1, 0))  # (B, T): t's value moves to t + 1
-    return shift(logp), shift(h) if entropy else None
+    logp, h = fn(logits.reshape(B * T, V), next_ids(ids).reshape(B * T), temperature, entropy, entropy_grad)
+    return shifted(logp.view(B, T)), shifted(h.view(B, T)) if entropy else None
 
 
 def lr_at(step: int, *, lr: float, warmup_steps: int, schedule: str, total_steps: int | None) -> float:
@@ -313,6 +341,7 @@ class TrainerRank:
         self.optimizer_steps = 0  # AdamW steps (epochs x minibatches per train step): the lr schedule's clock
         self.router = None  # the Generator this rank refits (rank 0)
         self.moe, self.replay = None, None  # --train.routing_replay: (layers, top_k, experts); this forward's ids
+        self.head_task = None  # --fsdp.logprob_chunk: (next ids, temperature, entropy) of this forward (install_head)
         self.adapted = set()  # --train.lora_rank: the policy's modules that carry an adapter
 
     def setup(self, master_addr: str, master_port: int) -> str:
@@ -381,8 +410,17 @@ class TrainerRank:
         if self.train.pack:  # one packed row (1, N): its log-probs, then back to (B, T)
             ids, pos, index = self.packed(x)
         self.replay = x.get("routed")  # read by replayed_ids in this forward and in its checkpoint recompute
+        chunked = self.fsdp.logprob_chunk > 0 and self.fsdp.tp_size == 1
+        if chunked and not getattr(model, "chunked_head", False):
+            install_head(self, model)
+        self.head_task = (next_ids(ids), temperature, entropy) if chunked else None  # read by the head (install_head)
         with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.autocast(model)):
             logits = model(input_ids=ids, position_ids=pos, use_cache=False, **images).logits
+        self.head_task = None
+        if chunked:  # (B', T', 2): each position's log p of the next id, entropy; on to the id's own position
+            out = logits if self.train.pack else logits[:B, :T]
+            logp, h = shifted(out[..., 0]), shifted(out[..., 1]) if entropy else None
+            return (logp, h) if index is None else (self.unpack(logp, index), self.unpack(h, index))
         if isinstance(logits, DTensor):  # --fsdp.tp_size: NeMo's plan shards the logits over the vocabulary
             logits = logits.full_tensor()
         logits = logits if self.train.pack else logits[:B, :T]  # (B, T, V), or packed (1, N, V)
@@ -896,6 +934,28 @@ def build_model(rank: TrainerRank, auto_class, lora: bool = False, **kwargs) -> 
         fully_shard(model, mesh=rank.dist_setup.mesh_context.device_mesh["dp"],  # autocast is 2x further from vLLM
                     mp_policy=rank.dist_setup.mesh_context.strategy_config.mp_policy)
     return model
+
+
+def install_head(rank: TrainerRank, model) -> None:
+    """--fsdp.logprob_chunk: while rank.head_task is set, model's LM head returns each position's (log p of the next
+    id, entropy) through head_logprobs, not its logits; FSDP's hooks around the head's call still gather its weight."""
+    text = model.config.get_text_config()
+    for key in ("final_logit_softcapping", "logit_scale", "logits_scaling"):  # the model would rescale our log-probs
+        if getattr(text, key, None) not in (None, 1, 1.0):
+            raise ValueError(f"--fsdp.logprob_chunk with {rank.model_path}: its config's {key} rescales the head's "
+                             "logits after the head; set --fsdp.logprob_chunk 0")
+    head = model.get_output_embeddings()
+    plain = head.forward
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        if rank.head_task is None:  # any other caller: the logits
+            return plain(hidden)
+        targets, temperature, entropy = rank.head_task
+        out = head_logprobs(plain, hidden.flatten(0, -2), targets.flatten(), temperature, entropy=entropy,
+                            entropy_grad=rank.loss.needs_entropy_grad, chunk=rank.fsdp.logprob_chunk,
+                            compiled=rank.cuda and rank.fsdp.compile_logprobs, banned=rank.image_id)
+        return out.view(*hidden.shape[:-1], 2)
+    head.forward, model.chunked_head = forward, True
 
 
 def zero_dropout(model: torch.nn.Module) -> None:

@@ -140,6 +140,44 @@ def test_compiled_logprobs_equal_eager_with_gradients(rows):
     assert not torch.equal(results[0][2], results[1][2])  # the entropy's gradient reached the logits only when asked
 
 
+def test_chunked_head_equals_the_whole_logits_under_bf16_autocast(gpu_model):
+    # --fsdp.logprob_chunk 100 vs 0, compiled, fp32 weights under bf16 autocast (one rank: no FSDP), temperature 0.7,
+    # the entropy's gradient on. The head's GEMM may pick another kernel for 100 rows than for all of them: a logit
+    # off by one bf16 ulp (2^-8 relative, ~0.004 at magnitude 1) moves a log-prob by as much: bounds 0.02 max, and
+    # gradients within 2% of their norm (bf16 products summed over the rows).
+    from estimators import EstimatorArgs
+    from losses import LossArgs
+    from transformers import AutoModelForCausalLM
+
+    from generator import Segment
+    from trainer import TrainerRank, collate
+    rng = torch.Generator().manual_seed(0)
+    rows = [torch.randint(3, 16, (int(n),), generator=rng).tolist()
+            for n in torch.randint(50, 300, (12,), generator=rng)]
+    batch = collate([Segment(token_ids=r, action_mask=[False] + [True] * (len(r) - 1), logprobs=[0.0] * len(r),
+                             versions=[-1] + [0] * (len(r) - 1), episode_id=f"e{i}", group_id="g")
+                     for i, r in enumerate(rows)])
+    out = {}
+    for chunk in (100, 0):
+        rank = TrainerRank(0, 1, gpu_model, TrainArgs(), FsdpArgs(param_dtype="bfloat16", logprob_chunk=chunk),
+                           CkptArgs(), LossArgs(entropy_coef=0.01), EstimatorArgs(), temperature=0.7)
+        rank.dp_size, rank.compute_dtype, rank.image_id, rank.blank = 1, torch.bfloat16, None, None
+        model = AutoModelForCausalLM.from_pretrained(gpu_model, dtype=torch.float32).cuda()
+        x = rank.microbatch(batch, list(range(len(rows))))
+        logp, h = rank.policy_logprobs(model, x, 0.7, entropy=True)
+        weights = torch.randn(2, *x["ids"].shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        ((logp * weights[0] * x["mask"]).sum() + (h * weights[1] * x["mask"]).sum()).backward()
+        out[chunk] = logp.detach(), h.detach(), {n: p.grad.float() for n, p in model.named_parameters()}
+    mask = x["mask"]
+    for a, b in zip(out[100][:2], out[0][:2]):
+        d = (a - b)[mask].abs()
+        print(f"|d| mean {float(d.mean()):.2e} max {float(d.max()):.2e}")
+        assert float(d.max()) < 0.02
+    for name, g in out[0][2].items():
+        rel = float((out[100][2][name] - g).norm() / g.norm())
+        assert rel < 0.02, (name, rel)
+
+
 class TestOneGpuShared:
     def test_bf16_logprobs_match_the_trainers_forward(self, colocated):
         gen, trainer = colocated

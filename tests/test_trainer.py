@@ -44,10 +44,10 @@ def make_segments(version: int = 0, *, groups: int = 3, per_group: int = 3, seed
     return segments
 
 
-def start_group(model_path, *, world_size=1, ckpt=None, loss=None, estimator=None, temperature=1.0,
+def start_group(model_path, *, world_size=1, ckpt=None, loss=None, estimator=None, temperature=1.0, fsdp=None,
                 **train) -> TrainerGroup:
     train = TrainArgs(**{"lr": 1e-3, "world_size": world_size, **train})
-    return TrainerGroup(model_path, train, FsdpArgs(), ckpt or CkptArgs(), loss or LossArgs(),
+    return TrainerGroup(model_path, train, fsdp or FsdpArgs(), ckpt or CkptArgs(), loss or LossArgs(),
                         estimator or EstimatorArgs(), temperature=temperature, gpus_per_rank=0)
 
 
@@ -85,7 +85,9 @@ def ws1(ray_local, tiny_chars_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ws2(ray_local, tiny_chars_model):
-    group = start_group(tiny_chars_model, world_size=2)
+    # the head in chunks of 7 tokens under FSDP2 (its weight gathered for each chunk's remake in backward); ws1's step
+    # takes the default chunk (all of a step's tokens at once): test_world_size_2_step_equals_world_size_1_step
+    group = start_group(tiny_chars_model, world_size=2, fsdp=FsdpArgs(logprob_chunk=7))
     yield group
     group.shutdown()
 
@@ -190,6 +192,42 @@ def test_packed_forward_under_flex_attention_equals_each_row_alone(tiny_chars_mo
                                             entropy_grad=False)[0], index)
         for i in range(1, len(segments)):
             assert (causal[i] - logp[i]).abs().max() > 1e-2, i
+
+def test_chunked_head_gives_the_whole_logits_log_probs_entropy_and_gradients_never_holding_them(tiny_chars_model):
+    # --fsdp.logprob_chunk 5 against 0 (the whole (N, V) logits) on the same weights, temperature 0.7, the entropy in
+    # the loss (its gradient too): equal values and parameter gradients, and the head never sees more than 5 rows
+    segments = make_segments()
+    batch = collate(segments)
+    calls = []
+    out = {}
+    for chunk in (5, 0):
+        rank = TrainerRank(0, 1, tiny_chars_model, TrainArgs(), FsdpArgs(logprob_chunk=chunk), CkptArgs(),
+                           LossArgs(entropy_coef=0.01), EstimatorArgs(), temperature=0.7)
+        rank.dp_size, rank.compute_dtype, rank.image_id, rank.blank = 1, torch.float32, None, None
+        model = AutoModelForCausalLM.from_pretrained(tiny_chars_model, dtype=torch.float32)
+        plain = model.lm_head.forward
+        model.lm_head.forward = lambda h, plain=plain, chunk=chunk: (calls.append((chunk, h.shape[:-1].numel())),
+                                                                               plain(h))[1]
+        x = rank.microbatch(batch, list(range(len(segments))))
+        B, T = x["ids"].shape  # rows x the longest row
+        logp, h = rank.policy_logprobs(model, x, 0.7, entropy=True)
+        weights = torch.randn(2, B, T, generator=torch.Generator().manual_seed(0)) * x["mask"]
+        ((logp * weights[0]).sum() + (h * weights[1]).sum()).backward()
+        out[chunk] = logp.detach(), h.detach(), {n: p.grad for n, p in model.named_parameters()}
+    # N = B x T positions in 5-row chunks: N // 5 full ones and one of N % 5 rows in forward, then backward remakes
+    # each, last first
+    N = B * T
+    chunks = [5] * (N // 5) + ([N % 5] if N % 5 else [])
+    assert [n for c, n in calls if c == 5] == chunks + chunks[::-1]
+    assert [n for c, n in calls if c == 0] == [N]  # the whole path: one (N, V) call, kept for backward
+    (logp5, h5, grads5), (logp0, h0, grads0) = out[5], out[0]
+    assert logp0[:, 1:].abs().min() > 0 and h0[:, 1:].min() > 0  # not trivially equal
+    assert torch.allclose(logp5, logp0, atol=1e-6, rtol=0) and torch.allclose(h5, h0, atol=1e-6, rtol=0)
+    assert not logp5[:, 0].any() and not h5[:, 0].any()  # t = 0 predicts nothing
+    for name, grad in grads0.items():
+        assert grad.abs().max() > 0, name
+        assert torch.allclose(grads5[name], grad, atol=1e-6, rtol=1e-5), name
+
 
 def test_token_logprobs_shift_by_one_and_scale_by_temperature():
     # row 0 at t = 0: logits (0, 2 ln 3) / T=2 -> p = (1/4, 3/4); row 1 at t = 1: (ln 4, 0) / 2 -> p = (2/3, 1/3)
