@@ -229,6 +229,23 @@ def test_chunked_head_gives_the_whole_logits_log_probs_entropy_and_gradients_nev
         assert torch.allclose(grads5[name], grad, atol=1e-6, rtol=1e-5), name
 
 
+def test_chunked_head_refuses_a_model_that_rescales_its_logits_after_the_head(tiny_chars_model):
+    # Gemma-2's softcapping, Cohere's logit_scale, Granite's logits_scaling act on the head's output, which in
+    # chunks is log-probs: the run must say so, not train on rescaled log-probs
+    from trainer import install_head
+    rank = TrainerRank(0, 1, tiny_chars_model, TrainArgs(), FsdpArgs(), CkptArgs(), LossArgs(), EstimatorArgs(),
+                       temperature=1.0)
+    for key, value in (("final_logit_softcapping", 30.0), ("logit_scale", 0.0625), ("logits_scaling", 8.0)):
+        model = AutoModelForCausalLM.from_pretrained(tiny_chars_model, dtype=torch.float32)
+        setattr(model.config, key, value)
+        with pytest.raises(ValueError, match=f"--fsdp.logprob_chunk with .*{key} rescales .* --fsdp.logprob_chunk 0"):
+            install_head(rank, model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_chars_model, dtype=torch.float32)
+    model.config.logit_scale = 1.0  # a scale of 1 changes nothing
+    install_head(rank, model)
+    assert model.chunked_head
+
+
 def test_token_logprobs_shift_by_one_and_scale_by_temperature():
     # row 0 at t = 0: logits (0, 2 ln 3) / T=2 -> p = (1/4, 3/4); row 1 at t = 1: (ln 4, 0) / 2 -> p = (2/3, 1/3)
     ln = torch.log
