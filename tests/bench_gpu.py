@@ -6,9 +6,10 @@ built locally. Each section measures ours and its baseline side by side in one r
              151,936 bf16 logits tensor; compiled on CUDA, and eager) vs HF's causal-LM cross-entropy (fp32
              upcast + cross_entropy).
   trainer    TrainerGroup (NeMo AutoModel + FSDP2, bf16 autocast over fp32 masters, fused AdamW) vs plain
-             transformers training of the same model and the same numerics (torch's default AdamW), one
-             16,384-token sequence per step, one after the other (both do not fit at once); activation
-             checkpointing on both sides, then off on both. Target >= 1.3x.
+             transformers training of the same model and the same numerics (torch's default AdamW), and plain
+             transformers with Liger-Kernel, one 16,384-token sequence per step, one after the other (two do not
+             fit at once); ours also with the whole logits (--fsdp.logprob_chunk 0); activation checkpointing on
+             every side, then off on every side. Target >= 1.3x. trainer_smollm2: SmolLM2-135M at 8,192 tokens.
   generator  Generator vs a raw vLLM AsyncLLM built from the same engine arguments, both alive on one
              GPU, 256 prompts x 256 sampled tokens, 6 alternating rounds (ratio: the median of each round of
              ours over the raw round before it). Target >= 0.95x. Each round also runs the loop's rollout
@@ -68,6 +69,12 @@ built locally. Each section measures ours and its baseline side by side in one r
              system flags on that job in peer, peer_k1 and peer_ours, e.g. "--vllm.num_engines 2" (the job and TRL's
              side stay frozen); reported as ours' "flags". Where peer does not fit one 10-minute call (H100, 2 engines),
              `peer_trl 20` (TRL alone) and `peer_ours` in calls of their own; peer_k1 takes the last TRL run of either.
+  peer2      (optional) peer job 2, long and varied completions: SmolLM2 adding 2-16 digits step by step
+             (recipes/arith_agent.py; 32 prompts x 8, <= 1,024 tokens, temperature 0.7, lr 2e-5, 8 steps), a call each:
+             `peer2_trl` (TRL colocated, first in its call), `peer2_ours` (K=0), `peer2_ours_k2` (K=2, partial
+             rollouts), VERBATIM_PEER_FLAGS as in peer; then `peer2` reports the three and ours/TRL (target >= 2x
+             steps/s at K=2): steps/s, sampled and trained tokens/s, peak GPU memory, time to first step, wall time,
+             held-out reward before/after, the sampled completion lengths (min, p10, median, p90, max, mean).
 Peak memory: trainer (torch max allocated) and engine (GPU memory taken by its start) are reported.
 
     python tests/bench_gpu.py [logprobs] [trainer] [generator] [refit] [loop1] [loop2] [smollm2] [smollm2_k1]
@@ -153,7 +160,7 @@ def bench_logprobs(seq: int = 16384, vocab: int = 151936, repeats: int = 5) -> d
 
 # --- trainer: ours vs plain transformers, one 16,384-token sequence per step
 
-def bench_trainer(model: str, seq: int = 16384, warmup: int = 2, steps: int = 5) -> dict:
+def bench_trainer(model: str, seq: int = 16384, warmup: int = 2, steps: int = 5, name: str = "trainer") -> dict:
     """One 16,384-token sequence per step, ours vs a plain transformers script with the same numerics (fp32 masters,
     bf16 autocast, AdamW, clip 1.0), with activation checkpointing on both sides, then off on both.
     H200, 2026-12-04: checkpointed 24,144 vs 24,229 tokens/s (0.996x; peak 27.5 vs 36.8 GiB), not checkpointed
@@ -164,31 +171,63 @@ def bench_trainer(model: str, seq: int = 16384, warmup: int = 2, steps: int = 5)
     H200, 2026-12-05 (the headline lease): checkpointed 24,683 vs 24,539 (1.006x; 27.5 vs 36.8 GiB), not checkpointed
     30,657 vs 30,441 (1.007x; 61.6 vs 70.9 GiB). The 1.3x target is not met at the same numerics and work.
     Each side's mfu: trainer.model_flops of the row over its median step x trainer.PEAK_FLOPS (none off H100 SXM /
-    H200); the 12-05 rates of ours give 23% checkpointed, 28.6% not (test_trainer.py's hand check)."""
-    res = {mode: trainer_pair(model, seq, warmup, steps, checkpointing=mode == "ckpt") for mode in ("ckpt", "no_ckpt")}
-    return report("trainer", **res, ratio=res["ckpt"]["ratio"], ratio_no_ckpt=res["no_ckpt"]["ratio"], target=1.3,
-                  seq=seq)
+    H200); the 12-05 rates of ours give 23% checkpointed, 28.6% not (test_trainer.py's hand check).
+    Since 12-06 four sides: plain transformers; plain transformers with Liger-Kernel 0.8.5 as its docs apply it
+    (AutoLigerKernelForCausalLM: its RMSNorm, RoPE, SwiGLU and fused linear cross-entropy, no logits); ours (the
+    head in --fsdp.logprob_chunk chunks, the default); ours with the whole logits (--fsdp.logprob_chunk 0). Liger
+    patches transformers' modules for the whole process, so every plain side runs before any Liger side.
+    H100, 2026-12-06 (tokens/s, MFU, peak GiB):
+    | 0.6B shape, 16k tokens | plain             | plain + Liger     | ours, chunks of 4,096 | ours, whole logits |
+    | checkpointed           | 22,570 21.0% 36.8 | 27,762 25.9% 11.2 | 22,574 21.0% 14.0     | 23,091 21.5% 27.5  |
+    | not checkpointed       | 27,971 26.1% 70.9 | 32,364 30.1% 32.6 | 28,044 26.1% 48.1     | 28,745 26.8% 61.6  |
+    (The not-checkpointed row came from a process of its own: in the first run the Liger side of the checkpointed
+    mode had already patched the plain side of the other.) Chunks halve ours' checkpointed peak (27.5 -> 14.0 GiB)
+    for 2% of speed; ours is level with plain transformers and 0.81x / 0.87x of plain + Liger, whose fused RMSNorm,
+    SwiGLU and RoPE kernels are what ours lacks (NeMo loads ours with use_liger_kernel=False: the engine's math).
+    SmolLM2-135M at 8,192 tokens, checkpointed (its plain sides clean): plain 37,880, Liger 36,265, ours 39,256
+    (3.8 GiB), whole logits 34,567 (5.2 GiB): chunks 1.14x faster there; ours 1.08x of plain + Liger, 6.6% MFU."""
+    ids = torch.randint(0, 151936 if seq > 8192 else 49152, (1, seq), generator=torch.Generator().manual_seed(0))
+    modes = {"ckpt": True, "no_ckpt": False}
+    times, peaks, flops = {mode: {} for mode in modes}, {mode: {} for mode in modes}, None
+    for side in ("plain", "plain_liger"):  # every plain side first: Liger patches transformers process-wide
+        for mode, checkpointing in modes.items():
+            times[mode][side], peaks[mode][side], flops = plain_side(model, ids, side == "plain_liger",
+                                                                      checkpointing, warmup, steps)
+    for mode, checkpointing in modes.items():
+        for side, chunk in (("ours", None), ("ours_whole_logits", 0)):
+            times[mode][side], peaks[mode][side] = ours_side(model, ids, chunk, checkpointing, warmup, steps)
+    from trainer import FsdpArgs, mfu
+    device, res = torch.cuda.get_device_name(), {}
+    for mode in modes:
+        tps = {k: seq / statistics.median(v) for k, v in times[mode].items()}
+        res[mode] = {**{f"{k}_tokens_per_s": v for k, v in tps.items()},
+                     **{f"{k}_mfu": mfu(flops, statistics.median(v), 1, device) for k, v in times[mode].items()},
+                     **{f"{k}_peak_gib": v for k, v in peaks[mode].items()},
+                     "ratio": tps["ours"] / tps["plain"], "ratio_liger": tps["ours"] / tps["plain_liger"],
+                     "chunk_gain": tps["ours"] / tps["ours_whole_logits"]}
+    return report(name, **res, ratio=res["ckpt"]["ratio"], ratio_no_ckpt=res["no_ckpt"]["ratio"],
+                  ratio_liger=res["ckpt"]["ratio_liger"], ratio_liger_no_ckpt=res["no_ckpt"]["ratio_liger"],
+                  target=1.3, seq=seq, logprob_chunk=FsdpArgs.logprob_chunk)
 
 
-def trainer_pair(model: str, seq: int, warmup: int, steps: int, checkpointing: bool) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    from estimators import EstimatorArgs
-    from generator import Segment
-    from losses import LossArgs
-    from trainer import CkptArgs, FsdpArgs, TrainArgs, TrainerGroup, mfu, model_flops
-    ids = torch.randint(0, 151936, (1, seq), generator=torch.Generator().manual_seed(0))
-    # the baseline: what a plain transformers script does with the same numerics as our trainer
+def plain_side(model: str, ids: torch.Tensor, liger: bool, checkpointing: bool, warmup: int, steps: int):
+    """A plain transformers training script on one row, the same numerics as ours -> (step seconds, peak GiB, the
+    row's model FLOPs)."""
+    from trainer import model_flops
+    if liger:
+        from liger_kernel.transformers import AutoLigerKernelForCausalLM as AutoModelForCausalLM
+    else:
+        from transformers import AutoModelForCausalLM
     plain = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="sdpa").cuda()
     plain.train()  # from_pretrained returns eval mode, where HF's gradient checkpointing is skipped
     if checkpointing:
         plain.gradient_checkpointing_enable()
     plain.config.use_cache = False
-    flops = model_flops(plain.config, sum(p.numel() for p in plain.parameters()), [seq])  # both sides: one row
-    opt = torch.optim.AdamW(plain.parameters(), lr=1e-5)
-    x = ids.cuda()
-
-    def plain_step():
+    flops = model_flops(plain.config, sum(p.numel() for p in plain.parameters()), [ids.shape[1]])
+    opt, x, times = torch.optim.AdamW(plain.parameters(), lr=1e-5), ids.cuda(), []
+    torch.cuda.reset_peak_memory_stats()
+    for i in range(warmup + steps):
+        start = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = plain(input_ids=x, labels=x).loss
         loss.backward()
@@ -196,36 +235,36 @@ def trainer_pair(model: str, seq: int, warmup: int, steps: int, checkpointing: b
         opt.step()
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
-
-    row = ids[0].tolist()
-    segment = Segment(token_ids=row, action_mask=[False] + [True] * (seq - 1), logprobs=[0.0] + [-1.0] * (seq - 1),
-                      versions=[-1] + [0] * (seq - 1))
-    times = {"plain": [], "ours": []}
-    torch.cuda.reset_peak_memory_stats()
-    for _ in range(warmup):
-        plain_step()
-    for _ in range(steps):
-        start = time.perf_counter()
-        plain_step()
-        times["plain"].append(time.perf_counter() - start)
-    plain_peak = torch.cuda.max_memory_allocated() / 2**30
-    plain.cpu()  # both do not fit at 16k tokens: the baseline leaves the GPU before ours starts
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    plain.cpu()  # two sides do not fit at 16k tokens: each leaves the GPU before the next starts
     opt.state.clear()
     torch.cuda.empty_cache()
-    ours = TrainerGroup(model, TrainArgs(lr=1e-5, max_tokens_per_microbatch=seq),
-                        FsdpArgs(param_dtype="bfloat16", gradient_checkpointing=checkpointing), CkptArgs(), LossArgs(),
-                        EstimatorArgs(), temperature=1.0)
+    return times, peak, flops
+
+
+def ours_side(model: str, ids: torch.Tensor, chunk: int | None, checkpointing: bool, warmup: int, steps: int):
+    """TrainerGroup's sft_step on the same row (--fsdp.logprob_chunk: chunk, None: its default) -> (step seconds,
+    the trainer's peak GiB)."""
+    from estimators import EstimatorArgs
+    from generator import Segment
+    from losses import LossArgs
+    from trainer import CkptArgs, FsdpArgs, TrainArgs, TrainerGroup
+    seq = ids.shape[1]
+    segment = Segment(token_ids=ids[0].tolist(), action_mask=[False] + [True] * (seq - 1),
+                      logprobs=[0.0] + [-1.0] * (seq - 1), versions=[-1] + [0] * (seq - 1))
+    fsdp = FsdpArgs(param_dtype="bfloat16", gradient_checkpointing=checkpointing)
+    fsdp.logprob_chunk = fsdp.logprob_chunk if chunk is None else chunk
+    ours, times = TrainerGroup(model, TrainArgs(lr=1e-5, max_tokens_per_microbatch=seq), fsdp, CkptArgs(),
+                               LossArgs(), EstimatorArgs(), temperature=1.0), []
     for i in range(warmup + steps):
         start = time.perf_counter()
         metrics = ours.sft_step([segment])
         if i >= warmup:
-            times["ours"].append(time.perf_counter() - start)
+            times.append(time.perf_counter() - start)
     ours.shutdown()
-    tps = {k: seq / statistics.median(v) for k, v in times.items()}
-    side_mfu = {k: mfu(flops, statistics.median(v), 1, torch.cuda.get_device_name()) for k, v in times.items()}
-    return {"ours_tokens_per_s": tps["ours"], "plain_tokens_per_s": tps["plain"], "ratio": tps["ours"] / tps["plain"],
-            "ours_mfu": side_mfu["ours"], "plain_mfu": side_mfu["plain"],
-            "ours_peak_gib": metrics.get("train/peak_gib"), "plain_peak_gib": plain_peak}
+    return times, metrics.get("train/peak_gib")
 
 
 # --- generator: ours vs raw vLLM; then refit timings
@@ -759,43 +798,49 @@ class PeakGpu:
         self.gib = self.peak / 2**30
 
 
-def trl_job(steps: int, model: str, out_dir: str, use_vllm: bool = True, **overrides) -> dict:
-    """TRL's GRPOTrainer on PEER's job, vLLM colocated in this process (so: a process of its own). Same prompts,
-    reward (recipes/compare_agent.py's env), group, batch (1,024 samples, one optimizer step), lengths, temperature,
-    lr, AdamW, fp32 masters under bf16 autocast and no checkpointing, as ours; PPO clip 0.2, no KL, token-mean loss,
-    group-std advantages. TRL's defaults kept: its vLLM importance-sampling correction (which also measures the
-    mismatch: one extra no-grad forward per step). Timed: each step, and inside it TRL's generate and sync_weights."""
+def trl_job(steps: int, model: str, out_dir: str, use_vllm: bool = True, job: dict = PEER, agent: str = "compare_agent",
+            section: str = "peer_trl", **overrides) -> dict:
+    """TRL's GRPOTrainer on a job (PEER's; PEER2's with agent arith_agent), vLLM colocated in this process (so: a
+    process of its own). Same prompts, reward (recipes/<agent>.py's env), group, batch (PEER: 1,024 samples, one
+    optimizer step; overrides set PEER2's micro-batches), lengths, temperature, lr, AdamW, fp32 masters under bf16
+    autocast and no checkpointing, as ours; PPO clip 0.2, no KL, token-mean loss, group-std advantages. TRL's defaults
+    kept: its vLLM importance-sampling correction (which also measures the mismatch: one extra no-grad forward per
+    step). Timed: each step, and inside it TRL's generate and sync_weights; GPU memory of all processes watched."""
+    import importlib
+
     import datasets
     import trl
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from recipes.compare_agent import CompareEnv, rows
-    t0, env, chat = time.perf_counter(), CompareEnv(), lambda r: [{"role": "user", "content": r["prompt"]}]
+    task = importlib.import_module(f"recipes.{agent}")
+    t0, env, chat = time.perf_counter(), task.make_agent(), lambda r: [{"role": "user", "content": r["prompt"]}]
+    peak = PeakGpu(t0).__enter__()  # exited before the report: the engine lives on until this process exits
 
     async def reward(completions, label, **_):
         done = await asyncio.gather(*(env.step(c[-1]["content"], {"label": y}) for c, y in zip(completions, label)))
         return [r.reward for r in done]
 
     tok = AutoTokenizer.from_pretrained(model)
-    args = dict(output_dir=out_dir, max_steps=steps, learning_rate=PEER["lr"], lr_scheduler_type="constant",
+    args = dict(output_dir=out_dir, max_steps=steps, learning_rate=job["lr"], lr_scheduler_type="constant",
                 optim="adamw_torch_fused", weight_decay=0.0, max_grad_norm=1.0, bf16=True, gradient_checkpointing=False,
                 model_init_kwargs={"dtype": "float32"}, per_device_train_batch_size=256, gradient_accumulation_steps=4,
-                num_generations=PEER["group"], max_completion_length=PEER["new_tokens"],
-                temperature=PEER["temperature"], beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group",
+                num_generations=job["group"], max_completion_length=job["new_tokens"],
+                temperature=job["temperature"], beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group",
                 use_vllm=use_vllm, vllm_mode="colocate",
-                vllm_gpu_memory_utilization=PEER["gpu_memory_utilization"], vllm_max_model_length=PEER["max_model_len"],
+                vllm_gpu_memory_utilization=job["gpu_memory_utilization"], vllm_max_model_length=job["max_model_len"],
                 logging_steps=1, save_strategy="no", report_to="none", seed=0)
-    ends, clock = [], {"generate_s": [], "sync_s": [], "tokens": []}
+    ends, clock = [], {"generate_s": [], "sync_s": [], "tokens": [], "lengths": []}
 
     class Ends(TrainerCallback):
         def on_step_end(self, *a, **k):
             ends.append(time.perf_counter())
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(**{**args, **overrides}),
                           train_dataset=datasets.Dataset.from_list([{"prompt": chat(r), "label": r["label"]}
-                                                                    for r in rows("train")]),
+                                                                    for r in task.rows("train")]),
                           processing_class=tok, callbacks=[Ends()])
-    held_out = (lambda: None) if not use_vllm else lambda: trl_held_out(trainer.vllm_generation.llm, tok, reward)
+    held_out = (lambda: None) if not use_vllm else lambda: trl_held_out(trainer.vllm_generation.llm, tok, reward, job,
+                                                                        task.rows("test"))
     if use_vllm:
         gen = trainer.vllm_generation
         gen.generate = timed(gen.generate, clock, "generate_s")
@@ -809,38 +854,42 @@ def trl_job(steps: int, model: str, out_dir: str, use_vllm: bool = True, **overr
         trainer.vllm_generation.sync_weights()  # the last step's update: its engine gets it at the next step
     logs = [h for h in trainer.state.log_history if "reward" in h]
     mismatch = [h.get("sampling/sampling_logp_difference/mean") for h in logs[2:]]
-    return report("peer_trl", steps_per_s=len(step_s) / sum(step_s), sampled_tokens_per_s=tokens / sum(step_s),
+    after, _ = held_out(), peak.__exit__()
+    return report(section, steps_per_s=len(step_s) / sum(step_s), sampled_tokens_per_s=tokens / sum(step_s),
                   trained_tokens_per_s=tokens / (sum(step_s) - gen_s - sync_s), first_step_s=ends[0] - t0,
                   generate_s=gen_s / len(step_s), sync_s=sync_s / len(step_s), step_s=sum(step_s) / len(step_s),
-                  tokens_per_step=tokens / len(step_s), held_out_before=before, held_out_after=held_out(),
+                  tokens_per_step=tokens / len(step_s), held_out_before=before, held_out_after=after,
                   mismatch_abs=statistics.mean(mismatch) if None not in mismatch else None,
                   peak_torch_gib=torch.cuda.max_memory_allocated() / 2**30 if use_vllm else None, steps=steps,
+                  peak_gpu_gib=peak.gib, completion_lengths=length_stats(sum(clock["lengths"], [])),
+                  wall_s=time.perf_counter() - t0,
                   curve=[(i + 1, round(h["reward"], 3)) for i, h in enumerate(logs)], trl=trl.__version__)
 
 
 def timed(fn, clock: dict, key: str):
-    """fn, adding each call's seconds to clock[key] (and, for TRL's generate, its sampled tokens to clock["tokens"])."""
+    """fn, adding each call's seconds to clock[key] (and, for TRL's generate, its sampled tokens to clock["tokens"]
+    and its completions' lengths to clock["lengths"])."""
     def call(*a, **k):
         start = time.perf_counter()
         out = fn(*a, **k)
         clock[key].append(time.perf_counter() - start)
         if key == "generate_s":
-            clock["tokens"].append(sum(len(c) for c in out[1]))
+            clock["lengths"].append([len(c) for c in out[1]])
+            clock["tokens"].append(sum(clock["lengths"][-1]))
         return out
     return call
 
 
-def trl_held_out(llm, tok, reward) -> float:
-    """Mean reward of one sample (PEER's temperature and length) for each of the first held-out prompts, on TRL's
+def trl_held_out(llm, tok, reward, job: dict, test: list[dict]) -> float:
+    """Mean reward of one sample (the job's temperature and length) for each of the first held-out prompts, on TRL's
     engine, as our --eval does on ours."""
     from vllm import SamplingParams
 
-    from recipes.compare_agent import rows
-    test = rows("test")[:PEER["held_out"]]
+    test = test[:job["held_out"]]
     ids = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
                                    return_dict=False) for r in test]
     outs = llm.generate([{"prompt_token_ids": i} for i in ids], use_tqdm=False, sampling_params=SamplingParams(
-        temperature=PEER["temperature"], max_tokens=PEER["new_tokens"]))
+        temperature=job["temperature"], max_tokens=job["new_tokens"]))
     got = asyncio.run(reward([[{"content": o.outputs[0].text}] for o in outs], [r["label"] for r in test]))
     return statistics.mean(got)
 
@@ -932,7 +981,20 @@ def bench_peer_k1(steps: int = 20) -> dict:
     H200, 2026-12-03 (against bench_peer's TRL run of the same lease): ours at K=1 (token-level IS) 0.215 steps/s
     (4.65 s per step), 12,044 sampled tokens/s (55,997 per step), trained 27,916 tokens/s (the engine samples beside
     the trainer on the one GPU), peak 72.5 GiB (trainer 22.7), first step 158.1 s, held-out 0.46 -> 0.975, mismatch
-    0.0325. Ratios to TRL: steps/s 1.112, sampled tokens/s 1.158 (target 2.0: not met). 281 s of device time."""
+    0.0325. Ratios to TRL: steps/s 1.112, sampled tokens/s 1.158 (target 2.0: not met). 281 s of device time.
+    H100, 2026-12-06, one lease: `peer_trl 20`, then this section and `peer_ours` with VERBATIM_PEER_FLAGS=
+    "--vllm.num_engines 2":
+    | per framework              | TRL, colocated  | ours, K=0, 2 engines | ours, K=1, 2 engines |
+    | steps/s (s per step)       | 0.190 (5.25)    | 0.326 (3.07)         | 0.313 (3.19)         |
+    | sampled tokens/s           | 11,788          | 18,339               | 17,374               |
+    | trained tokens/s           | 46,191          | 44,567               | 30,418               |
+    | peak GPU memory            | 54.0 GiB        | 47.6 (trainer 18.3)  | 47.8 (trainer 18.3)  |
+    | time to first step         | 66.2 s          | 161.6 s              | 189.5 s              |
+    | held-out, before -> 20     | 0.44 -> 0.99    | 0.485 -> 0.99        | 0.475 -> 0.975       |
+    Ratios to TRL: K=0 1.71x steps/s (target 1.5: met), K=1 1.65x (target 2.0: not met). With two engines K=1
+    gains nothing over K=0 here: the engines sample beside the trainer's step on the one GPU, and the trainer's
+    rate drops from 44.6k to 30.4k tokens/s while they do. Four engines at K=1 did not finish 20 steps in the
+    call's 335 s (start-up; ~19-21k tokens/s at steps 9-11)."""
     runs = [r for r in map(json.loads, open(OUT)) if r["section"] in ("peer", "peer_trl")]  # peer_trl: TRL alone
     trl_ = runs[-1]["trl"] if runs[-1]["section"] == "peer" else runs[-1]  # (when peer does not fit one call)
     return peer_report("peer_k1", peer_ours(steps, 1), trl_, 2.0)
@@ -1045,6 +1107,89 @@ def verl_metrics(path: str) -> dict:
             "peak_torch_gib": max((d.get("perf/max_memory_allocated_gb", 0.0) for d in steps), default=None),
             "mismatch_abs_prob": total("training/rollout_probs_diff_mean") / len(timed_),  # |p - p'|, not |log p - ..|
             "curve": [(i + 1, round(d["critic/score/mean"], 3)) for i, d in enumerate(steps)], "steps": len(steps)}
+
+
+# --- peer2: peer job 2, long and varied completions (recipes/arith_agent.py): TRL colocated vs ours at K=0 and K=2
+
+PEER2 = dict(prompts=32, group=8, new_tokens=1024, temperature=0.7, lr=2e-5, max_model_len=1536,
+             gpu_memory_utilization=0.3, held_out=200, steps=8)  # each side, start-up included, in one 10-minute call
+PEER2_TRL = dict(per_device_train_batch_size=16, gradient_accumulation_steps=16)  # 256 samples, one optimizer step
+
+
+def length_stats(lengths: list[int]) -> dict:
+    """The distribution of sampled completion lengths in tokens: min, p10, median, p90, max (nearest rank), mean."""
+    xs = sorted(lengths)
+    if not xs:
+        return {"n": 0}
+    rank = lambda q: xs[min(len(xs) - 1, int(q * len(xs)))]
+    return {"n": len(xs), "min": xs[0], "p10": rank(0.1), "median": statistics.median(xs), "p90": rank(0.9),
+            "max": xs[-1], "mean": round(statistics.mean(xs), 1)}
+
+
+def peer2_argv(out_dir: str, k: int) -> list[str]:
+    """Ours on PEER2's job: smollm2_argv's loop (one GPU shared, bf16, evaluated before the first step and after the
+    last) with the job's flags after it (argparse keeps a flag's last value); K=k, with partial rollouts when k > 0."""
+    agent, j = os.path.join(ROOT, "recipes", "arith_agent.py"), PEER2
+    job = ["--agent.path", agent, "--data.path", agent, "--launch.batch_prompts", str(j["prompts"]),
+           "--launch.samples_per_prompt", str(j["group"]), "--rollout.max_new_tokens", str(j["new_tokens"]),
+           "--rollout.temperature", str(j["temperature"]), "--vllm.max_model_len", str(j["max_model_len"]),
+           "--agent.max_context", str(j["max_model_len"]), "--vllm.max_num_seqs", str(j["prompts"] * j["group"]),
+           "--vllm.gpu_memory_utilization", str(j["gpu_memory_utilization"]), "--eval.prompts", str(j["held_out"])]
+    partial = ["--launch.partial_rollout"] if k else []
+    return smollm2_argv(out_dir, j["steps"], str(j["lr"]), k, j["steps"]) + job + partial + PEER_FLAGS
+
+
+def peer2_ours(k: int) -> dict:
+    """Ours on PEER2's job at K=k (k > 0: partial rollouts), reported as peer2_ours_k<k>: peer_ours' figures, the wall
+    time from the start to the end of the run, and the trained completions' lengths (taken from each batch the loop
+    hands to launch.rollout_metrics, wrapped here: the loop runs in this process)."""
+    import launch
+    out_dir = os.path.join(ROOT, "runs", f"bench_peer2_ours_k{k}")
+    shutil.rmtree(out_dir, ignore_errors=True)  # the metrics file is appended to
+    lengths, metrics_of = [], launch.rollout_metrics
+
+    def recorded(segments: list, *rest) -> dict:
+        lengths.extend(sum(s.action_mask) for s in segments)
+        return metrics_of(segments, *rest)
+    launch.rollout_metrics, t0 = recorded, time.perf_counter()
+    try:
+        with PeakGpu(t0, os.path.join(out_dir, "metrics.jsonl")) as peak:
+            asyncio.run(launch.run_rl(launch.parse_args(peer2_argv(out_dir, k))))
+    finally:
+        launch.rollout_metrics = metrics_of
+    wall = time.perf_counter() - t0
+    rows_ = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+    timed_ = [r for prev, r in zip(rows_[1:], rows_[2:])  # steps 0-1 warm up; an eval step samples 200 more
+              if "eval/reward_mean" not in r and "eval/reward_mean" not in prev]
+    total = lambda key: sum(r[key] for r in timed_)
+    tokens, span = total("rollout/action_tokens"), total("launch/step_s")
+    return report(f"peer2_ours_k{k}", steps_per_s=len(timed_) / span, sampled_tokens_per_s=tokens / span,
+                  trained_tokens_per_s=tokens / total("launch/train_s"), first_step_s=peak.first_s, wall_s=wall,
+                  step_s=span / len(timed_), tokens_per_step=tokens / len(timed_), peak_gpu_gib=peak.gib,
+                  trainer_peak_gib=max(r["train/peak_gib"] for r in rows_),
+                  held_out_before=rows_[0].get("eval/before_reward_mean"), held_out_after=rows_[-1]["eval/reward_mean"],
+                  mismatch_abs=total("loss/mismatch_abs") / len(timed_), max_staleness=k, partial_rollout=k > 0,
+                  truncated_frac=total("rollout/truncated_frac") / len(timed_),
+                  mixed_version_rows=total("rollout/mixed_version_rows"), completion_lengths=length_stats(lengths),
+                  dropped_stale=sum(r.get("rollout/dropped_stale", 0.0) for r in timed_),
+                  flags=" ".join(PEER_FLAGS), steps=PEER2["steps"],
+                  curve=[(r["step"] + 1, round(r["rollout/reward_mean"], 3)) for r in rows_])
+
+
+def bench_peer2() -> dict:
+    """PEER2's comparison from this machine's last peer2_trl, peer2_ours_k0 and peer2_ours_k2 runs (a call each, on
+    one warm machine): each side's figures and ours/TRL at each K. Target: >= 2x TRL's steps/s at K=2, held-out
+    reward in the same band. A run not made yet is reported as None."""
+    last = {}
+    for row in map(json.loads, open(OUT) if os.path.exists(OUT) else ()):
+        last[row["section"]] = row
+    trl_, ratios = last.get("peer2_trl"), {}
+    for k in (0, 2):
+        if trl_ and (ours := last.get(f"peer2_ours_k{k}")):
+            ratios[f"k{k}"] = {key: round(ours[key] / trl_[key], 3)
+                               for key in ("steps_per_s", "sampled_tokens_per_s", "trained_tokens_per_s")}
+    return report("peer2", trl=trl_, ours_k0=last.get("peer2_ours_k0"), ours_k2=last.get("peer2_ours_k2"),
+                  ratios=ratios, target_k2_steps=2.0)
 
 
 # --- partial rollouts vs draining, on a long tail of completion lengths
@@ -1475,6 +1620,12 @@ def main() -> None:
         trl_job(int(sys.argv[2]), smollm2_dir(), os.path.join(ROOT, "runs", "bench_peer_trl"))
         sys.stdout.flush()
         os._exit(0)  # reported: no wait on the in-process engine's teardown
+    if sys.argv[1:2] == ["peer2_trl"]:  # TRL on PEER2's job, first in its call (its engine in this process)
+        from recipes.smollm2 import smollm2_dir
+        trl_job(PEER2["steps"], smollm2_dir(), os.path.join(ROOT, "runs", "bench_peer2_trl"), job=PEER2,
+                agent="arith_agent", section="peer2_trl", **PEER2_TRL)
+        sys.stdout.flush()
+        os._exit(0)  # reported: no wait on the in-process engine's teardown
     if sys.argv[1:2] == ["precision_layers"]:  # bench_precision's child process: no Ray
         precision_layers(*sys.argv[2:])
         return
@@ -1483,8 +1634,8 @@ def main() -> None:
                                 "longtail", "plan", "moe", "vlm", "lora", "lora_smollm2", "precision"]
     own_model = {"logprobs", "smollm2", "smollm2_k1", "sampling", "moe", "vlm", "lora_smollm2", "precision",  # the
                  "precision_smollm2", "precision_qwen3_0_6b", "peer", "peer_k1", "peer_verl",  # rest: the 0.6B shape
-                 "peer_ours", "speculative", "speculative_small"}
-    model = model_dir() if any(s not in own_model and not s.startswith(("precision_runs", "sampling_engines"))
+                 "peer_ours", "speculative", "speculative_small", "trainer_smollm2"}
+    model = model_dir() if any(s not in own_model and not s.startswith(("precision_runs", "sampling_engines", "peer2"))
                                for s in sections) else None
     ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     for s in sections:
@@ -1494,6 +1645,9 @@ def main() -> None:
         elif s == "trainer":
             bench_trainer(model)
             torch.cuda.empty_cache()  # the plain model is gone: give its cached blocks back to the engines
+        elif s == "trainer_smollm2":
+            from recipes.smollm2 import smollm2_dir
+            bench_trainer(smollm2_dir(), seq=8192, name=s)
         elif s == "generator":
             asyncio.run(bench_generator(model))
         elif s == "refit":
@@ -1525,6 +1679,10 @@ def main() -> None:
             report("peer_ours", ours=peer_ours(20, 0))
         elif s == "peer_verl":
             bench_peer_verl()
+        elif s.startswith("peer2_ours"):  # K=0, or with _k2: K=2 and partial rollouts
+            peer2_ours(int(s.partition("_k")[2] or 0))
+        elif s == "peer2":
+            bench_peer2()
         elif s.startswith("longtail"):  # both modes, or one; at K=1, or with _k2: K=2
             head, _, k = s.partition("_k")
             mode = head.removeprefix("longtail").strip("_")

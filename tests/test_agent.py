@@ -177,3 +177,38 @@ def test_every_turn_of_a_groups_episodes_goes_to_the_groups_engine(tiny_generato
         asyncio.run(run_env_episode(Echo(2), rec, template, {"prompt": "p", "label": None}, args=AgentArgs(),
                                     episode_id=episode, group_id="g7"))
     assert rec.affinities == ["g7"] * 4  # 2 episodes x 2 turns
+
+
+# --- recipes/arith_agent.py: peer job 2's task (bench_gpu.py peer2)
+
+def test_arith_agent_rewards_only_a_final_answer_equal_to_the_sum():
+    from recipes.arith_agent import ArithEnv
+    reward = lambda text: asyncio.run(ArithEnv().step(text, {"label": "17"})).reward  # 3 + 5 + 9 = 8 + 9 = 17
+    assert reward("3 + 5 = 8\n8 + 9 = 17\nAnswer: 17") == 1.0
+    assert reward("Answer: 16\nNo, once more: 3 + 5 + 9 = 17.\nAnswer:17") == 1.0  # the last answer counts
+    assert reward("Answer: 17\nAnswer: 16") == 0.0
+    assert reward("3 + 5 = 8\n8 + 9 = 17") == 1.0  # without `Answer:`: the last integer, the last partial sum
+    assert reward("3 + 5 = 8\n8 + 9 = 17, so 3 numbers") == 0.0  # ... whatever it is: 3
+    assert reward("3 + 5 = 8\n17 + 9") == 0.0 and reward("17 is close. Answer: 16") == 0.0  # cut off; `Answer:` wins
+    assert reward("Answer: 170") == 0.0 and reward("Answer: -17") == 0.0
+    assert asyncio.run(ArithEnv().step("no answer", {"label": "17"})).info == {"answered": 0.0}
+
+
+def test_arith_agent_rows_are_seeded_sums_and_the_test_split_is_held_out():
+    from recipes.arith_agent import TRAIN, prompt, rows
+    assert prompt([3, 5, 9]).startswith("What is 3 + 5 + 9? Add the numbers one at a time")
+    test, train = rows("test"), rows("train")
+    assert rows("test") == test and rows("train") == train and len(test) == 200
+    assert not {r["prompt"] for r in test} & {r["prompt"] for r in train}
+    # k uniform in 2..16 (15 counts): ~13 test rows of each k. A train row repeats one with probability
+    # (distinct test rows of its k) / 9^k: k=2, <= 13/81 of 20,000/15 rows: <= 214; k=3 <= 13/729 of them: <= 24;
+    # k >= 4 <= 2. So 20,000 - 240 < len(train) and some rows are dropped.
+    assert TRAIN - 240 < len(train) < TRAIN
+    counts = set()
+    for r in test + train:
+        terms = [int(t) for t in r["prompt"].removeprefix("What is ").split("?")[0].split(" + ")]
+        assert r["label"] == str(sum(terms)) and all(1 <= t <= 9 for t in terms)
+        counts.add(len(terms))
+    assert counts == set(range(2, 17))  # k drawn from 2..16, each count present in 20,200 rows
+    with pytest.raises(ValueError, match="split 'sft'"):
+        rows("sft")
