@@ -181,11 +181,13 @@ async def evaluate(workers: list, rows: list[dict], count: int) -> dict:
             "eval/failed_episodes": float(failed)}
 
 
-async def run_rl(cfg: dict) -> dict:
+async def run_rl(cfg: dict, generator: Generator | None = None) -> dict:
     """The RL loop. Research surface: the order of rollout, audit, train, refit and eval below is the algorithm's
-    schedule; the math lives in estimators.py and losses.py, the token capture needs no edit for a new schedule."""
+    schedule; the math lives in estimators.py and losses.py, the token capture needs no edit for a new schedule.
+    `generator`: engines started with this cfg's --vllm.* and --rollout.* flags, at the trainer's start weights and
+    version, that the run uses and leaves running (runs sharing them: their generator/* counters keep counting)."""
     launch, data, ev = cfg["launch"], cfg["data"], cfg["eval"]
-    run = await start_rl(cfg)  # engines, trainer ranks, agent workers, the queue, the log, the baseline eval (below)
+    run = await start_rl(cfg, generator)  # engines, trainer ranks, agent workers, the queue, the log, baseline eval
     generator, trainer, queue, clock, metrics = run.generator, run.trainer, run.queue, Clock(), {}
     for step in range(trainer.step, launch.steps):
         # --- rollout: a batch of finished groups (the trainer idles while it waits)
@@ -467,8 +469,9 @@ class GroupQueue:
 
 
 # --- run_rl's set-up, teardown and clock; Ray placement
-async def start_rl(cfg: dict) -> types.SimpleNamespace:
-    """run_rl's set-up: engines, trainer ranks (a resume refits the engines), workers, queue, log, baseline eval."""
+async def start_rl(cfg: dict, shared: Generator | None = None) -> types.SimpleNamespace:
+    """run_rl's set-up: engines (or `shared`), trainer ranks (a resume refits the engines), workers, queue, log,
+    baseline eval."""
     launch, data, train, rollout, vllm = cfg["launch"], cfg["data"], cfg["train"], cfg["rollout"], cfg["vllm"]
     rows = load_rows(data.path, "train")
     held_out = load_rows(data.path, "test") if cfg["eval"].every else []
@@ -482,7 +485,12 @@ async def start_rl(cfg: dict) -> types.SimpleNamespace:
                                  temperature=rollout.temperature, gpus_per_rank=rank_gpus, colocated=launch.colocate,
                                  batch_invariant=vllm.batch_invariant,
                                  rank_options=[node_options(launch.placement, r) for r in range(train.world_size)])
-    if launch.colocate:  # one GPU: the engines first, as vLLM sizes its KV cache by the memory free when it profiles
+    if shared is not None:  # engines started before this run: they must be what this cfg would have started
+        if (shared.vllm, shared.rollout) != (vllm, rollout):
+            raise ValueError("run_rl's generator was started with other --vllm.* / --rollout.* flags than this run's: "
+                             "start one with this run's flags, or pass none")
+        generator, trainer = shared, await asyncio.to_thread(ranks)
+    elif launch.colocate:  # one GPU: the engines first, as vLLM sizes its KV cache by the memory free when it profiles
         generator, trainer = engines(), ranks()
     else:  # devices of their own (or CPU): both start at once, each in a thread (their start-up blocks)
         generator, trainer = await start_together(engines, ranks)
@@ -501,7 +509,8 @@ async def start_rl(cfg: dict) -> types.SimpleNamespace:
     if cfg["eval"].every and cfg["eval"].before and trainer.step == 0:  # the baseline every later eval compares with
         before["eval/before_reward_mean"] = (await evaluate(workers, held_out, cfg["eval"].prompts))["eval/reward_mean"]
     return types.SimpleNamespace(generator=generator, trainer=trainer, workers=workers, queue=queue, log=log,
-                                 held_out=held_out, capacity=capacity, before=before, out_dir=launch.out_dir)
+                                 held_out=held_out, capacity=capacity, before=before, out_dir=launch.out_dir,
+                                 shared=shared is not None)
 
 
 async def start_together(*makers):
@@ -524,12 +533,13 @@ async def end_step(run: types.SimpleNamespace, clock: "Clock", action_tokens: fl
 
 
 async def stop_rl(run: types.SimpleNamespace, metrics: dict) -> dict:
-    """run_rl's teardown: the final checkpoint, then the workers, engines and ranks end."""
+    """run_rl's teardown: the final checkpoint, then the workers, engines (unless shared) and ranks end."""
     path = run.trainer.final_checkpoint(run.queue.checkpoint_position())
     await run.queue.drain()
     for w in run.workers:
         await w.stop.remote()
-    await run.generator.shutdown()
+    if not run.shared:
+        await run.generator.shutdown()
     run.trainer.shutdown()
     run.log.close()
     return {"metrics": metrics, "checkpoint": path, "out_dir": run.out_dir, "errors": run.queue.errors}

