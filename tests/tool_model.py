@@ -178,10 +178,14 @@ def replay_odds(model_dir: str, examples: list[dict], temperature: float) -> lis
 
 def tool_model_key(examples: list[dict], vary: Callable, hyper: dict) -> str:
     """SHA-256 of what a tool model is trained on: the examples, the hyper-parameters and seed, the source of `vary`'s
-    file and of MODEL_CODE, the torch and transformers versions. In the examples, WORD's words and digit runs are
-    blanked: dates, temporary paths and ids differ on every capture, and training redraws such words anyway."""
+    file and of MODEL_CODE, the torch and transformers versions. In the examples, temporary directories' names,
+    WORD's words and digit runs are blanked: dates, temporary paths and ids differ on every capture, and training
+    redraws such words anyway (WORD alone missed a name without a digit: Claude Code's model was rebuilt in ~1 of 4
+    runs)."""
     digest = hashlib.sha256()
-    stable = re.sub(r"[0-9]+", "0", WORD.sub("#", json.dumps(examples, sort_keys=True)))
+    text = json.dumps(examples, sort_keys=True)   # a temporary directory's name (a CLI's working directory) is random
+    text = re.sub(re.escape(tempfile.gettempdir()) + r"/[^\s\"'\\/]+", "/tmp/#", text)   # with or without digits
+    stable = re.sub(r"[0-9]+", "0", WORD.sub("#", text))
     for part in (stable, json.dumps(hyper, sort_keys=True), torch.__version__, transformers.__version__):
         digest.update(part.encode() + b"\0")
     for path in (inspect.getsourcefile(vary), *(os.path.join(ROOT, p) for p in MODEL_CODE)):
