@@ -246,23 +246,6 @@ def rows_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: floa
     return logp, -(src.exp() * src).sum(-1)  # (N,): H = -sum_v p log p
 
 
-def head_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, *, entropy: bool,
-                  entropy_grad: bool, chunk: int, compiled: bool = False, banned: int | None = None) -> torch.Tensor:
-    """rows_logprobs over head(hidden) for (N, H) hidden states, `chunk` rows at a time: a chunk's (chunk, V) logits
-    live inside one checkpointed call and backward makes them again, so the (N, V) logits never exist. -> (N, 2): log
-    p(targets), entropy (0 unless asked). banned: a vocabulary id kept out of the softmax (a VLM's image id)."""
-    fn = compiled_rows_logprobs if compiled else rows_logprobs
-
-    def part(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = head(h)  # (n, V)
-        if banned is not None:  # -1e4, not -inf: the entropy's 0 * log 0 would be NaN
-            logits = logits.index_fill(-1, torch.tensor([banned], device=logits.device), -1e4)
-        logp, ent = fn(logits, y, temperature, entropy, entropy_grad)
-        return torch.stack([logp, ent if entropy else torch.zeros_like(logp)], -1)  # (n, 2)
-    run = functools.partial(checkpoint, part, use_reentrant=False) if torch.is_grad_enabled() else part
-    return torch.cat([run(hidden[i:i + chunk], targets[i:i + chunk]) for i in range(0, len(hidden), chunk)])
-
-
 def next_ids(ids: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(ids[:, 1:], (0, 1))  # (B, T): position t predicts t + 1; the last one nothing
 
@@ -936,12 +919,29 @@ def build_model(rank: TrainerRank, auto_class, lora: bool = False, **kwargs) -> 
     return model
 
 
+def head_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, *, entropy: bool,
+                  entropy_grad: bool, chunk: int, compiled: bool = False, banned: int | None = None) -> torch.Tensor:
+    """rows_logprobs over head(hidden) for (N, H) hidden states, `chunk` rows at a time: a chunk's (chunk, V) logits
+    live inside one checkpointed call and backward makes them again, so the (N, V) logits never exist. -> (N, 2): log
+    p(targets), entropy (0 unless asked). banned: a vocabulary id kept out of the softmax (a VLM's image id)."""
+    fn = compiled_rows_logprobs if compiled else rows_logprobs
+
+    def part(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = head(h)  # (n, V)
+        if banned is not None:  # -1e4, not -inf: the entropy's 0 * log 0 would be NaN
+            logits = logits.index_fill(-1, torch.tensor([banned], device=logits.device), -1e4)
+        logp, ent = fn(logits, y, temperature, entropy, entropy_grad)
+        return torch.stack([logp, ent if entropy else torch.zeros_like(logp)], -1)  # (n, 2)
+    run = functools.partial(checkpoint, part, use_reentrant=False) if torch.is_grad_enabled() else part
+    return torch.cat([run(hidden[i:i + chunk], targets[i:i + chunk]) for i in range(0, len(hidden), chunk)])
+
+
 def install_head(rank: TrainerRank, model) -> None:
     """--fsdp.logprob_chunk: while rank.head_task is set, model's LM head returns each position's (log p of the next
     id, entropy) through head_logprobs, not its logits; FSDP's hooks around the head's call still gather its weight."""
     text = model.config.get_text_config()
     for key in ("final_logit_softcapping", "logit_scale", "logits_scaling"):  # the model would rescale our log-probs
-        if getattr(text, key, None) not in (None, 1, 1.0):
+        if getattr(text, key, None) not in (None, 1):
             raise ValueError(f"--fsdp.logprob_chunk with {rank.model_path}: its config's {key} rescales the head's "
                              "logits after the head; set --fsdp.logprob_chunk 0")
     head = model.get_output_embeddings()
