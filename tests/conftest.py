@@ -1,5 +1,6 @@
 """Shared fixtures: tiny model directories built once per test session (no hub access)."""
 import asyncio
+import os
 import threading
 
 import pytest
@@ -18,6 +19,12 @@ def tiny_model(tmp_path_factory) -> str:
 def tiny_chars_model(tmp_path_factory) -> str:
     """Dense Qwen3, character tokenizer of ~70 ids: the small vocabulary the CPU recipes train."""
     return build_tiny_model(str(tmp_path_factory.mktemp("tiny_chars")), seed=0, tokenizer="chars")
+
+
+@pytest.fixture(scope="session")
+def copy_model(tmp_path_factory) -> str:
+    """Character model of the copy task's alphabet: the loop runs of test_launch and test_reliability share it."""
+    return build_tiny_model(str(tmp_path_factory.mktemp("copy_model")), tokenizer="chars", alphabet="0123456789copy \n")
 
 
 @pytest.fixture(scope="session")
@@ -75,6 +82,46 @@ def smollm2_generator(smollm2_model, ray_local):
     gen = Generator(smollm2_model, VllmArgs(max_model_len=1024, kv_cache_gb=0.5), RolloutArgs(max_new_tokens=16))
     yield gen
     asyncio.run(gen.shutdown())
+
+
+@pytest.fixture(scope="session")
+def engines(ray_local) -> dict:
+    """Engines that loop runs share (launch.run_rl(cfg, generator)), keyed by engine_key: their start is most of a
+    short run's time. A run takes them out and puts them back only once it has passed; a run that fails shuts them
+    down, so the next run starts its own and none inherits a failed run's engines."""
+    held = {}
+    yield held
+    for generator in held.values():
+        asyncio.run(generator.shutdown())
+
+
+def engine_key(cfg: dict) -> str:
+    """What shared engines must match (launch.start_rl refuses others): the model, --vllm.* and --rollout.*."""
+    return repr((cfg["launch"].model, cfg["vllm"], cfg["rollout"]))
+
+
+async def restart_weights(generator, model: str) -> None:
+    """The model directory's weights back into the engines as version 0: each run starts where a fresh engine would."""
+    from safetensors.torch import load_file
+    await generator.pause()
+    await generator.update_weights(sorted(load_file(os.path.join(model, "model.safetensors")).items()), version=0)
+    await generator.resume()
+
+
+def run_shared(engines: dict, cfg: dict) -> dict:
+    """launch.run_rl(cfg) on the held engines of engine_key(cfg) (started here if none are held), put back to the
+    model's weights as version 0 first; they go back to `engines` only if the run ends, else they are shut down."""
+    import launch
+    model = cfg["launch"].model
+    generator = engines.pop(engine_key(cfg), None) or launch.Generator(model, cfg["vllm"], cfg["rollout"])
+    try:
+        asyncio.run(restart_weights(generator, model))
+        result = asyncio.run(launch.run_rl(cfg, generator))
+    except BaseException:
+        asyncio.run(generator.shutdown())
+        raise
+    engines[engine_key(cfg)] = generator
+    return result
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ import time
 import psutil
 import pytest
 
-from recipes.tiny_model import build_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -109,11 +108,6 @@ class Killer(Env):
 def make_agent():
     return Killer()
 '''
-
-
-@pytest.fixture(scope="module")
-def copy_model(tmp_path_factory) -> str:
-    return build_tiny_model(str(tmp_path_factory.mktemp("copy_model")), tokenizer="chars", alphabet="0123456789copy \n")
 
 
 def write(path, source: str, **names) -> str:

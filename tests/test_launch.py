@@ -20,9 +20,9 @@ import pytest
 import torch
 
 import launch
+from conftest import run_shared
 from estimators import EstimatorArgs
 from losses import LossArgs
-from recipes.tiny_model import build_tiny_model
 from trainer import CkptArgs, FsdpArgs
 
 COPY = os.path.join(os.path.dirname(__file__), "..", "recipes", "copy_agent.py")
@@ -81,19 +81,17 @@ def make_agent():
 '''
 
 
-@pytest.fixture(scope="module")
-def copy_model(tmp_path_factory) -> str:
-    return build_tiny_model(str(tmp_path_factory.mktemp("copy_model")), tokenizer="chars", alphabet="0123456789copy \n")
-
-
 def flags(model: str, out: str, agent: str, *extra: str) -> list[str]:
     return ["--launch.model", model, "--launch.out_dir", out, "--launch.steps", "2", "--agent.path", agent,
             "--data.path", agent, "--launch.batch_prompts", "2", "--launch.samples_per_prompt", "2",
-            "--rollout.max_new_tokens", "4", "--vllm.max_model_len", "64", "--train.lr", "1e-3", *extra]
+            "--rollout.max_new_tokens", "4", "--vllm.max_model_len", "64", "--vllm.kv_cache_gb", "0.25",
+            "--train.lr", "1e-3", *extra]
 
 
-def run(argv: list[str]) -> dict:
-    return asyncio.run(launch.run_rl(launch.parse_args(argv)))
+def run(argv: list[str], engines: dict | None = None) -> dict:
+    """run_rl on the flags; with `engines` (conftest's), on engines shared with earlier runs of the same flags."""
+    cfg = launch.parse_args(argv)
+    return asyncio.run(launch.run_rl(cfg)) if engines is None else run_shared(engines, cfg)
 
 
 def read_metrics(out: str) -> list[dict]:
@@ -109,32 +107,67 @@ def read_tensorboard(path: str) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
-def read_wandb(path: str) -> tuple[dict, dict[str, list[tuple[int, float]]]]:
+def read_wandb(path: str, wait_s: float = 60) -> tuple[dict, dict[str, list[tuple[int, float]]]]:
     """The config and every logged number of the one offline W&B run under path: (config, key -> [(step, value)]).
     Read from its transaction log, run-<id>.wandb: a 7-byte header, then leveldb log chunks (crc 4 bytes, length 2,
     type 1: full, first, middle, last) in 32 KiB blocks whose last < 7 bytes are zero padding; a record, cut into
-    chunks, is one wandb Record protobuf. Values are JSON text, so a float64 reads back exactly."""
+    chunks, is one wandb Record protobuf. Values are JSON text, so a float64 reads back exactly. W&B's service
+    process writes the log, and wandb.finish() can return before it has: the log is read again until it ends with
+    the run's last record, its exit (a signal the writer emits), for wait_s at most."""
     from wandb.proto.wandb_internal_pb2 import Record
     (log,) = glob.glob(os.path.join(path, "wandb", "offline-run-*", "run-*.wandb"))
-    with open(log, "rb") as f:
-        data = f.read()
-    assert data[:7] == b":W&B\xe1\xbe\x00", data[:7]  # ident, magic 0xBEE1, version 0
-    config, history, pos, record = {}, {}, 7, b""
-    while pos + 7 <= len(data):
-        if 32768 - pos % 32768 < 7:  # no chunk header fits: the block's zero padding
-            pos += 32768 - pos % 32768
-            continue
-        size, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
-        record, pos = record + data[pos + 7:pos + 7 + size], pos + 7 + size
-        if kind in (1, 4):  # full, last: a whole record
-            r, record = Record.FromString(record), b""
-            for item in r.run.config.update if r.WhichOneof("record_type") == "run" else r.config.update:
-                config[item.key] = json.loads(item.value_json)
-            for item in r.history.item:  # wandb's own keys (_step, _runtime, _timestamp) start with _
-                if not (key := item.key or ".".join(item.nested_key)).startswith("_"):
-                    history.setdefault(key, []).append((r.history.step.num, json.loads(item.value_json)))
+    deadline = time.monotonic() + wait_s
+    while True:
+        with open(log, "rb") as f:
+            data = f.read()
+        assert data[:7] == b":W&B\xe1\xbe\x00", data[:7]  # ident, magic 0xBEE1, version 0
+        records, pos, record = [], 7, b""
+        while pos + 7 <= len(data):
+            if 32768 - pos % 32768 < 7:  # no chunk header fits: the block's zero padding
+                pos += 32768 - pos % 32768
+                continue
+            size, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+            if pos + 7 + size > len(data):  # a chunk still being written
+                break
+            record, pos = record + data[pos + 7:pos + 7 + size], pos + 7 + size
+            if kind in (1, 4):  # full, last: a whole record
+                records, record = records + [Record.FromString(record)], b""
+        if records and records[-1].WhichOneof("record_type") == "exit":
+            break
+        assert time.monotonic() < deadline, f"{log} holds no exit record {wait_s} s after its run finished"
+        time.sleep(0.05)
     assert pos == len(data) and not record, (pos, len(data))
+    config, history = {}, {}
+    for r in records:
+        for item in r.run.config.update if r.WhichOneof("record_type") == "run" else r.config.update:
+            config[item.key] = json.loads(item.value_json)
+        for item in r.history.item:  # wandb's own keys (_step, _runtime, _timestamp) start with _
+            if not (key := item.key or ".".join(item.nested_key)).startswith("_"):
+                history.setdefault(key, []).append((r.history.step.num, json.loads(item.value_json)))
     return config, history
+
+
+def test_the_wandb_reader_waits_for_the_runs_exit_record(tmp_path, monkeypatch):
+    # wandb.finish() can return before W&B's service has written the run's last records: a log read then, cut after
+    # its first record (the header), must not pass for a run that logged nothing; the whole log reads every step.
+    import wandb
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    try:
+        run = wandb.init(project="verbatim-test", dir=str(tmp_path / "whole"), config={"a": 1})
+        for step in range(2):
+            run.log({"x": float(step)}, step=step)
+        run.finish()
+    finally:  # W&B keeps the settings of its first init for the process (WANDB_DIR...): a later run reads its own
+        wandb.teardown()
+    config, history = read_wandb(str(tmp_path / "whole"))
+    assert config["a"] == 1 and history == {"x": [(0, 0.0), (1, 1.0)]}
+    (log,) = glob.glob(str(tmp_path / "whole" / "wandb" / "offline-run-*" / "run-*.wandb"))
+    data = open(log, "rb").read()
+    cut = tmp_path / "cut" / "wandb" / "offline-run-x" / "run-x.wandb"
+    cut.parent.mkdir(parents=True)
+    cut.write_bytes(data[:7 + 7 + int.from_bytes(data[11:13], "little")])  # the file header, one whole chunk
+    with pytest.raises(AssertionError, match="holds no exit record 0.5 s after its run finished"):
+        read_wandb(str(tmp_path / "cut"), wait_s=0.5)
 
 
 def write_agent(tmp_path, source: str, name: str) -> str:
@@ -340,7 +373,7 @@ def test_chat_counters_of_every_worker_are_summed_and_latency_percentiles_take_t
 
 
 @pytest.fixture(scope="module")
-def sync_run(ray_local, copy_model, tmp_path_factory) -> tuple[str, dict, dict]:
+def sync_run(engines, copy_model, tmp_path_factory) -> tuple[str, dict, dict]:
     """Two strictly on-policy steps (K=0) with a checkpoint after each, TensorBoard and W&B (offline, its files under
     out): shared by the sync and resume tests. Returns out, run_rl's result and the parsed flags."""
     out = str(tmp_path_factory.mktemp("sync"))
@@ -349,7 +382,7 @@ def sync_run(ray_local, copy_model, tmp_path_factory) -> tuple[str, dict, dict]:
     with pytest.MonkeyPatch.context() as env:
         env.setenv("WANDB_MODE", "offline")
         env.setenv("WANDB_DIR", out)
-        result = asyncio.run(launch.run_rl(cfg))   # its end finishes the W&B run: no step of it is written before
+        result = run_shared(engines, cfg)   # its end finishes the W&B run: no step of it is written before
     return out, result, cfg
 
 
@@ -396,12 +429,12 @@ def test_sync_loop_trains_only_sampled_tokens(sync_run):
     assert result["errors"] == []
 
 
-def test_async_loop_with_partial_rollouts_records_mixed_versions_and_corrects_them(ray_local, copy_model, tmp_path):
+def test_async_loop_with_partial_rollouts_records_mixed_versions_and_corrects_them(engines, copy_model, tmp_path):
     out = str(tmp_path / "async")
     agent = write_agent(tmp_path, TWO_TURN_ENV.replace("METRICS", repr(os.path.join(out, "metrics.jsonl"))),
                         "two_turns.py")
     run(flags(copy_model, out, agent, "--launch.steps", "4", "--launch.max_staleness", "1", "--launch.partial_rollout",
-              "--loss.is_level", "token", "--agent.max_turns", "2", "--launch.in_flight", "6"))
+              "--loss.is_level", "token", "--agent.max_turns", "2", "--launch.in_flight", "6"), engines)
     rows = read_metrics(out)
     # 4 steps of 2 groups train 8, and --launch.in_flight 6 launches 6 at once (K=1 alone would launch 2 x 2 = 4),
     # then 2 more after the first batch: launched 6, 8, 8, 8 less trained 2, 4, 6, 8 leaves 4, 4, 2, 0 going
@@ -553,10 +586,10 @@ def test_ranks_that_refuse_to_start_stop_the_run_naming_the_flag_and_the_engines
     assert causes["Engine"] == "RAY_KILL", causes  # a dropped handle that Ray collects dies of REF_DELETED
 
 
-def test_agent_exception_drops_episode_and_run_continues(ray_local, copy_model, tmp_path):
+def test_agent_exception_drops_episode_and_run_continues(engines, copy_model, tmp_path):
     agent = write_agent(tmp_path, FLAKY_ENV, "flaky.py")
     out = str(tmp_path / "flaky")
-    result = run(flags(copy_model, out, agent))
+    result = run(flags(copy_model, out, agent), engines)
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [0, 1]
     # K=0: each step receives exactly its 2 groups, each losing one episode; logged per step, not as a run total
@@ -592,7 +625,7 @@ def make_agent():
 
 
 @pytest.mark.slow
-def test_failed_episodes_train_what_they_sampled_at_the_failed_reward(ray_local, copy_model, tmp_path, monkeypatch):
+def test_failed_episodes_train_what_they_sampled_at_the_failed_reward(engines, copy_model, tmp_path, monkeypatch):
     # --agent.failed_reward -1: an episode whose env raises in its second turn trains its row up to that turn's
     # sample, at reward -1 (the audit checks it as any row); the others train at 0.5 + 0.5. K=0, 2 groups x 2
     # episodes a step, one of each group failing: 2 scored and none dropped per step, 4 episodes trained.
@@ -601,7 +634,8 @@ def test_failed_episodes_train_what_they_sampled_at_the_failed_reward(ray_local,
     monkeypatch.setattr(TrainerGroup, "train_step", lambda group, segments, **kw: (
         trained.append(segments), train_step(group, segments, **kw))[1])
     out = str(tmp_path / "late")
-    run(flags(copy_model, out, write_agent(tmp_path, FAILS_LATE_ENV, "late.py"), "--agent.failed_reward", "-1"))
+    agent = write_agent(tmp_path, FAILS_LATE_ENV, "late.py")
+    run(flags(copy_model, out, agent, "--agent.failed_reward", "-1"), engines)
     rows = read_metrics(out)
     assert [(r["rollout/scored_agent_error"], r["rollout/dropped_agent_error"]) for r in rows] == [(2.0, 0.0)] * 2
     assert all(r["rollout/episodes"] == 4.0 for r in rows)
@@ -628,13 +662,14 @@ def test_agent_that_fails_from_some_step_on_stops_the_run_with_its_error(ray_loc
     assert len(read_metrics(out)) == (1 if fails != "True" else 0)
 
 
-def test_resume_continues_step_and_version_and_logs_each_step_once(sync_run, copy_model):
+def test_resume_continues_step_and_version_and_logs_each_step_once(sync_run, engines, copy_model):
     out, _, _ = sync_run
     # The first run logged steps 0 and 1 and saved after each. Its last checkpoint goes, as if it had died after
     # logging step 1 but before saving it: the resume starts from the earlier one (after step 0) and runs steps 1, 2.
+    # On the shared engines, put back to version 0 (run_shared): the trainer resumes at version 1, so start_rl refits.
     shutil.rmtree(os.path.join(out, "ckpt", "step_000002"))
     run(flags(copy_model, out, COPY, "--ckpt.dir", os.path.join(out, "ckpt"), "--ckpt.resume", "--launch.steps", "3",
-              "--launch.tensorboard"))
+              "--launch.tensorboard"), engines)
     rows = read_metrics(out)  # the resume's rows replace the first run's from its step 1 on
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert [r["train/version"] for r in rows] == [1.0, 2.0, 3.0] and rows[-1]["generator/version"] == 3

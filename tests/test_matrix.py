@@ -28,10 +28,10 @@ import time
 
 import pytest
 import ray
-from safetensors.torch import load_file
 
 import estimators
 import launch
+from conftest import engine_key, restart_weights
 from trainer import TrainerGroup
 
 
@@ -360,23 +360,6 @@ def agents(tmp_path_factory) -> dict:
     return {name: str(root / f"{name}.py") for name in AGENTS}
 
 
-@pytest.fixture(scope="module")
-def engines() -> dict:
-    """The engines every run of the array shares (the rows' --vllm.* and --rollout.* flags are one set): their start
-    is most of a run's time. A run that fails shuts them down, so the next run starts its own: none inherits them."""
-    held = {}
-    yield held
-    if "generator" in held:
-        asyncio.run(held["generator"].shutdown())
-
-
-async def restart_weights(generator, model: str) -> None:
-    """The model directory's weights back into the engines as version 0: each run starts where a fresh engine would."""
-    await generator.pause()
-    await generator.update_weights(sorted(load_file(os.path.join(model, "model.safetensors")).items()), version=0)
-    await generator.resume()
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(RUN_S + 120)  # the run's own bound, then its teardown's: a hang anywhere fails this run alone
 @pytest.mark.parametrize("row", ROWS, ids=label)
@@ -384,8 +367,9 @@ def test_pairwise_run_keeps_the_promise(row, ray_local, tiny_model, agents, engi
     out = str(tmp_path / "run")
     cfg = launch.parse_args(flags_for(row, tiny_model, out, agents[row["agent"]]))
     watch, start = Watch(monkeypatch), time.perf_counter()
-    try:  # the shared engines (or new ones: the Watch keeps those) are back in `engines` once the run has passed
-        generator = watch.started.setdefault("Generator", engines.pop("generator", None) or
+    try:  # the shared engines (conftest's engines: the rows' --vllm.* and --rollout.* flags are one set), or new ones
+        # (the Watch keeps those), are back in `engines` once the run has passed; a failed run's are shut down
+        generator = watch.started.setdefault("Generator", engines.pop(engine_key(cfg), None) or
                                              launch.Generator(tiny_model, cfg["vllm"], cfg["rollout"]))
         asyncio.run(restart_weights(generator, tiny_model))
         sampled_before = asyncio.run(generator.metrics())["generator/tokens"]
@@ -393,7 +377,7 @@ def test_pairwise_run_keeps_the_promise(row, ray_local, tiny_model, agents, engi
     except BaseException:
         watch.stop()
         raise
-    engines["generator"] = generator
+    engines[engine_key(cfg)] = generator
     path = os.path.join(out, "metrics.jsonl")
     metrics = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
     bad = violations(row, watch, metrics, sampled_before)

@@ -28,15 +28,9 @@ import launch
 import trainer
 from chat_server import ChatArgs, ChatServer
 from conftest import call
-from recipes.tiny_model import build_tiny_model
 from test_launch import COPY, flags, read_metrics, run
 from test_trainer import exported, make_segments, start_group
 from trainer import CkptArgs, checkpoint_dirs
-
-
-@pytest.fixture(scope="module")
-def copy_model(tmp_path_factory) -> str:
-    return build_tiny_model(str(tmp_path_factory.mktemp("copy_model")), tokenizer="chars", alphabet="0123456789copy \n")
 
 
 # --- the audit: a row changed on its way to the trainer stops the step
@@ -58,9 +52,10 @@ def audit_error(index: int, episode: str, t: int, trained: tuple, sampled: tuple
 
 
 def test_a_changed_token_id_stops_the_loop_before_it_trains_naming_the_segment_and_position(
-        ray_local, copy_model, tmp_path, monkeypatch):
-    """The real loop; the batch it is about to train gets the id of its last row's last action token changed
-    (wrapping the queue's next_batch). The step must stop before the trainer sees the row."""
+        engines, copy_model, tmp_path, monkeypatch):
+    """The real loop, on engines shared with test_launch's runs (run_shared shuts them down when the run raises);
+    the batch it is about to train gets the id of its last row's last action token changed (wrapping the queue's
+    next_batch). The step must stop before the trainer sees the row."""
     changed, started = {}, {}
     take = launch.GroupQueue.next_batch
 
@@ -75,20 +70,17 @@ def test_a_changed_token_id_stops_the_loop_before_it_trains_naming_the_segment_a
     def recorded(cls):  # the real class; what run_rl starts is kept so that the test can stop it
         return lambda *args, **kwargs: started.setdefault(cls.__name__, cls(*args, **kwargs))
     monkeypatch.setattr(launch.GroupQueue, "next_batch", changed_batch)
-    monkeypatch.setattr(launch, "Generator", recorded(launch.Generator))
     monkeypatch.setattr(launch, "TrainerGroup", recorded(launch.TrainerGroup))
     out = str(tmp_path / "run")
     try:
         with pytest.raises(RuntimeError) as stopped:
-            run(flags(copy_model, out, COPY, "--vllm.kv_cache_gb", "0.25"))
+            run(flags(copy_model, out, COPY), engines)
         assert started["TrainerGroup"].step == 0 and read_metrics(out) == []  # nothing was trained or logged
     finally:  # a run stopped by an error leaves its actors up
         for w in started.get("workers", []):
             ray.kill(w)
         if "TrainerGroup" in started:
             started["TrainerGroup"].shutdown()
-        if "Generator" in started:
-            asyncio.run(started["Generator"].shutdown())
     sampled, trained = changed["sampled_trained"]
     assert trained[0] == sampled[0] ^ 1 and trained[1:] == sampled[1:]
     # An Env episode is one segment (index 0); t counts every token of the row, the prompt's included.
