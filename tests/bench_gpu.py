@@ -1113,6 +1113,12 @@ def verl_metrics(path: str) -> dict:
 
 # --- peer2: peer job 2, long and varied completions (recipes/arith_agent.py): TRL colocated vs ours at K=0 and K=2
 
+# H100, 2026-12-06, one lease, each run a call of its own: TRL 0.102 steps/s (9.78 s a step), 4,395 sampled tokens/s,
+# 42,984 tokens a step, lengths median 101 / p90 372 / mean 176, wall 166 s, held-out 0.01 -> 0.035. Ours K=2
+# partial, 2 engines: with the two evaluations the run did not end in 320 s (step 3 of 8: start-up ~150 s, its first
+# train step 44-66 s); with --eval.every 0 (VERBATIM_PEER_FLAGS) 248 s: timed steps 0.332 steps/s (3.2x) but 26.6k
+# tokens a step (76.7k at step 2, 11.3k by step 7: ours' policy shortened its answers, TRL's did not), so 8,829
+# sampled tokens/s (2.0x) is the fair figure. K=0 not run (no device time left).
 PEER2 = dict(prompts=32, group=8, new_tokens=1024, temperature=0.7, lr=2e-5, max_model_len=1536,
              gpu_memory_utilization=0.3, held_out=200, steps=8)  # each side, start-up included, in one 10-minute call
 PEER2_TRL = dict(per_device_train_batch_size=16, gradient_accumulation_steps=16)  # 256 samples, one optimizer step
@@ -1169,7 +1175,8 @@ def peer2_ours(k: int) -> dict:
                   trained_tokens_per_s=tokens / total("launch/train_s"), first_step_s=peak.first_s, wall_s=wall,
                   step_s=span / len(timed_), tokens_per_step=tokens / len(timed_), peak_gpu_gib=peak.gib,
                   trainer_peak_gib=max(r["train/peak_gib"] for r in rows_),
-                  held_out_before=rows_[0].get("eval/before_reward_mean"), held_out_after=rows_[-1]["eval/reward_mean"],
+                  held_out_before=rows_[0].get("eval/before_reward_mean"),  # None with --eval.every 0 (PEER_FLAGS)
+                  held_out_after=rows_[-1].get("eval/reward_mean"),
                   mismatch_abs=total("loss/mismatch_abs") / len(timed_), max_staleness=k, partial_rollout=k > 0,
                   truncated_frac=total("rollout/truncated_frac") / len(timed_),
                   mixed_version_rows=total("rollout/mixed_version_rows"), completion_lengths=length_stats(lengths),
