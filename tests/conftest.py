@@ -100,22 +100,33 @@ def engine_key(cfg: dict) -> str:
     return repr((cfg["launch"].model, cfg["vllm"], cfg["rollout"]))
 
 
-async def restart_weights(generator, model: str) -> None:
-    """The model directory's weights back into the engines as version 0: each run starts where a fresh engine would."""
+def take_engines(engines: dict, cfg: dict):
+    """The held engines of engine_key(cfg), or new ones, with the model directory's weights back in as version 0:
+    each run starts where a fresh engine would. The caller puts them back (engines[engine_key(cfg)]) once its run
+    has passed, and shuts them down if it fails; they are shut down here if the reload fails."""
+    import launch
     from safetensors.torch import load_file
-    await generator.pause()
-    await generator.update_weights(sorted(load_file(os.path.join(model, "model.safetensors")).items()), version=0)
-    await generator.resume()
+    model = cfg["launch"].model
+    generator = engines.pop(engine_key(cfg), None) or launch.Generator(model, cfg["vllm"], cfg["rollout"])
+
+    async def restart():
+        await generator.pause()
+        await generator.update_weights(sorted(load_file(os.path.join(model, "model.safetensors")).items()), version=0)
+        await generator.resume()
+    try:
+        asyncio.run(restart())
+    except BaseException:
+        asyncio.run(generator.shutdown())
+        raise
+    return generator
 
 
 def run_shared(engines: dict, cfg: dict) -> dict:
-    """launch.run_rl(cfg) on the held engines of engine_key(cfg) (started here if none are held), put back to the
-    model's weights as version 0 first; they go back to `engines` only if the run ends, else they are shut down."""
+    """launch.run_rl(cfg) on take_engines' engines; they go back to `engines` only if the run ends, else they are
+    shut down."""
     import launch
-    model = cfg["launch"].model
-    generator = engines.pop(engine_key(cfg), None) or launch.Generator(model, cfg["vllm"], cfg["rollout"])
+    generator = take_engines(engines, cfg)
     try:
-        asyncio.run(restart_weights(generator, model))
         result = asyncio.run(launch.run_rl(cfg, generator))
     except BaseException:
         asyncio.run(generator.shutdown())

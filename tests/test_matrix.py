@@ -31,7 +31,7 @@ import ray
 
 import estimators
 import launch
-from conftest import engine_key, restart_weights
+from conftest import engine_key, take_engines
 from trainer import TrainerGroup
 
 
@@ -369,9 +369,7 @@ def test_pairwise_run_keeps_the_promise(row, ray_local, tiny_model, agents, engi
     watch, start = Watch(monkeypatch), time.perf_counter()
     try:  # the shared engines (conftest's engines: the rows' --vllm.* and --rollout.* flags are one set), or new ones
         # (the Watch keeps those), are back in `engines` once the run has passed; a failed run's are shut down
-        generator = watch.started.setdefault("Generator", engines.pop(engine_key(cfg), None) or
-                                             launch.Generator(tiny_model, cfg["vllm"], cfg["rollout"]))
-        asyncio.run(restart_weights(generator, tiny_model))
+        generator = watch.started.setdefault("Generator", take_engines(engines, cfg))
         sampled_before = asyncio.run(generator.metrics())["generator/tokens"]
         asyncio.run(asyncio.wait_for(launch.run_rl(cfg, generator), RUN_S))
     except BaseException:
