@@ -1,8 +1,13 @@
 # Two commands on a fresh machine: `make run` and `make test`. Both create .venv first (idempotent:
 # a few seconds when it is already up to date) and install the pinned CPU stack. `make test` is the core tier
-# (every invariant, <= 10 min on 2 cores); `make test-all` adds the slow tier (marker `slow`), as .ci/run does.
+# (every invariant, <= 8 min on 2 cores); `make test-all` adds the slow tier (marker `slow`), as .ci/run does.
+# Both run the test files on JOBS pytest processes (pytest-xdist; a file's tests stay on one, so its module
+# fixtures start once): an engine and a trainer rank take one thread each and mostly wait for each other, so one
+# process leaves a core of two idle. Each process has its own session fixtures (Ray, engines, models).
 PY      := .venv/bin/python
 STAMP   := .venv/.installed
+JOBS    ?= 2
+XDIST   := -n $(JOBS) --dist loadfile
 PIP     := $(PY) -m pip install --disable-pip-version-check -q
 
 .PHONY: run test test-all bench test-gpu bench-gpu venv clean
@@ -28,11 +33,11 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check --quiet .
-	$(PY) -m pytest -q -p no:cacheprovider --durations=20 -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) --durations=20 -m "not slow" $(PYTEST_ARGS)
 
 test-all: $(STAMP)
 	$(PY) -m ruff check --quiet .
-	$(PY) -m pytest -q -p no:cacheprovider --durations=60 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) --durations=60 $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	@failed=""; for f in tests/bench_*.py; do echo "== $$f"; $(PY) $$f || failed="$$failed $$f"; done; \

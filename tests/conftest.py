@@ -44,9 +44,10 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def ray_local():
-    """One local Ray instance for the whole test session (start-up costs 4-10 s)."""
+    """One local Ray instance for the whole test session (start-up costs 4-10 s) of this pytest process. "local": a
+    new one, never a cluster another process started here (with no address, ray.init joins the last `ray start`)."""
     import ray
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield ray
     ray.shutdown()
 
