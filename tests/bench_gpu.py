@@ -1118,7 +1118,9 @@ def verl_metrics(path: str) -> dict:
 # partial, 2 engines: with the two evaluations the run did not end in 320 s (step 3 of 8: start-up ~150 s, its first
 # train step 44-66 s); with --eval.every 0 (VERBATIM_PEER_FLAGS) 248 s: timed steps 0.332 steps/s (3.2x) but 26.6k
 # tokens a step (76.7k at step 2, 11.3k by step 7: ours' policy shortened its answers, TRL's did not), so 8,829
-# sampled tokens/s (2.0x) is the fair figure. K=0 not run (no device time left).
+# sampled tokens/s (2.0x) is the fair figure (but counted from the trained batches, which overstates K=2: see
+# peer2_ours). K=0 not run (no device time left). H200, 2026-12-06, all three with both evaluations (K=0 shortens
+# too, so it is ours' policy): bench_peer2's docstring.
 PEER2 = dict(prompts=32, group=8, new_tokens=1024, temperature=0.7, lr=2e-5, max_model_len=1536,
              gpu_memory_utilization=0.3, held_out=200, steps=8)  # each side, start-up included, in one 10-minute call
 PEER2_TRL = dict(per_device_train_batch_size=16, gradient_accumulation_steps=16)  # 256 samples, one optimizer step
@@ -1167,11 +1169,17 @@ def peer2_ours(k: int) -> dict:
         launch.rollout_metrics = metrics_of
     wall = time.perf_counter() - t0
     rows_ = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
-    timed_ = [r for prev, r in zip(rows_[1:], rows_[2:])  # steps 0-1 warm up; an eval step samples 200 more
-              if "eval/reward_mean" not in r and "eval/reward_mean" not in prev]
+    pairs = [(prev, r) for prev, r in zip(rows_[1:], rows_[2:])  # steps 0-1 warm up; an eval step samples 200 more
+             if "eval/reward_mean" not in r and "eval/reward_mean" not in prev]
+    timed_ = [r for _, r in pairs]
     total = lambda key: sum(r[key] for r in timed_)
     tokens, span = total("rollout/action_tokens"), total("launch/step_s")
-    return report(f"peer2_ours_k{k}", steps_per_s=len(timed_) / span, sampled_tokens_per_s=tokens / span,
+    # Sampled: the tokens the engines finished in the timed steps (generator/tokens counts each completion as it ends).
+    # At K > 0 the trained batches also hold tokens sampled before them (during step 1's compile: H200, 12-06, K=2,
+    # >= 74.7k of the 193.8k trained in steps 3-7), so their tokens over the span overstate sampling (trained_batch_).
+    sampled = sum(r["generator/tokens"] - prev["generator/tokens"] for prev, r in pairs)
+    return report(f"peer2_ours_k{k}", steps_per_s=len(timed_) / span, sampled_tokens_per_s=sampled / span,
+                  trained_batch_tokens_per_s=tokens / span,
                   trained_tokens_per_s=tokens / total("launch/train_s"), first_step_s=peak.first_s, wall_s=wall,
                   step_s=span / len(timed_), tokens_per_step=tokens / len(timed_), peak_gpu_gib=peak.gib,
                   trainer_peak_gib=max(r["train/peak_gib"] for r in rows_),
@@ -1188,7 +1196,27 @@ def peer2_ours(k: int) -> dict:
 def bench_peer2() -> dict:
     """PEER2's comparison from this machine's last peer2_trl, peer2_ours_k0 and peer2_ours_k2 runs (a call each, on
     one warm machine): each side's figures and ours/TRL at each K. Target: >= 2x TRL's steps/s at K=2, held-out
-    reward in the same band. A run not made yet is reported as None."""
+    reward in the same band. A run not made yet is reported as None.
+    H200, 2026-12-06, one lease, a call each, both evaluations (TRL 1.16.0, vLLM 0.26.0; ours VERBATIM_PEER_FLAGS=
+    "--vllm.num_engines 2"; timed: TRL's steps 3-8, ours' 3-7). Ours' sampled tokens/s as peer2_ours counts them now:
+    | per framework                   | TRL, colocated        | ours, K=0           | ours, K=2, partial rollouts |
+    | steps/s (s per step)            | 0.135 (7.41)          | 0.230 (4.35)        | 0.253 (3.95)                |
+    | sampled tokens/s                | 6,205                 | 5,028               | 6,033 (trained batches: 9,819) |
+    | trained tokens/s                | 11,831                | 28,520              | 11,421                      |
+    | tokens per timed step           | 46,007                | 21,870              | 38,752                      |
+    | lengths p10/med/p90/mean, max   | 38/132/324/181, 1,024 | 12/47/188/104, 1,024 | 25/88/261/148, 1,024       |
+    | peak GPU memory, all processes  | 64.0 GiB (torch 61.9) | 66.1 (trainer 18.3) | 65.6 (trainer 18.2)         |
+    | first step; wall, start-up in   | 66.2 s; 120.5 s       | 190.1 s; 224.5 s    | 124.5 s; 158.4 s            |
+    | held-out, before -> after 8     | 0.01 -> 0.02          | 0.035 -> 0.06       | 0.015 -> 0.01               |
+    | mismatch, mean abs delta log p  | 0.0283                | 0.0147              | 0.0359                      |
+    Ours/TRL: steps/s 1.70x at K=0, 1.88x at K=2 (target 2: not met); sampled tokens/s 0.81x, 0.97x. Tokens per sample,
+    steps 1-8: K=0 206 135 133 72 106 57 59 62 (entropy 0.37 -> 0.15): ours' policy learns shorter answers with no
+    partial rollouts at all, while TRL's stay ~180 (185 in steps 1-2). K=2: 88 192 304 128 129 84 111 148: partial
+    rollouts give step 1 the groups that end first and the long ones follow; its lag-2 policies did not shorten in 8
+    steps. K=2's steps/s is not a steady state: its timed steps drew on a backlog sampled during step 1's 27 s compile
+    (the trainer never waited, <= 6 ms), the trainer slowed by the two engines beside it. A synchronous step samples
+    as long as its longest completion (1,024 tokens: ours 2.4-5.2 s, TRL's generate 3.48 s), so engines do not shorten
+    it; ours' K=0 gain is the train phase (0.64-0.95 s vs TRL's ~3.9 s) on fewer tokens. 873 s of device time."""
     last = {}
     for row in map(json.loads, open(OUT) if os.path.exists(OUT) else ()):
         last[row["section"]] = row
