@@ -7,7 +7,7 @@
 PY      := .venv/bin/python
 STAMP   := .venv/.installed
 JOBS    ?= 2
-XDIST   := -n $(JOBS) --dist loadfile
+XDIST   := -n $(JOBS) --dist loadfile --no-loadscope-reorder   # in conftest's LONGEST_FIRST order
 PIP     := $(PY) -m pip install --disable-pip-version-check -q
 
 .PHONY: run test test-all bench test-gpu bench-gpu venv clean

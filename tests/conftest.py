@@ -33,7 +33,17 @@ def tiny_moe_model(tmp_path_factory) -> str:
     return build_tiny_model(str(tmp_path_factory.mktemp("tiny_moe")), seed=0, tokenizer="chars", moe=True)
 
 
+# The files that take longest, first: make test / test-all hand whole files to two pytest processes in this order
+# (pytest-xdist, --no-loadscope-reorder), so that a long one is not the last to start while the other process runs
+# out of files (xdist's own order, by test count: in a fresh clone's .ci/run on 2 cores, 2026-12-06, the frameworks'
+# tool model began its 12-minute build 25 minutes into a 48-minute run).
+LONGEST_FIRST = ("test_frameworks.py", "test_faults.py", "test_launch.py", "test_clis.py", "test_verifiers.py",
+                 "test_matrix.py", "test_cluster.py", "test_verifiers04.py", "test_slurm.py", "test_lora.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: a file keeps its own order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA: run `make test-gpu` on the GPU machine")
