@@ -7,7 +7,8 @@ import tool_model
 from recipes.tiny_model import build_tiny_model
 from tool_model import build_tool_model, redrawn, tool_model_key
 
-HYPER = dict(temperature=0.5, min_odds=0.0, steps=80, rounds=3, seed=0, lr=5e-3, augment=8, vocab_size=4096, flags=[])
+HYPER = dict(temperature=0.5, min_odds=0.0, steps=80, rounds=3, seed=0, lr=5e-3, augment=8, vocab_size=4096, flags=[],
+             split=3)
 
 
 def capture(workdir: str, date: str, answer: str = "Done: done.txt is created.") -> dict:
