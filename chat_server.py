@@ -769,8 +769,8 @@ def constrain(tools: list, forced: str | None, fmt: dict | None, paths: tuple[st
         nested = fmt.get("json_schema") if "json_schema" in fmt else fmt
         if not isinstance(nested, dict):
             raise bad(paths[1] + ".json_schema", "expected an object")
-        schema = nested.get("schema")
-        return {"json": schema if isinstance(schema, dict) else {"type": "object"}}, paths[1]
+        schema = nested.get("schema")   # as JSON text: vLLM's msgpack link to its core fails on an int past 64 bits
+        return {"json": json.dumps(schema if isinstance(schema, dict) else {"type": "object"})}, paths[1]
     if kind != "text":
         raise bad(paths[1] + ".type", f"unsupported format {kind!r}: use text, json_object or json_schema")
     return None, ""

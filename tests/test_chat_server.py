@@ -1018,6 +1018,22 @@ def test_constrained_decoding_is_sampled_under_the_mask_and_marks_the_turn(serve
     call(loop, strict.stop)
 
 
+def test_a_schema_holding_an_integer_past_64_bits_is_sampled_under(served, loop):
+    """Any JSON may sit in a schema, here an integer past 64 bits under a keyword no grammar reads. The schema reaches
+    vLLM as JSON text, and the request is sampled under it. As a dict it failed in vLLM's msgpack link to its engine
+    core (OverflowError), and the asker got a 503 "engine unavailable, retry" for its own input (test_fuzz found it)."""
+    server, _ = served
+    ep = call(loop, server.open_episode)
+    oai = openai.OpenAI(base_url=ep.openai_base_url, api_key=ep.api_key, max_retries=0)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False, "x-note": {"big": 2**64}}
+    out = oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=40,
+                                      response_format={"type": "json_schema", "json_schema": {"name": "r",
+                                                                                              "schema": schema}})
+    assert isinstance(json.loads(out.choices[0].message.content)["ok"], bool)
+    call(loop, server.close_episode, ep.id)
+
+
 def test_reasoning_round_trips_through_opaque_handles(tiny_model):
     """A turn's reasoning goes out as a handle (Responses encrypted_content, Anthropic signature), never as the text
     in the handle; sent back, the handle restores the exact reasoning, whatever text the client put beside it."""
