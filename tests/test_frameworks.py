@@ -180,7 +180,7 @@ def tool_model(frameworks, tiny_model, tmp_path_factory) -> str:
         agent, script = (lambda ep: run_framework(name, ep, tools)), lambda turn, prompt: texts[min(turn, 2)]
         examples += asyncio.run(capture_turns(tiny_model, agent, script)) if name == "smolagents" else \
             [asyncio.run(capture(tiny_model, agent, script))]
-    return build_tool_model(str(root / "model"), examples, temperature=0.3, steps=90, lr=1e-2,
+    return build_tool_model(str(root / "model"), examples, temperature=0.3, steps=90, lr=1e-2, split=3,  # 27 a step
                             vary=lambda ex, rng: fresh_ids(redrawn(ex, rng), rng))   # NLL ~0.004 per token
 
 

@@ -1,5 +1,6 @@
 """tool_model's cache: a tool model is trained once per checksum of what it is trained on, and reused after."""
 import copy
+import inspect
 import os
 import subprocess
 
@@ -7,8 +8,11 @@ import tool_model
 from recipes.tiny_model import build_tiny_model
 from tool_model import build_tool_model, redrawn, tool_model_key
 
-HYPER = dict(temperature=0.5, min_odds=0.0, steps=80, rounds=3, seed=0, lr=5e-3, augment=8, vocab_size=4096, flags=[],
-             split=3)
+# build_tool_model's own defaults, as the hyper-parameters it keys its cache by (vary is keyed apart, flags as a list):
+# a default added there is in the key here too
+HYPER = {name: p.default for name, p in inspect.signature(build_tool_model).parameters.items()
+         if p.default is not inspect.Parameter.empty and name != "vary"}
+HYPER.update(temperature=0.5, min_odds=0.0, flags=[])
 
 
 def capture(workdir: str, date: str, answer: str = "Done: done.txt is created.") -> dict:

@@ -213,11 +213,13 @@ def keep(model_dir: str, cached: str) -> str:
 def build_tool_model(out_dir: str, examples: list[dict], *, temperature: float,
                      min_odds: float = 0.99, steps: int = 80, rounds: int = 3, seed: int = 0, lr: float = 5e-3,
                      augment: int = 8, vary: Callable = redrawn, vocab_size: int = 4096, flags: tuple = (),
-                     split: int = 3) -> str:
+                     split: int = 1) -> str:
     """A tiny BPE model SFT'd by launch.py (its own Ray, a subprocess; `flags` are more of its flags) on the examples
     and `augment` variants of each (variants, through `vary`), drawn anew each round; returns its HF directory. Each
     step trains on 1/`split` of the round's rows (launch's seeded order, cyclic): on the frameworks' 81 rows, 90
-    steps of 27 rows reached odds >= 0.9988 in 232 s, 90 steps of all 81 took ~620 s (2 cores, 2026-12-07). It
+    steps of 27 rows reached odds >= 0.9988 in 232 s, 90 steps of all 81 took ~620 s (2 cores, 2026-12-07). Fewer
+    rows a step fail: 16 of those 81 ended at 0.9746; 6 of the CLIs' 18 reached 0.9999 alone but ended 3 rounds under
+    0.99 in a later fresh-clone run (all 18 a step: 0.9999 in round 0). So 1, every row, is the default. It
     trains in rounds of `steps`, the learning rate warmed up over 10 and decayed by a cosine to 0 at the round's end
     (a new start, then one more round resumed from it, then a new start...) until every
     check (each example and 8 copies through `vary` it never saw) replays at `temperature` with odds >=
