@@ -676,44 +676,70 @@ def test_moe_routing_recorded_by_vllm_is_replayed_at_every_position(moe_setup):
     assert m_replay["loss/mismatch_k3"] < m_live["loss/mismatch_k3"]
 
 
-def test_packed_step_with_flex_attention_matches_the_padded_step(gpu_model, ray_local):
-    """--train.pack on NeMo's model: the batch's rows end to end in one flex_attention row of 1,024 tokens must
-    compute the padded step's function. Bounds (module docstring: bf16, kernels that sum in other orders): per-token
-    log-probs within 0.1 and their mean within 0.02, before one step at lr 1e-3 and after it (a wrong gradient, e.g.
-    attention across rows, moves them apart); the gradient norm, a sum over ~700 tokens' bf16 terms, within 5%.
-    H100, 2026-12-06: passed in 98 s; |delta log p| mean 0.0007 (max 0.0086) before the step, 0.0041 (max 0.0195)
-    after; grad norm 2.6839 padded, 2.6835 packed."""
+def mixed_segments() -> list:
+    """16 rows of 12 + 4..59 tokens (<= 1,024 in all), 4 groups of mixed rewards."""
     from random import Random
 
-    from estimators import EstimatorArgs
     from generator import Segment
-    from losses import LossArgs
     rng, segs = Random(0), []
-    for i, prompt in enumerate(PROMPTS):  # 16 rows of 12 + 4..59 tokens, 4 groups of mixed rewards
+    for i, prompt in enumerate(PROMPTS):
         completion = [rng.randrange(3, 23) for _ in range(rng.randrange(4, 60))]
         n, m = len(prompt), len(completion)
         segs.append(Segment(token_ids=prompt + completion, action_mask=[False] * n + [True] * m,
                             logprobs=[0.0] * n + [-2.0] * m, versions=[-1] * n + [0] * m, reward=float(i % 2),
                             episode_id=f"e{i}", group_id=f"g{i // 4}"))
+    return segs
+
+
+def before_step_after(gpu_model: str, segs: list, train: TrainArgs, fsdp: FsdpArgs) -> tuple:
+    """A fresh trainer's log-probs of segs, one train step on them (lr 1e-3: a wrong gradient shows after it), the
+    log-probs again -> (before, step metrics, after)."""
+    from estimators import EstimatorArgs
+    from losses import LossArgs
+    trainer = TrainerGroup(gpu_model, train, fsdp, CkptArgs(), LossArgs(), EstimatorArgs(), temperature=1.0,
+                           gpus_per_rank=1.0)
+    try:
+        before = trainer.logprobs(segs)
+        metrics = trainer.train_step(segs)
+        return before, metrics, trainer.logprobs(segs)
+    finally:
+        trainer.shutdown()
+
+
+def assert_same_function(a: tuple, b: tuple) -> None:
+    """Two (before, metrics, after) of one batch computed the same function: per-token log-probs within 0.1 and their
+    mean within 0.02, before the step and after it; the gradient norm (a sum over ~700 tokens' bf16 terms) within 5%;
+    the loss within 0.02."""
+    for x, y in ((a[0], b[0]), (a[2], b[2])):
+        delta = torch.cat([(p - q).abs()[1:] for p, q in zip(x, y)])
+        print(f"log-probs: mean |delta| {delta.mean():.4f}, max {delta.max():.4f}")
+        assert delta.mean() < 0.02 and delta.max() < 0.1
+    print("grad norm", a[1]["train/grad_norm"], b[1]["train/grad_norm"])
+    assert b[1]["train/grad_norm"] == pytest.approx(a[1]["train/grad_norm"], rel=0.05)
+    assert b[1]["train/loss"] == pytest.approx(a[1]["train/loss"], abs=0.02)
+
+
+def test_packed_step_with_flex_attention_matches_the_padded_step(gpu_model, ray_local):
+    """--train.pack on NeMo's model: the batch's rows end to end in one flex_attention row of 1,024 tokens must
+    compute the padded step's function, within assert_same_function's bounds (module docstring: bf16, kernels that
+    sum in other orders). H100, 2026-12-06: passed in 98 s; |delta log p| mean 0.0007 (max 0.0086) before the step,
+    0.0041 (max 0.0195) after; grad norm 2.6839 padded, 2.6835 packed (the same figures again on 2026-12-07)."""
+    segs = mixed_segments()
     total = sum(len(s.token_ids) for s in segs)
     assert total <= 1024  # so --train.pack's plan is one row of 1,024 positions
-    out = {}
-    for pack in (False, True):
-        trainer = TrainerGroup(gpu_model, TrainArgs(lr=1e-3, pack=pack, max_tokens_per_microbatch=1024),
-                               FsdpArgs(param_dtype="bfloat16"), CkptArgs(), LossArgs(), EstimatorArgs(),
-                               temperature=1.0, gpus_per_rank=1.0)
-        try:
-            before = trainer.logprobs(segs)
-            metrics = trainer.train_step(segs)
-            out[pack] = before, metrics, trainer.logprobs(segs)
-        finally:
-            trainer.shutdown()
-    (padded_before, padded, padded_after), (packed_before, packed, packed_after) = out[False], out[True]
-    assert packed["train/pad_frac"] == pytest.approx(1 - total / 1024)
-    for a, b in ((padded_before, packed_before), (padded_after, packed_after)):
-        delta = torch.cat([(x - y).abs()[1:] for x, y in zip(a, b)])
-        print(f"packed vs padded log-probs: mean |delta| {delta.mean():.4f}, max {delta.max():.4f}")
-        assert delta.mean() < 0.02 and delta.max() < 0.1
-    print("grad norm padded", padded["train/grad_norm"], "packed", packed["train/grad_norm"])
-    assert packed["train/grad_norm"] == pytest.approx(padded["train/grad_norm"], rel=0.05)
-    assert packed["train/loss"] == pytest.approx(padded["train/loss"], abs=0.02)
+    padded, packed = (before_step_after(gpu_model, segs, TrainArgs(lr=1e-3, pack=pack, max_tokens_per_microbatch=1024),
+                                        FsdpArgs(param_dtype="bfloat16")) for pack in (False, True))
+    assert packed[1]["train/pad_frac"] == pytest.approx(1 - total / 1024)
+    assert_same_function(padded, packed)
+
+
+def test_compiled_layers_step_matches_the_eager_step(gpu_model, ray_local):
+    """--fsdp.compile_layers (each decoder layer's forward through torch.compile, with activation checkpointing, which
+    recomputes it in backward) computes the eager step's function, within assert_same_function's bounds.
+    H100, 2026-12-07: passed in 60 s; |delta log p| mean 0.0022 (max 0.0097) before the step, 0.0056 (max 0.0249)
+    after; grad norm 2.6839 eager, 2.6839 compiled."""
+    segs, train = mixed_segments(), TrainArgs(lr=1e-3, max_tokens_per_microbatch=1024)
+    eager, compiled = (before_step_after(gpu_model, segs, train, FsdpArgs(param_dtype="bfloat16", compile_layers=c,
+                                                                          gradient_checkpointing=True))
+                       for c in (False, True))
+    assert_same_function(eager, compiled)

@@ -167,6 +167,18 @@ def test_pack_is_refused_where_it_cannot_run_naming_the_flags(tiny_moe_model, tm
                      EstimatorArgs(), temperature=1.0, gpus_per_rank=1.0)
 
 
+def test_compile_layers_is_refused_where_it_cannot_run_naming_the_flags():
+    compiled = FsdpArgs(compile_layers=True)
+    with pytest.raises(ValueError, match="--fsdp.compile_layers on CPU"):
+        check_args(TrainArgs(), compiled, LossArgs(), EstimatorArgs(), cuda=False)
+    with pytest.raises(ValueError, match="--fsdp.compile_layers .* --train.routing_replay"):
+        check_args(TrainArgs(routing_replay=True), compiled, LossArgs(), EstimatorArgs(), cuda=True)
+    check_args(TrainArgs(), compiled, LossArgs(), EstimatorArgs(), cuda=True)
+    with pytest.raises(ValueError, match="--vllm.batch_invariant with --fsdp.compile_layers"):  # before any actor
+        TrainerGroup("unused", TrainArgs(), compiled, CkptArgs(), LossArgs(), EstimatorArgs(), temperature=1.0,
+                     gpus_per_rank=1.0, batch_invariant=True)
+
+
 def test_packed_forward_under_flex_attention_equals_each_row_alone(tiny_chars_model):
     # torch runs flex_attention's backward only on GPUs (test_gpu.py trains a packed step): here the forward
     segments = make_segments()[:4]
