@@ -48,7 +48,8 @@ EXTRA=(ray==2.60.0 transformers==5.18.0 nemo-automodel==0.7.0 torchao==0.18.0 js
        verl==0.9.1 transferqueue==0.1.11 tensordict==0.10.0 pyvers==0.2.3 hydra-core==1.3.8 omegaconf==2.3.0
        codetiming==1.4.0 orjson==3.13.0 peft==0.21.2 torchdata==0.11.0 pylatexenc==2.11 psutil==7.2.2
        prometheus_client==0.26.0 watchfiles==1.3.0 model-hosting-container-standards==0.1.16 jmespath==1.1.0
-       supervisor==4.3.0 prometheus-fastapi-instrumentator==8.1.0)
+       supervisor==4.3.0 prometheus-fastapi-instrumentator==8.1.0 liger-kernel==0.8.5)
+# liger-kernel: bench_gpu.py's trainer sections (plain transformers + Liger; triton is on the machine with its torch).
 # trl .. multiprocess: bench_gpu.py's peer section (TRL's GRPOTrainer, vLLM colocated). TRL 1.16 supports vLLM
 # 0.22-0.31; its trainer imports datasets, which needs dill and multiprocess (the machine has pyarrow, xxhash, fsspec,
 # pandas). verl .. prometheus_client: the peer_verl section, what verl 0.9.1's GRPO path imports beyond the rest (its
