@@ -922,8 +922,9 @@ def build_model(rank: TrainerRank, auto_class, lora: bool = False, **kwargs) -> 
     model.train()  # from_pretrained returns eval mode, in which HF's (NeMo's) activation checkpointing is off; with
     # dropout zeroed, train mode changes nothing else (but --train.lora_dropout, live in the loss forward alone)
     model = parallelize_model(model.to(rank.device), rank.dist_setup.mesh_context)
-    for layer in (m for m in model.modules() if rank.fsdp.compile_layers and type(m).__name__.endswith("DecoderLayer")):
-        layer.forward = torch.compile(layer.forward)  # FSDP2's gathers run in the module's hooks, outside it
+    if rank.fsdp.compile_layers:  # FSDP2's gathers run in each layer's hooks, outside its compiled forward
+        for layer in (m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")):
+            layer.forward = torch.compile(layer.forward)
     if nemo_moe and not isinstance(model, FSDPModule):  # one rank: NeMo skips fully_shard and its bf16 cast, and
         fully_shard(model, mesh=rank.dist_setup.mesh_context.device_mesh["dp"],  # autocast is 2x further from vLLM
                     mp_policy=rank.dist_setup.mesh_context.strategy_config.mp_policy)

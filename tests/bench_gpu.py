@@ -162,6 +162,11 @@ def bench_logprobs(seq: int = 16384, vocab: int = 151936, repeats: int = 5) -> d
 
 # --- trainer: ours vs plain transformers, one 16,384-token sequence per step
 
+def bench_row(seq: int) -> torch.Tensor:
+    """The trainer sections' one row: seeded random ids over the 0.6B shape's vocabulary (SmolLM2's at <= 8,192)."""
+    return torch.randint(0, 151936 if seq > 8192 else 49152, (1, seq), generator=torch.Generator().manual_seed(0))
+
+
 def bench_trainer(model: str, seq: int = 16384, warmup: int = 2, steps: int = 5, name: str = "trainer") -> dict:
     """One 16,384-token sequence per step, ours vs a plain transformers script with the same numerics (fp32 masters,
     bf16 autocast, AdamW, clip 1.0), with activation checkpointing on both sides, then off on both.
@@ -190,7 +195,7 @@ def bench_trainer(model: str, seq: int = 16384, warmup: int = 2, steps: int = 5,
     (3.8 GiB), whole logits 34,567 (5.2 GiB): chunks 1.14x faster there; ours 1.08x of plain + Liger, 6.6% MFU.
     Beside prime-rl's published figure for the same shape and length on one H100 (its BENCHMARKS.md: 11.9k tokens/s,
     11.1% MFU, its fused chunked LM head; not rerun here): ours 22.6k checkpointed, 28.0k not, on this lease's H100."""
-    ids = torch.randint(0, 151936 if seq > 8192 else 49152, (1, seq), generator=torch.Generator().manual_seed(0))
+    ids = bench_row(seq)
     modes = {"ckpt": True, "no_ckpt": False}
     times, peaks, flops = {mode: {} for mode in modes}, {mode: {} for mode in modes}, None
     for side in ("plain", "plain_liger"):  # every plain side first: Liger patches transformers process-wide
@@ -262,7 +267,7 @@ def bench_trainer_compiled(model: str, seq: int = 16384, warmup: int = 3, steps:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from trainer import mfu, model_flops
-    ids = torch.randint(0, 151936 if seq > 8192 else 49152, (1, seq), generator=torch.Generator().manual_seed(0))
+    ids = bench_row(seq)
     with torch.device("meta"):  # the row's model FLOPs, from the shape alone
         shape = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
     flops = model_flops(shape.config, sum(p.numel() for p in shape.parameters()), [seq])

@@ -743,3 +743,6 @@ def test_compiled_layers_step_matches_the_eager_step(gpu_model, ray_local):
                                                                           gradient_checkpointing=True))
                        for c in (False, True))
     assert_same_function(eager, compiled)
+    # compiled kernels fuse and round differently (max |delta| 0.0097 on the H100): equal bits would mean that no
+    # layer was compiled
+    assert any(not torch.equal(x, y) for x, y in zip(eager[0], compiled[0]))
