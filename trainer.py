@@ -261,7 +261,7 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float, 
                    compiled: bool = False):
     """log p(ids_t | ids_<t) under softmax(logits / temperature) (B, T), and its entropy (B, T) if asked; 0 at t = 0."""
     B, T, V = logits.shape
-    fn = compiled_rows_logprobs if compiled else rows_logprobs
+    fn = compiled_logprobs() if compiled else rows_logprobs
     logp, h = fn(logits.reshape(B * T, V), next_ids(ids).reshape(B * T), temperature, entropy, entropy_grad)
     return shifted(logp.view(B, T)), shifted(h.view(B, T)) if entropy else None
 
@@ -936,7 +936,7 @@ def head_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature
     """rows_logprobs over head(hidden) for (N, H) hidden states, `chunk` rows at a time: a chunk's (chunk, V) logits
     live inside one checkpointed call and backward makes them again, so the (N, V) logits never exist. -> (N, 2): log
     p(targets), entropy (0 unless asked). banned: a vocabulary id kept out of the softmax (a VLM's image id)."""
-    fn = compiled_rows_logprobs if compiled else rows_logprobs
+    fn = compiled_logprobs() if compiled else rows_logprobs
 
     def part(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         logits = head(h)  # (n, V)
@@ -1084,8 +1084,12 @@ class LossScale:
         return True
 
 
-# Inductor's coalesce tiling analysis (torch 2.11) asserts on this function's fused backward at small shapes.
-compiled_rows_logprobs = torch.compile(rows_logprobs, dynamic=True, options={"triton.coalesce_tiling_analysis": False})
+@functools.cache
+def compiled_logprobs():
+    """rows_logprobs under torch.compile, made on first use (GPU only): compiling at import costs every process that
+    imports this file ~2 CPU-seconds for inductor, ranks and test processes on CPU included. Inductor's coalesce
+    tiling analysis (torch 2.11) asserts on this function's fused backward at small shapes."""
+    return torch.compile(rows_logprobs, dynamic=True, options={"triton.coalesce_tiling_analysis": False})
 
 
 # --- LoRA (--train.lora_rank): NeMo AutoModel's adapter linears; peft's names and config for refit and export

@@ -18,7 +18,7 @@ from generator import Generator, RolloutArgs, VllmArgs
 from losses import mismatch_metrics
 from recipes.tiny_model import build_tiny_model
 from recipes.tiny_vlm import build_tiny_vlm
-from trainer import (CkptArgs, FsdpArgs, TrainArgs, TrainerGroup, compiled_rows_logprobs, rows_logprobs,
+from trainer import (CkptArgs, FsdpArgs, TrainArgs, TrainerGroup, compiled_logprobs, rows_logprobs,
                      sft_batch)
 
 pytestmark = pytest.mark.gpu
@@ -127,7 +127,7 @@ def test_compiled_logprobs_equal_eager_with_gradients(rows):
     logits = (3 * torch.randn(rows, vocab, device="cuda", generator=gen)).bfloat16()
     targets = torch.randint(0, vocab, (rows,), device="cuda", generator=gen)
     results = []
-    for fn in (rows_logprobs, compiled_rows_logprobs):
+    for fn in (rows_logprobs, compiled_logprobs()):
         for entropy_grad in (False, True):
             x = logits.clone().requires_grad_(True)
             logp, h = fn(x, targets, 0.7, True, entropy_grad)
