@@ -258,12 +258,11 @@ def bench_trainer_compiled(model: str, seq: int = 16384, warmup: int = 3, steps:
     """--fsdp.compile_layers: ours with and without compiled decoder layers on bench_trainer's row, not checkpointed,
     then checkpointed (tokens/s, MFU, peak GiB; a report per mode), then plain transformers + Liger where Liger-Kernel
     is installed (it patches this process only; ours' ranks are Ray actors of their own).
-    H100, 2026-12-07, Qwen3-0.6B shape, 16,384 tokens (no Liger staged on that machine):
-    | mode             | ours                   | ours, compiled layers  | gain  |
-    | not checkpointed | 28,024 26.1% 48.1 GiB  | 43,383 40.4% 33.2 GiB  | 1.55x |
-    | checkpointed     | 22,381 20.8% 14.0 GiB  | 34,824 32.4% 14.0 GiB  | 1.56x |
-    Beside bench_trainer's plain + Liger of 2026-12-06 on another H100 lease (32,364 not checkpointed, 27,762
-    checkpointed): 1.34x and 1.25x, not measured in one call."""
+    H100, 2026-12-07, one call (Liger-Kernel 0.8.5), Qwen3-0.6B shape, 16,384 tokens; tokens/s, MFU, peak GiB:
+    | mode             | ours                  | ours, compiled layers | plain + Liger         | vs Liger |
+    | not checkpointed | 27,552 25.7% 48.1 GiB | 42,318 39.4% 33.2 GiB | 32,525 30.3% 32.6 GiB | 1.30x    |
+    | checkpointed     | 22,366 20.8% 14.0 GiB | 34,565 32.2% 14.0 GiB | 27,467 25.6% 11.2 GiB | 1.26x    |
+    Compiled layers alone: 1.54x and 1.55x (an earlier H100 lease: 1.55x, 1.56x)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from trainer import mfu, model_flops
@@ -1261,7 +1260,18 @@ def bench_peer2() -> dict:
     steps. K=2's steps/s is not a steady state: its timed steps drew on a backlog sampled during step 1's 27 s compile
     (the trainer never waited, <= 6 ms), the trainer slowed by the two engines beside it. A synchronous step samples
     as long as its longest completion (1,024 tokens: ours 2.4-5.2 s, TRL's generate 3.48 s), so engines do not shorten
-    it; ours' K=0 gain is the train phase (0.64-0.95 s vs TRL's ~3.9 s) on fewer tokens. 873 s of device time."""
+    it; ours' K=0 gain is the train phase (0.64-0.95 s vs TRL's ~3.9 s) on fewer tokens. 873 s of device time.
+    H100, 2026-12-07, one lease, peer2_trl then peer2_ours_k2 (VERBATIM_PEER_FLAGS="--vllm.num_engines 2"):
+    | per framework                 | TRL, colocated        | ours, K=2, partial rollouts |
+    | steps/s (s per step), timed   | 0.115 (8.68)          | 0.311 (3.21): 2.70x         |
+    | sampled / trained tokens/s    | 4,953 / 9,915         | 3,012 / 10,163              |
+    | tokens per timed step         | 42,984                | 25,413                      |
+    | lengths p10/med/p90/mean, max | 20/101/372/176, 1,024 | 12/47/203/101, 1,024        |
+    | first step; wall, start-up in | 68.7 s; 133.3 s       | 190.8 s; 224.6 s            |
+    | held-out, before -> after 8   | 0.01 -> 0.035         | 0.02 -> 0.07                |
+    The 2.70x is of the timed steps only, which drew on the backlog sampled during ours' 191 s first step; over the
+    whole run ours is the slower (224.6 s vs 133.3 s), and it samples 0.61x TRL's tokens/s. Not a steady-state win.
+    The same run with --fsdp.compile_layers added did not finish in 300 s (its ranks' logs not kept)."""
     last = {}
     for row in map(json.loads, open(OUT) if os.path.exists(OUT) else ()):
         last[row["section"]] = row
