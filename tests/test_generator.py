@@ -610,10 +610,12 @@ def test_colocate_takes_several_engines_and_refuses_ranks_or_engines_across_gpus
 
 @pytest.mark.slow
 def test_two_engines_keep_a_group_on_one_engine_and_one_refit_versions_each_exactly(tiny_model, ray_local, perturbed):
-    gen = Generator(tiny_model, VllmArgs(num_engines=2, max_model_len=512, kv_cache_gb=0.25, refit_bucket_mb=1),
+    gen = Generator(tiny_model, VllmArgs(num_engines=2, max_model_len=1024, kv_cache_gb=0.25, refit_bucket_mb=1),
                     RolloutArgs(max_new_tokens=16))
     keys = {pick_engine(f"group-{i}", 2): f"group-{i}" for i in range(8)}  # a group id that each engine serves
-    n = 300
+    # The long requests must still be in flight when the pause lands, after the short ones came back. At n = 300 a
+    # fresh-clone CI run (load ~19 on 2 cores) saw one finish first: the pause took over 292 decode steps to land.
+    n = 1000
 
     async def scenario() -> list[Completion]:
         # group 0: one long request and 4 short ones; group 1: one long and 2 short (round robin would split 4 / 4)
