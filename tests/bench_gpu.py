@@ -1193,6 +1193,11 @@ def peer2_argv(out_dir: str, k: int) -> list[str]:
     return smollm2_argv(out_dir, j["steps"], str(j["lr"]), k, j["steps"]) + job + partial + PEER_FLAGS
 
 
+# The start-up of ours' run, seconds from its start to each one's first call's start and end (peer2_ours' `phases`):
+# the engines, the trainer ranks, the first evaluation (the baseline), the first batch's audit (its groups are in)
+PHASES = ("Generator", "TrainerGroup", "evaluate", "audit")
+
+
 def peer2_ours(k: int) -> dict:
     """Ours on PEER2's job at K=k (k > 0: partial rollouts), reported as peer2_ours_k<k>: peer_ours' figures, the wall
     time from the start to the end of the run, and the trained completions' lengths (taken from each batch the loop
@@ -1200,17 +1205,35 @@ def peer2_ours(k: int) -> dict:
     import launch
     out_dir = os.path.join(ROOT, "runs", f"bench_peer2_ours_k{k}")
     shutil.rmtree(out_dir, ignore_errors=True)  # the metrics file is appended to
-    lengths, metrics_of = [], launch.rollout_metrics
+    lengths, originals, phases = [], {n: getattr(launch, n) for n in PHASES + ("rollout_metrics",)}, {}
 
     def recorded(segments: list, *rest) -> dict:
         lengths.extend(sum(s.action_mask) for s in segments)
-        return metrics_of(segments, *rest)
-    launch.rollout_metrics, t0 = recorded, time.perf_counter()
+        return originals["rollout_metrics"](segments, *rest)
+
+    def timed(name: str):  # the first call of launch.<name>: its start and end, seconds from t0
+        def call(*args, **kwargs):
+            start = time.perf_counter() - t0
+            out = originals[name](*args, **kwargs)
+            phases.setdefault(name, (round(start, 1), round(time.perf_counter() - t0, 1)))
+            return out
+
+        async def acall(*args, **kwargs):
+            start = time.perf_counter() - t0
+            out = await originals[name](*args, **kwargs)
+            phases.setdefault(name, (round(start, 1), round(time.perf_counter() - t0, 1)))
+            return out
+        return acall if asyncio.iscoroutinefunction(originals[name]) else call
+    for name in PHASES:
+        setattr(launch, name, timed(name))
+    launch.rollout_metrics = recorded
+    t0 = time.perf_counter()
     try:
         with PeakGpu(t0, os.path.join(out_dir, "metrics.jsonl")) as peak:
             asyncio.run(launch.run_rl(launch.parse_args(peer2_argv(out_dir, k))))
     finally:
-        launch.rollout_metrics = metrics_of
+        for name, fn in originals.items():
+            setattr(launch, name, fn)
     wall = time.perf_counter() - t0
     rows_ = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
     pairs = [(prev, r) for prev, r in zip(rows_[1:], rows_[2:])  # steps 0-1 warm up; an eval step samples 200 more
@@ -1233,7 +1256,7 @@ def peer2_ours(k: int) -> dict:
                   truncated_frac=total("rollout/truncated_frac") / len(timed_),
                   mixed_version_rows=total("rollout/mixed_version_rows"), completion_lengths=length_stats(lengths),
                   dropped_stale=sum(r.get("rollout/dropped_stale", 0.0) for r in timed_),
-                  flags=" ".join(PEER_FLAGS), steps=PEER2["steps"],
+                  flags=" ".join(PEER_FLAGS), steps=PEER2["steps"], phases=phases,
                   curve=[(r["step"] + 1, round(r["rollout/reward_mean"], 3)) for r in rows_])
 
 
