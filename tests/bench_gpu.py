@@ -1294,7 +1294,15 @@ def bench_peer2() -> dict:
     | held-out, before -> after 8   | 0.01 -> 0.035         | 0.02 -> 0.07                |
     The 2.70x is of the timed steps only, which drew on the backlog sampled during ours' 191 s first step; over the
     whole run ours is the slower (224.6 s vs 133.3 s), and it samples 0.61x TRL's tokens/s. Not a steady-state win.
-    The same run with --fsdp.compile_layers added did not finish in 300 s (its ranks' logs not kept)."""
+    The same run with --fsdp.compile_layers added did not finish in 300 s (its ranks' logs not kept).
+    H200, 2026-12-07, a fresh machine, peer2_ours_k2 alone (2 engines), with peer2_ours' phases: first step 312.2 s,
+    wall 339.0 s (timed steps 0.339 steps/s, 2,792 sampled tokens/s, held-out 0.02 -> 0.045). Of the 312 s: 22.7 s to
+    the Generator call (Ray, imports, the GGUF conversion); the two engines 193.1 s (22.7 -> 215.8), one after the
+    other; trainer ranks 15.8 s; agent workers and queue 11.8 s; the baseline evaluation 5.4 s; the first batch 5.5 s;
+    the first train step, refit and probe 57.9 s. vLLM's own logs, per engine: "Initializing" 67 s (first) and 36 s
+    (second, its actor already up) after its start call; its core's init 51.5 s (torch.compile 23.5 s, cache cold) and
+    30.6 s (4.7 s, from the first's cache), CUDA graphs 7 s each. So ~100 s of the engines' 193 s comes before vLLM's
+    core logs anything (engine-core process spawn and imports), twice over: the lead for the first step."""
     last = {}
     for row in map(json.loads, open(OUT) if os.path.exists(OUT) else ()):
         last[row["section"]] = row
