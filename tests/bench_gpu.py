@@ -76,6 +76,8 @@ built locally. Each section measures ours and its baseline side by side in one r
              rollouts), VERBATIM_PEER_FLAGS as in peer; then `peer2` reports the three and ours/TRL (target >= 2x
              steps/s at K=2): steps/s, sampled and trained tokens/s, peak GPU memory, time to first step, wall time,
              held-out reward before/after, the sampled completion lengths (min, p10, median, p90, max, mean).
+  engine_start  (optional, alone in its command) one engine as peer2 starts each, in a fresh interpreter, twice:
+             seconds to its imports, engine args and AsyncLLM ready; vLLM's DEBUG logs kept in runs/.
 Peak memory: trainer (torch max allocated) and engine (GPU memory taken by its start) are reported.
 
     python tests/bench_gpu.py [logprobs] [trainer] [generator] [refit] [loop1] [loop2] [smollm2] [smollm2_k1]
@@ -1315,6 +1317,44 @@ def bench_peer2() -> dict:
                   ratios=ratios, target_k2_steps=2.0)
 
 
+# --- engine_start: where one engine's start goes (peer2's engines spend ~100 s before vLLM's core logs anything)
+
+def engine_start(runs: int = 2) -> dict:
+    """One engine as PEER2's run makes each of its two (SmolLM2, half the GPU share and max_num_seqs), started `runs`
+    times in a fresh interpreter as an engine actor is (no Ray; the first with vLLM's compile cache as this machine
+    has it, the next with it warm): seconds from the spawn to each mark (interpreter and imports, engine args, AsyncLLM
+    ready), and vLLM's DEBUG log of each start kept as runs/engine_start_<i>.log (its own timings are in it)."""
+    from recipes.smollm2 import smollm2_dir
+    model, marks = smollm2_dir(), []
+    for i in range(runs):
+        log, start = os.path.join(ROOT, "runs", f"engine_start_{i}.log"), time.time()
+        with open(log, "w") as f:
+            subprocess.run([sys.executable, __file__, "engine_start_child", model], stdout=f, stderr=subprocess.STDOUT,
+                           env={**os.environ, "VLLM_LOGGING_LEVEL": "DEBUG"}, check=True, timeout=400)
+        lines = [line.split() for line in open(log) if line.startswith("MARK ")]
+        marks.append({name: round(float(at) - start, 1) for _, name, at in lines})
+    return report("engine_start", marks=marks, logs="runs/engine_start_<i>.log")
+
+
+def engine_start_child(model: str) -> None:
+    """engine_start's child: prints `MARK <name> <time.time()>` at each mark."""
+    mark = lambda name: print(f"MARK {name} {time.time()}", flush=True)
+    mark("interpreter")
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from generator import VllmArgs, build_engine_args
+    mark("imports")
+    j = PEER2
+    vllm = VllmArgs(max_model_len=j["max_model_len"], max_num_seqs=j["prompts"] * j["group"], enforce_eager=False,
+                    gpu_memory_utilization=j["gpu_memory_utilization"], num_engines=2)
+    args = build_engine_args(model, vllm, cuda=True, share=2)
+    mark("engine_args")
+    llm = AsyncLLM.from_engine_args(args)
+    mark("ready")
+    llm.shutdown()
+    mark("shut_down")
+
+
 # --- partial rollouts vs draining, on a long tail of completion lengths
 
 def bench_longtail(model: str, steps: int = 8, modes: tuple[str, ...] = ("drain", "partial"), k: int = 1) -> dict:
@@ -1749,6 +1789,12 @@ def main() -> None:
                 agent="arith_agent", section="peer2_trl", **PEER2_TRL)
         sys.stdout.flush()
         os._exit(0)  # reported: no wait on the in-process engine's teardown
+    if sys.argv[1:2] == ["engine_start_child"]:  # engine_start's child process: no Ray
+        engine_start_child(sys.argv[2])
+        return
+    if sys.argv[1:2] == ["engine_start"]:  # before Ray starts, as an engine actor's start is timed alone
+        engine_start()
+        return
     if sys.argv[1:2] == ["precision_layers"]:  # bench_precision's child process: no Ray
         precision_layers(*sys.argv[2:])
         return
