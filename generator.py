@@ -40,7 +40,9 @@ class VllmArgs:
     batch_invariant: bool = field(default=False, metadata={"help": "GPU: batch-invariant kernels, engines and trainer"})
     max_model_len: int = field(default=2048, metadata={"help": "longest prompt + completion, in tokens"})
     gpu_memory_utilization: float = field(default=0.5, metadata={"help": "GPU only: GPU memory share for weights + KV"})
-    kv_cache_gb: float = field(default=1.0, metadata={"help": "CPU only: KV cache GiB (else vLLM takes most RAM)"})
+    kv_cache_gb: float = field(default=0.0, metadata={
+        "help": "KV cache GiB per engine (0: 1 on CPU; on a GPU, what --vllm.gpu_memory_utilization leaves after the "
+                "weights). Set on a GPU, the engines that share it start together"})
     tensor_parallel_size: int = field(default=1, metadata={"help": "GPUs per engine (tensor parallel)"})
     enable_expert_parallel: bool = field(default=False, metadata={"help": "MoE: whole experts per GPU, not slices"})
     enable_prefix_caching: bool = field(default=False, metadata={"help": "reuse shared-prefix KV (reset every refit)"})
@@ -65,8 +67,9 @@ class VllmArgs:
             raise ValueError("--vllm.max_model_len must be >= 2 (one prompt token and one sampled token)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("--vllm.gpu_memory_utilization must be in (0, 1]")
-        if self.kv_cache_gb <= 0:
-            raise ValueError("--vllm.kv_cache_gb must be > 0")
+        if self.kv_cache_gb < 0:
+            raise ValueError("--vllm.kv_cache_gb must be >= 0 (0: 1 GiB on CPU; on a GPU, sized by "
+                             "--vllm.gpu_memory_utilization)")
         if min(self.tensor_parallel_size, self.num_engines, self.refit_bucket_mb, self.cpu_threads, self.max_loras) < 1:
             raise ValueError("--vllm.tensor_parallel_size, --vllm.num_engines, --vllm.refit_bucket_mb, "
                              "--vllm.cpu_threads, --vllm.max_loras must be >= 1")
@@ -205,8 +208,9 @@ class Generator:
         share = vllm.num_engines if 0 < options["num_gpus"] < 1 else 1  # on a fraction of a GPU: all on one GPU
         self._engines = [Engine.options(**options).remote(model_path, vllm, share) for _ in range(vllm.num_engines)]
         infos = []
-        # engines sharing a GPU start one by one: vLLM sizes its KV cache by the GPU memory taken while it profiles
-        for wave in [self._engines] if share == 1 else [[e] for e in self._engines]:
+        # engines sharing a GPU start one by one, as vLLM sizes a KV cache by the GPU memory taken while it profiles,
+        # unless --vllm.kv_cache_gb sizes them (vLLM then profiles to compile and warm up only)
+        for wave in [self._engines] if share == 1 or vllm.kv_cache_gb else [[e] for e in self._engines]:
             for ref in [e.start.remote(self.version) for e in wave]:
                 try:
                     infos.append(ray.get(ref))  # blocks: start-up happens once, before any loop runs
@@ -795,9 +799,8 @@ def build_engine_args(model_path: str, vllm: VllmArgs, *, cuda: bool, share: int
                          "sampling log-probs would not be the model's; drop it")
     if not cuda and vllm.gpu_memory_utilization != defaults.gpu_memory_utilization:
         raise ValueError("--vllm.gpu_memory_utilization on a CPU engine: size its KV cache with --vllm.kv_cache_gb")
-    if cuda and (vllm.kv_cache_gb != defaults.kv_cache_gb or vllm.cpu_threads != defaults.cpu_threads):
-        raise ValueError("--vllm.kv_cache_gb / --vllm.cpu_threads on a GPU engine: they size CPU engines; size "
-                         "its KV cache with --vllm.gpu_memory_utilization")
+    if cuda and vllm.cpu_threads != defaults.cpu_threads:
+        raise ValueError("--vllm.cpu_threads on a GPU engine: it sets a CPU engine's torch threads; drop it")
     if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         raise ValueError("VLLM_CPU_KVCACHE_SPACE is set and would override --vllm.kv_cache_gb: unset it")
     if not cuda:  # the worker runs in the engine-core process (one spawn fewer), which reads both at its start
@@ -810,6 +813,7 @@ def build_engine_args(model_path: str, vllm: VllmArgs, *, cuda: bool, share: int
     if vllm.speculative_method == "ngram":  # vLLM's default needs a 5-token match; a copied span is found from 2
         spec.update(prompt_lookup_min=2, prompt_lookup_max=5)
     lora = {"enable_lora": True, "max_lora_rank": vllm.max_lora_rank, "max_loras": vllm.max_loras}
+    kv_gb = vllm.kv_cache_gb or (None if cuda else 1.0)  # None: vLLM sizes it by the memory free when it profiles
     return AsyncEngineArgs(
         model=model_path, max_model_len=vllm.max_model_len, seed=vllm.seed, enforce_eager=vllm.enforce_eager,
         max_num_seqs=seqs, max_num_batched_tokens=vllm.max_num_batched_tokens,
@@ -817,7 +821,7 @@ def build_engine_args(model_path: str, vllm: VllmArgs, *, cuda: bool, share: int
         max_cudagraph_capture_size=seqs * (1 + vllm.num_speculative_tokens) if cuda else None,
         enable_prefix_caching=vllm.enable_prefix_caching, tensor_parallel_size=vllm.tensor_parallel_size,
         enable_expert_parallel=vllm.enable_expert_parallel, gpu_memory_utilization=vllm.gpu_memory_utilization / share,
-        kv_cache_memory_bytes=None if cuda else int(vllm.kv_cache_gb * 2**30),
+        kv_cache_memory_bytes=int(kv_gb * 2**30) if kv_gb else None,
         speculative_config=spec if vllm.num_speculative_tokens > 0 else None,
         enable_return_routed_experts=vllm.return_routed_experts, dtype=engine_dtype(model_path, vllm.dtype),
         logprobs_mode="processed_logprobs",   # the sampled token's log-prob after temperature

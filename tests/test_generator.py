@@ -84,7 +84,7 @@ def serves(gen: Generator) -> bool:
 
 @pytest.mark.parametrize("cls, kwargs, match", [
     (VllmArgs, {"enable_expert_parallel": True}, "tensor_parallel_size 1"),
-    (VllmArgs, {"kv_cache_gb": 0.0}, "kv_cache_gb"),
+    (VllmArgs, {"kv_cache_gb": -1.0}, "kv_cache_gb"),
     (VllmArgs, {"num_engines": 0}, "num_engines"),
     (VllmArgs, {"cpu_threads": 0}, "cpu_threads"),
     (VllmArgs, {"num_speculative_tokens": -1}, "num_speculative_tokens"),
@@ -104,7 +104,6 @@ def test_flags_refuse_impossible_values_naming_the_flag(cls, kwargs, match):
     ({"tensor_parallel_size": 2}, False, "need GPUs"),
     ({"return_routed_experts": True}, False, "needs Triton"),
     ({"gpu_memory_utilization": 0.9}, False, "size its KV cache with --vllm.kv_cache_gb"),
-    ({"kv_cache_gb": 4.0}, True, "size its KV cache with --vllm.gpu_memory_utilization"),
     ({"cpu_threads": 4}, True, "cpu_threads on a GPU engine"),
     ({"num_speculative_tokens": 3, "speculative_method": "ngram"}, False, "num_speculative_tokens on a CPU engine"),
 ])
@@ -117,6 +116,15 @@ def test_engine_refuses_flags_its_machine_cannot_honour(tiny_model, kwargs, cuda
                                              ("float16", "float16")])
 def test_engine_dtype_auto_is_the_checkpoints_own(tiny_model, dtype, expected):
     assert engine_dtype(tiny_model, dtype) == expected  # the factory saves "dtype": "float32" in config.json
+
+
+@pytest.mark.parametrize("kv_cache_gb, cuda, expected", [(0.0, False, 1 << 30), (0.25, False, 1 << 28),
+                                                          (0.0, True, None), (2.0, True, 2 << 30)])
+def test_kv_cache_gb_sizes_the_cache_and_unset_on_a_gpu_leaves_it_to_vllm(tiny_model, kv_cache_gb, cuda, expected):
+    """0: 1 GiB on CPU; on a GPU, none, so vLLM sizes it by --vllm.gpu_memory_utilization (profiling the free memory,
+    which is why engines sharing a GPU then start one by one: Generator)."""
+    args = build_engine_args(tiny_model, VllmArgs(kv_cache_gb=kv_cache_gb), cuda=cuda)
+    assert args.kv_cache_memory_bytes == expected
 
 
 def test_scheduler_limits_reach_the_engine_unchanged(tiny_model):

@@ -312,6 +312,26 @@ def test_two_engines_share_the_trainers_gpu_and_one_ipc_refit_versions_each_exac
         run(gen.shutdown())
 
 
+def test_two_engines_with_kv_cache_gb_start_together_each_with_that_cache(gpu_model, ray_local):
+    """--vllm.kv_cache_gb on a GPU: no engine sizes its cache by the memory free while it profiles, so the two that
+    share the GPU start together (Generator's one wave) and each holds what was asked, whatever the other took
+    meanwhile. gpu_model's KV block: 2 (K, V) x 4 layers x 16 tokens x 4 KV heads x 128 dims x 2 bytes (bf16)
+    = 131,072 bytes, so 1 GiB is 8,192 blocks."""
+    cfg = launch.parse_args(["--launch.model", gpu_model, "--launch.colocate", "--vllm.num_engines", "2"])
+    engine_options, _ = launch.gpu_shares(cfg["launch"], cfg["train"], cfg["vllm"])
+    vllm = VllmArgs(num_engines=2, gpu_memory_utilization=0.3, max_model_len=1024, kv_cache_gb=1.0)
+    gen = Generator(gpu_model, vllm, RolloutArgs(max_new_tokens=16), actor_options=engine_options)
+    try:
+        blocks = [ray.get(e.__ray_call__.remote(lambda engine: engine.llm.vllm_config.cache_config.num_gpu_blocks))
+                  for e in gen._engines]
+        assert blocks == [8192, 8192]
+        outs = run(asyncio.gather(*(gen.generate(p, max_new_tokens=16, ignore_eos=True, affinity=f"group-{i}")
+                                    for i, p in enumerate(PROMPTS[:4]))))
+        assert all(o.versions == [0] * 16 for o in outs)
+    finally:
+        run(gen.shutdown())
+
+
 @pytest.mark.parametrize("drafts", [0, 4])
 def test_ngram_speculation_keeps_the_target_models_logprobs_and_exact_versions(gpu_model, ray_local, drafts):
     """--vllm.speculative_method ngram --vllm.num_speculative_tokens 4 against the same engine without drafts
