@@ -573,17 +573,18 @@ def test_models_list_parses_in_both_sdks_and_paths_attribute(served, loop):
 def test_stop_sequence_ends_the_turn_after_the_fewest_whole_sampled_tokens(served, loop):
     server, recorder = served
     # The random model samples a <think> or <tool_call> tag token in ~5% of replies, and the server parses those
-    # out of the text. This test is about plain text: it takes the first seed from 11 whose reply (16 tokens, a
-    # seeded sample: the same ids for the same seed, so the choice is fixed by the model) holds no tag and has the
-    # 4 characters the cut below needs.
+    # out of the text (a reply with </think> in it comes back as a thinking block, then text). This test is about
+    # plain text: it takes the first seed from 11 whose reply (16 tokens) holds no tag, told by the sampled ids before
+    # any block is read (a fresh-clone `make test` of 12-07 read content[0].text first and met a thinking block), and
+    # with the 4 characters the cut below needs.
     tags = set(server.template.encode("<think></think><tool_call></tool_call>"))
     for seed in range(11, 31):
         kw = dict(model="m", messages=[{"role": "user", "content": "Say something long."}], max_tokens=16,
                   extra_body={"seed": seed})
         ep = call(loop, server.open_episode)
         client = anthropic.Anthropic(base_url=server.base_url, api_key=ep.api_key, max_retries=0)
-        full = client.messages.create(**kw).content[0].text
-        if not tags & set(recorder.of(ep.id)[0][1].token_ids) and len(full) >= 4:
+        reply = client.messages.create(**kw)
+        if not tags & set(recorder.of(ep.id)[0][1].token_ids) and len(full := reply.content[0].text) >= 4:
             break
         call(loop, server.close_episode, ep.id)
     else:
