@@ -1214,18 +1214,14 @@ def peer2_ours(k: int) -> dict:
         return originals["rollout_metrics"](segments, *rest)
 
     def timed(name: str):  # the first call of launch.<name>: its start and end, seconds from t0
-        def call(*args, **kwargs):
-            start = time.perf_counter() - t0
-            out = originals[name](*args, **kwargs)
-            phases.setdefault(name, (round(start, 1), round(time.perf_counter() - t0, 1)))
+        def ended(start: float, out):
+            phases.setdefault(name, (round(start - t0, 1), round(time.perf_counter() - t0, 1)))
             return out
 
         async def acall(*args, **kwargs):
-            start = time.perf_counter() - t0
-            out = await originals[name](*args, **kwargs)
-            phases.setdefault(name, (round(start, 1), round(time.perf_counter() - t0, 1)))
-            return out
-        return acall if asyncio.iscoroutinefunction(originals[name]) else call
+            return ended(time.perf_counter(), await originals[name](*args, **kwargs))
+        return acall if asyncio.iscoroutinefunction(originals[name]) else (
+            lambda *args, **kwargs: ended(time.perf_counter(), originals[name](*args, **kwargs)))
     for name in PHASES:
         setattr(launch, name, timed(name))
     launch.rollout_metrics = recorded
