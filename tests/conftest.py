@@ -57,7 +57,9 @@ def ray_local():
     """One local Ray instance for the whole test session (start-up costs 4-10 s) of this pytest process. "local": a
     new one, never a cluster another process started here (with no address, ray.init joins the last `ray start`)."""
     import ray
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # vLLM sends a function to an engine's core process only with pickle allowed: hold() below needs it
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             runtime_env={"env_vars": {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}})
     yield ray
     ray.shutdown()
 
@@ -174,3 +176,48 @@ def audited(group: dict, samples: int) -> list:
     assert len(segments) == len({s.episode_id for s in segments}) == samples
     launch.audit(segments)
     return segments
+
+
+# --- hold: a request kept in flight at a known token until the test lets it go. vLLM has no knob for it (a pause
+# lands whenever its message reaches the core, which steps on its own meanwhile), so the test tells vLLM's scheduler
+# itself, in each engine's core process (collective_rpc). A test that needs a request mid-decode at a pause or a
+# cancel then waits on held(), not on a request being long enough to outlast the message.
+def _in_core(seed, after):
+    """The function the engine-core process runs (a closure: Ray and vLLM send it by value, not by module name)."""
+    def hold(worker, seed: int | None, after: int) -> dict:
+        from vllm.v1.core.sched.scheduler import Scheduler
+        if "plain_schedule" not in Scheduler.__dict__:  # once per process; hold (None, 0) holds nothing
+            def schedule(self, *args, **kwargs):
+                seed, after = Scheduler.hold
+                kept = [r for r in self.running if seed is not None and r.sampling_params is not None
+                        and r.sampling_params.seed == seed and r.num_output_tokens >= after]
+                Scheduler.held.update({r.request_id: r.num_output_tokens for r in kept})
+                self.running = [r for r in self.running if r not in kept]  # not scheduled this step, KV kept
+                try:
+                    return Scheduler.plain_schedule(self, *args, **kwargs)
+                finally:
+                    self.running += kept
+            Scheduler.plain_schedule, Scheduler.schedule, Scheduler.hold = Scheduler.schedule, schedule, (None, 0)
+        if after >= 0:
+            Scheduler.hold, Scheduler.held = (seed, after), {}
+        return dict(Scheduler.held)
+    return hold
+
+
+async def hold(gen, seed: int | None, after: int = 0) -> None:
+    """On every engine of `gen`, vLLM's scheduler stops scheduling each request sampled with `seed` once it has
+    `after` output tokens (a pause, a refit or an abort still reaches it), until hold(gen, None) lets all go."""
+    await gen._all("worker_rpc", _in_core(seed, after), seed, after)
+
+
+async def held(gen, count: int, timeout_s: float = 120.0) -> list[dict]:
+    """Each engine's held requests {request id: output tokens}, once `count` are held over all engines (polled on
+    the engines: the signal is the scheduler's own record); an error after timeout_s, never a hang."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        now = await gen._all("worker_rpc", _in_core(None, -1), None, -1)
+        if sum(map(len, now)) >= count:
+            return now
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError(f"held: {now} after {timeout_s} s, waiting for {count} held requests")
+        await asyncio.sleep(0.05)

@@ -20,6 +20,7 @@ import generator
 from generator import (Completion, Generator, RolloutArgs, Segment, VllmArgs, build_engine_args, check_tensor,
                        engine_dtype, iter_buckets, pack, pick_engine, refit_transport, token_versions, unpack,
                        versions_from_spans)
+from conftest import held, hold
 
 run = asyncio.run
 PROMPT = [5, 17, 300, 42, 9, 77]
@@ -264,19 +265,23 @@ def test_logprobs_match_teacher_forced_forward(tiny_generator, tiny_model, tempe
 
 
 def test_refit_mid_request_versions_are_exact(tiny_generator, tiny_model, original, perturbed):
-    gen, v, n = tiny_generator, tiny_generator.version, 300
+    gen, v, n = tiny_generator, tiny_generator.version, 40
 
-    async def scenario() -> Completion:
+    async def scenario() -> tuple[Completion, list[dict]]:
+        await hold(gen, seed=1, after=8)
         long = asyncio.create_task(gen.generate(PROMPT, max_new_tokens=n, seed=1, ignore_eos=True))
-        await gen.generate(PROMPT, max_new_tokens=8, seed=2, ignore_eos=True)  # `long` is ~8 tokens in now
         try:
+            at = await held(gen, 1)  # `long` stops 8 tokens in, and stays in flight until released
             await refit(gen, perturbed[0], v + 1)
-            return await long
+        finally:
+            await hold(gen, None)
+        try:
+            return await long, at
         finally:
             await refit(gen, original, v + 2)
-    c = run(scenario())
+    c, at = run(scenario())
     k = c.versions.count(v)
-    assert c.versions == [v] * k + [v + 1] * (n - k) and 0 < k < n
+    assert [list(e.values()) for e in at] == [[8]] and c.versions == [v] * 8 + [v + 1] * (n - 8)
     before = reference(tiny_model, PROMPT, c.token_ids, 1.0)
     after = reference(perturbed[1], PROMPT, c.token_ids, 1.0)
     assert mean_abs(c.logprobs[:k], before[:k]) <= 1e-4
@@ -310,11 +315,15 @@ def test_64_concurrent_requests_across_a_refit_keep_version_order(tiny_generator
     gen, v = tiny_generator, tiny_generator.version
 
     async def scenario() -> list[Completion]:
+        await hold(gen, seed=63, after=8)  # the longest (71 tokens) is mid-request at the refit, whatever the others
         tasks = [asyncio.create_task(gen.generate([7 + i, 3, 11], max_new_tokens=8 + i, seed=i, ignore_eos=True))
                  for i in range(64)]
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)  # the longest still need ~60 tokens
         try:
+            await held(gen, 1)
             await refit(gen, perturbed[0], v + 1)
+        finally:
+            await hold(gen, None)
+        try:
             return await asyncio.gather(*tasks)
         finally:
             await refit(gen, original, v + 2)
@@ -322,7 +331,7 @@ def test_64_concurrent_requests_across_a_refit_keep_version_order(tiny_generator
     for i, c in enumerate(outs):
         k = c.versions.count(v)
         assert len(c.token_ids) == 8 + i and c.versions == [v] * k + [v + 1] * (8 + i - k), i
-    assert any(0 < c.versions.count(v) < len(c.versions) for c in outs)  # the refit landed mid-request
+    assert outs[63].versions.count(v) == 8  # the refit landed mid-request
 
 
 def test_counted_boundaries_agree_with_vllms_spans_over_three_refits(tiny_generator, original, perturbed):
@@ -490,24 +499,27 @@ def test_a_call_that_fails_outside_ray_fails_each_of_its_requests_instead_of_han
 
 
 def test_a_cancelled_request_is_aborted_on_the_engine(tiny_generator):
-    # a 400-token request (ignore_eos; 6 + 400 < max_model_len 512) is cancelled once an 8-token one sent with it
-    # has finished, ~8 tokens in: the engine ends it (vLLM's abort) instead of decoding its other ~390 tokens.
-    # Its asker gets CancelledError once the engine took the abort, and the engine's counters then hold both
-    # requests as ended (2; unaborted, the long one would still run: 1), with 8 + ~8 tokens sampled (bound: 8 + half
-    # of 400, room for the steps decoded while the answer and the abort cross Ray; unaborted: 8 + 400)
+    # a 400-token request (ignore_eos; 6 + 400 < max_model_len 512), held 8 tokens in, is cancelled: the engine ends
+    # it (vLLM's abort) instead of decoding its other 392 tokens once released. Its asker gets CancelledError once
+    # the engine took the abort, and the engine's counters then hold it as ended with its 8 tokens (unaborted, it
+    # would still be in flight: 0 requests ended)
     gen = tiny_generator
 
     async def main():
         before = await gen.metrics()
-        long = asyncio.ensure_future(gen.generate(PROMPT, max_new_tokens=400, ignore_eos=True))
-        await gen.generate(PROMPT, max_new_tokens=8, ignore_eos=True)
-        long.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await long
-        return before, await gen.metrics()
+        await hold(gen, seed=5, after=8)
+        long = asyncio.ensure_future(gen.generate(PROMPT, max_new_tokens=400, seed=5, ignore_eos=True))
+        try:
+            await held(gen, 1)
+            long.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await long
+            return before, await gen.metrics()
+        finally:
+            await hold(gen, None)
     before, after = run(main())
-    assert after["generator/requests"] - before["generator/requests"] == 2
-    assert after["generator/tokens"] - before["generator/tokens"] < 8 + 200
+    assert after["generator/requests"] - before["generator/requests"] == 1
+    assert after["generator/tokens"] - before["generator/tokens"] == 8
     assert serves(gen)
 
 
@@ -618,28 +630,32 @@ def test_colocate_takes_several_engines_and_refuses_ranks_or_engines_across_gpus
 
 @pytest.mark.slow
 def test_two_engines_keep_a_group_on_one_engine_and_one_refit_versions_each_exactly(tiny_model, ray_local, perturbed):
-    gen = Generator(tiny_model, VllmArgs(num_engines=2, max_model_len=1024, kv_cache_gb=0.25, refit_bucket_mb=1),
+    gen = Generator(tiny_model, VllmArgs(num_engines=2, max_model_len=512, kv_cache_gb=0.25, refit_bucket_mb=1),
                     RolloutArgs(max_new_tokens=16))
     keys = {pick_engine(f"group-{i}", 2): f"group-{i}" for i in range(8)}  # a group id that each engine serves
-    # The long requests must still be in flight when the pause lands, after the short ones came back. At n = 300 a
-    # fresh-clone CI run (load ~19 on 2 cores) saw one finish first: the pause took over 292 decode steps to land.
-    n = 1000
+    n = 40
 
     async def scenario() -> list[Completion]:
-        # group 0: one long request and 4 short ones; group 1: one long and 2 short (round robin would split 4 / 4)
-        longs = [asyncio.ensure_future(gen.generate(PROMPT, max_new_tokens=n, ignore_eos=True, affinity=keys[e]))
-                 for e in (0, 1)]
-        await asyncio.gather(*(gen.generate(PROMPT, max_new_tokens=8, ignore_eos=True, affinity=keys[e])
-                               for e in (0, 0, 0, 0, 1, 1)))  # each long request is ~8 tokens in
-        await refit(gen, perturbed[0], 1)  # one pause -> update_weights -> resume over both engines
+        # group 0: one long request and 4 short ones; group 1: one long and 2 short (round robin would split 4 / 4).
+        # The long ones are held 8 tokens in, so they are in flight on both engines when the pause lands.
+        await hold(gen, seed=1, after=8)
+        longs = [asyncio.ensure_future(gen.generate(PROMPT, max_new_tokens=n, seed=1, ignore_eos=True,
+                                                    affinity=keys[e])) for e in (0, 1)]
+        try:
+            await asyncio.gather(*(gen.generate(PROMPT, max_new_tokens=8, ignore_eos=True, affinity=keys[e])
+                                   for e in (0, 0, 0, 0, 1, 1)))
+            await held(gen, 2)
+            await refit(gen, perturbed[0], 1)  # one pause -> update_weights -> resume over both engines
+        finally:
+            await hold(gen, None)
         return await asyncio.gather(*longs)
     try:
         longs = run(scenario())
         counts = [ray.get(e.metrics.remote()) for e in gen._engines]
         assert [c["generator/requests"] for c in counts] == [5, 3]  # each group's requests on its engine alone
-        for c in longs:  # each engine's request in flight: old weights' tokens, then the new version's
+        for c in longs:  # each engine's request in flight: old weights' 8 tokens, then the new version's
             k = c.versions.count(0)
-            assert c.versions == [0] * k + [1] * (n - k) and 0 < k < n
+            assert c.versions == [0] * 8 + [1] * (n - 8)
             after = reference(perturbed[1], PROMPT, c.token_ids, 1.0)
             assert mean_abs(c.logprobs[k:], after[k:]) <= 1e-4  # this engine loaded the new weights
         assert [c["generator/boundaries_checked"] for c in counts] == [1, 1]  # vLLM's spans agree on each engine

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import launch
+from conftest import held, hold
 from estimators import EstimatorArgs
 from generator import Generator, RolloutArgs, Segment, VllmArgs
 from losses import LossArgs
@@ -229,19 +230,23 @@ def test_a_request_in_flight_keeps_its_adapter_across_a_refit(engine, trainer, t
     prompt = PROMPTS[0]
 
     async def scenario():
-        long = asyncio.create_task(engine.generate(prompt, max_new_tokens=400, ignore_eos=True))
-        await engine.generate(prompt, max_new_tokens=8, ignore_eos=True)  # `long` is ~8 tokens in now
-        await trainer_refit(engine, trainer)
-        in_flight = not long.done()
-        loaded = (await engine.metrics())["generator/adapters_loaded"]
-        short = await engine.generate(prompt, max_new_tokens=16, ignore_eos=True)
+        await hold(engine, seed=4, after=8)
+        long = asyncio.create_task(engine.generate(prompt, max_new_tokens=40, seed=4, ignore_eos=True))
+        try:
+            await held(engine, 1)  # `long` stops 8 tokens in, and stays in flight until released
+            await trainer_refit(engine, trainer)
+            in_flight = not long.done()
+            loaded = (await engine.metrics())["generator/adapters_loaded"]
+            short = await engine.generate(prompt, max_new_tokens=16, ignore_eos=True)
+        finally:
+            await hold(engine, None)
         return await long, short, in_flight, loaded, (await engine.metrics())["generator/adapters_loaded"]
 
     long, short, in_flight, loaded_during, loaded_after = asyncio.run(scenario())
     assert in_flight  # the refit finished while the long request was sampling
     assert loaded_during == 2 and loaded_after == 1  # the old adapter stays while a request uses it, then goes
     # every token of the long request is its start version, and was sampled by the old adapter
-    assert long.versions == [v] * 400 and short.versions == [v + 1] * 16
+    assert long.versions == [v] * 40 and short.versions == [v + 1] * 16
     sampled = torch.tensor(long.logprobs)
     assert (sampled - hf_logprobs(old, prompt, long.token_ids)).abs().max().item() <= 1e-4
     assert (sampled - hf_logprobs(new, prompt, long.token_ids)).abs().max().item() > 1e-3
