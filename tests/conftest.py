@@ -182,7 +182,7 @@ def audited(group: dict, samples: int) -> list:
 # lands whenever its message reaches the core, which steps on its own meanwhile), so the test tells vLLM's scheduler
 # itself, in each engine's core process (collective_rpc). A test that needs a request mid-decode at a pause or a
 # cancel then waits on held(), not on a request being long enough to outlast the message.
-def _in_core(seed, after):
+def _in_core():
     """The function the engine-core process runs (a closure: Ray and vLLM send it by value, not by module name)."""
     def hold(worker, seed: int | None, after: int) -> dict:
         from vllm.v1.core.sched.scheduler import Scheduler
@@ -191,6 +191,8 @@ def _in_core(seed, after):
                 seed, after = Scheduler.hold
                 kept = [r for r in self.running if seed is not None and r.sampling_params is not None
                         and r.sampling_params.seed == seed and r.num_output_tokens >= after]
+                if not kept:
+                    return Scheduler.plain_schedule(self, *args, **kwargs)
                 Scheduler.held.update({r.request_id: r.num_output_tokens for r in kept})
                 self.running = [r for r in self.running if r not in kept]  # not scheduled this step, KV kept
                 try:
@@ -207,7 +209,7 @@ def _in_core(seed, after):
 async def hold(gen, seed: int | None, after: int = 0) -> None:
     """On every engine of `gen`, vLLM's scheduler stops scheduling each request sampled with `seed` once it has
     `after` output tokens (a pause, a refit or an abort still reaches it), until hold(gen, None) lets all go."""
-    await gen._all("worker_rpc", _in_core(seed, after), seed, after)
+    await gen._all("worker_rpc", _in_core(), seed, after)
 
 
 async def held(gen, count: int, timeout_s: float = 120.0) -> list[dict]:
@@ -215,7 +217,7 @@ async def held(gen, count: int, timeout_s: float = 120.0) -> list[dict]:
     the engines: the signal is the scheduler's own record); an error after timeout_s, never a hang."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
-        now = await gen._all("worker_rpc", _in_core(None, -1), None, -1)
+        now = await gen._all("worker_rpc", _in_core(), None, -1)
         if sum(map(len, now)) >= count:
             return now
         if asyncio.get_running_loop().time() > deadline:
