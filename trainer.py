@@ -137,9 +137,10 @@ class FsdpArgs:
         "help": "GPU: torch.compile each decoder layer's forward (fused norms, rotary, SwiGLU; FSDP's hooks stay "
                 "outside): 1.55x the 0.6B shape's step (bench_gpu trainer_compiled); the first step compiles"})
     logprob_chunk: int = field(default=4096, metadata={
-        "help": "tokens at a time through the LM head: log-probs and entropy from the hidden states, each chunk's "
-                "logits made again in backward, the (tokens x vocabulary) logits never whole; 0: whole logits (as "
-                "with --fsdp.tp_size > 1, whose head is split over the vocabulary)"})
+        "help": "tokens at a time through the LM head: log-probs and entropy from the hidden states, at the sampled "
+                "tokens only (a prompt or tool result costs the head nothing), each chunk's logits made again in "
+                "backward, the (tokens x vocabulary) logits never whole; 0: whole logits at every token (as with "
+                "--fsdp.tp_size > 1, whose head is split over the vocabulary)"})
 
     def __post_init__(self):
         if self.offload not in OFFLOADS or self.param_dtype not in PARAM_DTYPES:
@@ -327,7 +328,7 @@ class TrainerRank:
         self.optimizer_steps = 0  # AdamW steps (epochs x minibatches per train step): the lr schedule's clock
         self.router = None  # the Generator this rank refits (rank 0)
         self.moe, self.replay = None, None  # --train.routing_replay: (layers, top_k, experts); this forward's ids
-        self.head_task = None  # --fsdp.logprob_chunk: (next ids, temperature, entropy) of this forward (install_head)
+        self.head_task = None  # --fsdp.logprob_chunk: (next ids, temperature, entropy, where): install_head
         self.adapted = set()  # --train.lora_rank: the policy's modules that carry an adapter
 
     def setup(self, master_addr: str, master_port: int) -> str:
@@ -387,9 +388,10 @@ class TrainerRank:
             x["images"] = image_inputs(self, images)
         return x
 
-    def policy_logprobs(self, model, x: dict, temperature: float, *, entropy: bool = False):
+    def policy_logprobs(self, model, x: dict, temperature: float, *, entropy: bool = False, every: bool = False):
         """(B, T) log-probs of x["ids"] under model's logits / temperature, and (B, T) entropy when asked; MoE layers
-        replay x["routed"] (--train.routing_replay); a VLM sees x["images"], or without any the blank row."""
+        replay x["routed"] (--train.routing_replay); a VLM sees x["images"], or without any the blank row. Through
+        the chunked head, only x["mask"]'s tokens (the ones any loss reads) get them, 0 elsewhere, unless `every`."""
         B, T = x["ids"].shape
         ids, images = add_blank_row(self, x["ids"], x.get("images", {}))  # (B, T), or a VLM's (B + 1, T or more)
         pos = index = None
@@ -399,7 +401,14 @@ class TrainerRank:
         chunked = self.fsdp.logprob_chunk > 0 and self.fsdp.tp_size == 1
         if chunked and not getattr(model, "chunked_head", False):
             install_head(self, model)
-        self.head_task = (next_ids(ids), temperature, entropy) if chunked else None  # read by the head (install_head)
+        where = None  # the positions the head computes: each one that predicts a masked token, or every one
+        if chunked and not every:
+            where = torch.zeros_like(ids, dtype=torch.bool)
+            if index is None:
+                where[:B, :T] = next_ids(x["mask"]) > 0  # a VLM's blank row and its wider padding: none
+            else:
+                where[0, index[x["mask"] > 0] - 1] = True  # a token's packed place follows its predictor's
+        self.head_task = (next_ids(ids), temperature, entropy, where) if chunked else None  # read by install_head's
         with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.autocast(model)):
             logits = model(input_ids=ids, position_ids=pos, use_cache=False, **images).logits
         self.head_task = None
@@ -434,16 +443,17 @@ class TrainerRank:
         return out if index is None else self.unpack(out, index)
 
     @torch.no_grad()
-    def forward_rows(self, model, batch: dict, plan: list, temperature: float = 1.0, entropy: bool = False):
+    def forward_rows(self, model, batch: dict, plan: list, temperature: float = 1.0, entropy: bool = False,
+                     every: bool = False):
         """model's log-probs at temperature (the critic's: its values) of this rank's rows, as (B, T) on every rank;
-        with entropy: (log-probs, entropy), each (B, T)."""
+        with entropy: (log-probs, entropy), each (B, T). At masked tokens only, unless `every` (policy_logprobs)."""
         out = torch.zeros((1 + entropy, *batch["ids"].shape), device=self.device)  # (1 or 2, B, T)
         model.eval()  # as the engine: no --train.lora_dropout (config dropout is zeroed at load), no checkpointing
         for minibatch in plan:
             for rows in minibatch[self.dp_rank]:
                 x = self.microbatch(batch, rows)
-                y = ((self.critic_values(x), None) if model is self.critic
-                     else self.policy_logprobs(model, x, temperature, entropy=entropy))  # (b, t), (b, t) or None
+                y = ((self.critic_values(x), None) if model is self.critic  # (b, t), (b, t) or None
+                     else self.policy_logprobs(model, x, temperature, entropy=entropy, every=every))
                 if not rows:  # this rank's share is empty: it ran a stand-in row for FSDP's collectives only
                     continue
                 for k, part in enumerate(y):  # log-probs (the critic's values), then entropy when asked
@@ -567,7 +577,7 @@ class TrainerRank:
         """Every segment's (T,) recomputed log-probs (0 at t = 0) on rank 0; None on the others."""
         batch = collate(segments, self.moe, vlm=self.processor is not None)
         temperature = self.temperature if temperature is None else temperature
-        logp = self.forward_rows(self.model, batch, self.plan(batch, 1), temperature)
+        logp = self.forward_rows(self.model, batch, self.plan(batch, 1), temperature, every=True)
         return [logp[i, :n] for i, n in enumerate(batch["lengths"].tolist())] if self.rank == 0 else None
 
     # --- the driver's calls: the rendezvous; batch invariance, refit, write_hf, save, load: bound at the file's end
@@ -962,10 +972,16 @@ def install_head(rank: TrainerRank, model) -> None:
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         if rank.head_task is None:  # any other caller: the logits
             return plain(hidden)
-        targets, temperature, entropy = rank.head_task
-        out = head_logprobs(plain, hidden.flatten(0, -2), targets.flatten(), temperature, entropy=entropy,
-                            entropy_grad=rank.loss.needs_entropy_grad, chunk=rank.fsdp.logprob_chunk,
-                            compiled=rank.cuda and rank.fsdp.compile_logprobs, banned=rank.image_id)
+        targets, temperature, entropy, where = rank.head_task
+        flat, targets = hidden.flatten(0, -2), targets.flatten()
+        # only the positions asked for (where): a prompt's or a tool result's tokens cost the head nothing. One at
+        # least, so that the head's weight has a gradient on every rank (FSDP reduces it on all of them)
+        keep = torch.arange(len(flat), device=flat.device) if where is None else where.flatten().nonzero()[:, 0]
+        keep = keep if len(keep) else keep.new_zeros(1)
+        part = head_logprobs(plain, flat[keep], targets[keep], temperature, entropy=entropy,
+                             entropy_grad=rank.loss.needs_entropy_grad, chunk=rank.fsdp.logprob_chunk,
+                             compiled=rank.cuda and rank.fsdp.compile_logprobs, banned=rank.image_id)
+        out = part if where is None else part.new_zeros(len(flat), 2).index_copy(0, keep, part)
         return out.view(*hidden.shape[:-1], 2)
     head.forward, model.chunked_head = forward, True
 

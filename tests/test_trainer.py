@@ -190,7 +190,10 @@ def test_packed_forward_under_flex_attention_equals_each_row_alone(tiny_chars_mo
                                                 attn_implementation="flex_attention").eval()
     plain = AutoModelForCausalLM.from_pretrained(tiny_chars_model, dtype=torch.float32).eval()
     with torch.no_grad():
-        logp, h = rank.policy_logprobs(flex, x, 1.0, entropy=True)  # (b, t), through rank.packed and unpack
+        logp, h = rank.policy_logprobs(flex, x, 1.0, entropy=True, every=True)  # (b, t), via rank.packed and unpack
+        asked = rank.policy_logprobs(flex, x, 1.0, entropy=True)  # the action tokens only, 0 elsewhere
+        for a, b in zip(asked, (logp, h)):
+            assert torch.equal(a, torch.where(x["mask"], b, 0.0))
         assert logp.shape == x["ids"].shape
         for i, (seg, expected) in enumerate(zip(segments, hf_logprobs(plain, segments, 1.0))):
             assert torch.allclose(logp[i, :lengths[i]], expected, atol=1e-5), i
@@ -207,7 +210,9 @@ def test_packed_forward_under_flex_attention_equals_each_row_alone(tiny_chars_mo
 
 def test_chunked_head_gives_the_whole_logits_log_probs_entropy_and_gradients_never_holding_them(tiny_chars_model):
     # --fsdp.logprob_chunk 5 against 0 (the whole (N, V) logits) on the same weights, temperature 0.7, the entropy in
-    # the loss (its gradient too): equal values and parameter gradients, and the head never sees more than 5 rows
+    # the loss (its gradient too): equal values and parameter gradients at the action tokens, and the head never sees
+    # more than 5 rows. In chunks it sees only the M positions that predict an action token (0 elsewhere); asked for
+    # every position (TrainerGroup.logprobs), all N, equal to the whole logits' there too
     segments = make_segments()
     batch = collate(segments)
     calls = []
@@ -225,17 +230,23 @@ def test_chunked_head_gives_the_whole_logits_log_probs_entropy_and_gradients_nev
         logp, h = rank.policy_logprobs(model, x, 0.7, entropy=True)
         weights = torch.randn(2, B, T, generator=torch.Generator().manual_seed(0)) * x["mask"]
         ((logp * weights[0]).sum() + (h * weights[1]).sum()).backward()
-        out[chunk] = logp.detach(), h.detach(), {n: p.grad for n, p in model.named_parameters()}
-    # N = B x T positions in 5-row chunks: N // 5 full ones and one of N % 5 rows in forward, then backward remakes
-    # each, last first
-    N = B * T
-    chunks = [5] * (N // 5) + ([N % 5] if N % 5 else [])
-    assert [n for c, n in calls if c == 5] == chunks + chunks[::-1]
-    assert [n for c, n in calls if c == 0] == [N]  # the whole path: one (N, V) call, kept for backward
-    (logp5, h5, grads5), (logp0, h0, grads0) = out[5], out[0]
+        with torch.no_grad():
+            every = rank.policy_logprobs(model, x, 0.7, entropy=True, every=True)
+        out[chunk] = logp.detach(), h.detach(), {n: p.grad for n, p in model.named_parameters()}, every
+    # M action tokens (each completion's, after a prompt: none at t = 0) in 5-row chunks: M // 5 full ones and one
+    # of M % 5 rows in forward, then backward remakes each, last first; then every position, N = B x T, no backward
+    M, N = sum(sum(s.action_mask) for s in segments), B * T
+    cut = lambda n: [5] * (n // 5) + ([n % 5] if n % 5 else [])
+    assert [n for c, n in calls if c == 5] == cut(M) + cut(M)[::-1] + cut(N)
+    assert [n for c, n in calls if c == 0] == [N, N]  # the whole path: one (N, V) call, kept for backward; then again
+    (logp5, h5, grads5, every5), (logp0, h0, grads0, _) = out[5], out[0]
+    mask = x["mask"]
     assert logp0[:, 1:].abs().min() > 0 and h0[:, 1:].min() > 0  # not trivially equal
-    assert torch.allclose(logp5, logp0, atol=1e-6, rtol=0) and torch.allclose(h5, h0, atol=1e-6, rtol=0)
-    assert not logp5[:, 0].any() and not h5[:, 0].any()  # t = 0 predicts nothing
+    assert torch.allclose(logp5[mask], logp0[mask], atol=1e-6, rtol=0)
+    assert torch.allclose(h5[mask], h0[mask], atol=1e-6, rtol=0)
+    assert not logp5[~mask].any() and not h5[~mask].any()  # prompts, padding and t = 0: nothing asked, 0
+    for a, b in zip(every5, (logp0, h0)):
+        assert torch.allclose(a, b, atol=1e-6, rtol=0)
     for name, grad in grads0.items():
         assert grad.abs().max() > 0, name
         assert torch.allclose(grads5[name], grad, atol=1e-6, rtol=1e-5), name
