@@ -974,15 +974,17 @@ def install_head(rank: TrainerRank, model) -> None:
             return plain(hidden)
         targets, temperature, entropy, where = rank.head_task
         flat, targets = hidden.flatten(0, -2), targets.flatten()
-        # only the positions asked for (where): a prompt's or a tool result's tokens cost the head nothing. One at
-        # least, so that the head's weight has a gradient on every rank (FSDP reduces it on all of them)
-        keep = torch.arange(len(flat), device=flat.device) if where is None else where.flatten().nonzero()[:, 0]
+        logprobs = functools.partial(head_logprobs, plain, temperature=temperature, entropy=entropy,
+                                     entropy_grad=rank.loss.needs_entropy_grad, chunk=rank.fsdp.logprob_chunk,
+                                     compiled=rank.cuda and rank.fsdp.compile_logprobs, banned=rank.image_id)
+        if where is None:  # every position
+            return logprobs(flat, targets).view(*hidden.shape[:-1], 2)
+        # only the positions asked for: a prompt's or a tool result's tokens cost the head nothing. One at least, so
+        # that the head's weight has a gradient on every rank (FSDP reduces it on all of them)
+        keep = where.flatten().nonzero()[:, 0]
         keep = keep if len(keep) else keep.new_zeros(1)
-        part = head_logprobs(plain, flat[keep], targets[keep], temperature, entropy=entropy,
-                             entropy_grad=rank.loss.needs_entropy_grad, chunk=rank.fsdp.logprob_chunk,
-                             compiled=rank.cuda and rank.fsdp.compile_logprobs, banned=rank.image_id)
-        out = part if where is None else part.new_zeros(len(flat), 2).index_copy(0, keep, part)
-        return out.view(*hidden.shape[:-1], 2)
+        part = logprobs(flat[keep], targets[keep])
+        return part.new_zeros(len(flat), 2).index_copy(0, keep, part).view(*hidden.shape[:-1], 2)
     head.forward, model.chunked_head = forward, True
 
 
