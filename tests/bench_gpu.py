@@ -58,8 +58,9 @@ built locally. Each section measures ours and its baseline side by side in one r
              sides (--vllm.batch_invariant): the loop at K=0, one GPU shared, lr 0 (every step samples and
              recomputes the loaded weights), 8 prompts x 8 samples x 64 tokens, temperature 1, eager engine, 3 steps:
              step 0's loss/vllm_kl, mean and max |delta log p|, k3; engine and trainer tokens/s over steps 1-2.
-             Where batch-invariant mode is not bitwise: one sequence through vLLM (in-process, hooked) and the
-             trainer's model class on the same kernels, every layer's output compared, the first op that differs.
+             Where batch-invariant mode is not bitwise: one sequence through vLLM (in-process, hooked) and through
+             three trainer-side forwards on the same kernels (today's autocast, plain bf16, and issue 58's candidate
+             on vLLM's own ops), every layer's output compared, the first op that differs (precision_layers).
              precision_smollm2 / precision_qwen3_0_6b: one model only.
   precision_runs  (optional, not in the default list) 20 SmolLM2 steps per mode, lr 2e-5: held-out reward.
   peer       (optional) smollm2's job (128 prompts x 8, <= 64 tokens, temperature 0.7, lr 2e-5, K=0, 20 steps) in TRL's
@@ -1300,7 +1301,13 @@ def bench_peer2() -> dict:
     the first train step, refit and probe 57.9 s. vLLM's own logs, per engine: "Initializing" 67 s (first) and 36 s
     (second, its actor already up) after its start call; its core's init 51.5 s (torch.compile 23.5 s, cache cold) and
     30.6 s (4.7 s, from the first's cache), CUDA graphs 7 s each. So ~100 s of the engines' 193 s comes before vLLM's
-    core logs anything (engine-core process spawn and imports), twice over: the lead for the first step."""
+    core logs anything (engine-core process spawn and imports), twice over: the lead for the first step.
+    H100, 2026-12-07 (later), one lease, peer2_trl then peer2_ours_k2 (2 engines), a call each: TRL 0.111 steps/s
+    (9.03 s a step), 4,758 sampled tokens/s, first step 68.9 s, wall 136.4 s, held-out 0.01 -> 0.035, lengths
+    20/101/372/176; ours 0.243 steps/s (4.12 s): 2.20x, sampled 3,961 tokens/s (0.83x), first step 317.0 s, wall
+    354.3 s, held-out 0.025 -> 0.04, lengths 12/56/248/125. Phases: the engines 0.1 -> 191.9 s, the ranks -> 209.5,
+    the baseline evaluation 227.9 -> 233.6, the first batch's audit 241.2; the first train step, refit and probe
+    the remaining 76 s. engine_start on the same machine splits one engine's start (its docstring)."""
     last = {}
     for row in map(json.loads, open(OUT) if os.path.exists(OUT) else ()):
         last[row["section"]] = row
@@ -1319,7 +1326,13 @@ def engine_start(runs: int = 2) -> dict:
     """One engine as PEER2's run makes each of its two (SmolLM2, half the GPU share and max_num_seqs), started `runs`
     times in a fresh interpreter as an engine actor is (no Ray; the first with vLLM's compile cache as this machine
     has it, the next with it warm): seconds from the spawn to each mark (interpreter and imports, engine args, AsyncLLM
-    ready), and vLLM's DEBUG log of each start kept as runs/engine_start_<i>.log (its own timings are in it)."""
+    ready), and vLLM's DEBUG log of each start kept as runs/engine_start_<i>.log (its own timings are in it).
+    H100, 2026-12-07, after a peer2 run on the same machine: the interpreter 3.4-4.1 s, imports 15.4-16.4 s, then
+    AsyncLLM ready 90.2 s later (first start) and 38.5 s (second). In each: 21-25 s from the call to vLLM's first
+    log line of its engine-core process (its spawn and imports); the core's init 58.4 s the first time (torch.compile
+    26.8 s, CUDA graphs 9 s, and 19 s between the graphs and ready that the second start does not spend), 10.8 s the
+    second (compile 5.2 s from the first's cache, graphs 3 s). So an engine costs ~40 s warm and ~110 s cold, and
+    peer2 pays that once per engine, one after the other, unless the engines' caches are sized up front."""
     from recipes.smollm2 import smollm2_dir
     model, marks = smollm2_dir(), []
     for i in range(runs):
@@ -1715,11 +1728,15 @@ def hook_outputs(model: torch.nn.Module, names: set[str], store: dict, order: li
 
 def precision_layers(model: str, agent: str, new: int = 48) -> dict:
     """Run by bench_precision in a process of its own (VLLM_BATCH_INVARIANT=1, engine in-process): vLLM (eager, bf16,
-    hooked) samples one completion of a prompt, then prefills prompt + completion; the trainer's model class
-    (transformers, sdpa attention: NeMo's choice without flash-attn) runs the same ids under the trainer's bf16
-    autocast over float32 weights, on the kernels vLLM's batch-invariant mode put into this process. Every module both
-    name alike is compared in the engine's dtype, in the order the trainer calls them, then the logits, and the
-    log-probs of the prefill and of the sampling against the trainer's (eager token_logprobs, as a rank)."""
+    hooked) samples one completion of a prompt, then prefills prompt + completion. The same ids then go through three
+    trainer-side forwards of the model's weights (transformers' class, sdpa attention: NeMo's choice without
+    flash-attn), on the kernels vLLM's batch-invariant mode put into this process:
+    - autocast: today's trainer, bf16 autocast over float32 weights;
+    - bf16: the weights in bf16, no autocast (a bf16 residual stream, as vLLM keeps it);
+    - exact, exact_contiguous: issue 58's candidate (exact_logits), vLLM's own ops on the bf16 weights, attention
+      over a paged cache as the engine keeps it, or over contiguous keys and values.
+    Each: every module output both name alike compared in the engine's dtype, in the trainer's order, the first that
+    differs, and the log-probs against the prefill's and the sampling's (token_logprobs, as a rank computes them)."""
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model's function: in-process, but checked
     from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
@@ -1735,30 +1752,127 @@ def precision_layers(model: str, agent: str, new: int = 48) -> dict:
     comp = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=new, temperature=1.0, seed=0,
                                                                        logprobs=0, ignore_eos=True))[0].outputs[0]
     ids = list(prompt) + list(comp.token_ids)
+    engine, rope = {}, {}
     ref = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="sdpa").cuda().eval()
     names = {n for n, _ in ref.named_modules() if n.rsplit(".", 1)[-1] in LAYER_KINDS}
-    engine, trainer, order = {}, {}, []
-    handles = llm.apply_model(lambda m: hook_outputs(m, names, engine))[0]
+
+    def hooked(m: torch.nn.Module) -> list:  # in this process (the engine is): the hooks, and what the probe reads
+        attn = m.model.layers[0].self_attn
+        rope.update(cache=attn.rotary_emb.cos_sin_cache, backend=type(attn.attn.impl).__name__)
+        return hook_outputs(m, names, engine)
+    handles = llm.apply_model(hooked)[0]
     prefill = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
     for h in handles:
         h.remove()
-    hook_outputs(ref, names, trainer, order)
-    x = torch.tensor([ids], device="cuda")
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-        logits = ref(input_ids=x, use_cache=False).logits
-    ours = token_logprobs(logits, x, 1.0, entropy=False, entropy_grad=False)[0][0].cpu()  # (T,)
     pre = torch.tensor([d[t].logprob for d, t in zip(prefill.prompt_logprobs[1:], ids[1:])])  # (T - 1,)
     dec = torch.tensor([d[t].logprob for d, t in zip(comp.logprobs, comp.token_ids)])  # (new,)
-    layers = [compare_outputs(name, engine[name], trainer[name]) for name in order if name in engine]
-    gap = lambda a, b: {"max_abs": float((a - b).abs().max()), "mean_abs": float((a - b).abs().mean())}
-    first = next((e for e in layers if not e["equal"]), None)
+    gap = lambda a, b: {"max_abs": float((a - b).abs().max()), "mean_abs": float((a - b).abs().mean()),
+                        "equal": bool(torch.equal(a, b))}
     kind = lambda name: next(v for k, v in LAYER_KINDS.items() if name == k or name.endswith("." + k))
-    first_op = (f"{kind(first['op'])} ({first['op']})" if first
-                else "log-softmax" if not torch.equal(pre, ours[1:]) else None)
+    x = torch.tensor([ids], device="cuda")
+    bf16 = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
+    variants = {}
+    for variant in ("autocast", "bf16", "exact", "exact_contiguous"):
+        trainer, order = {}, []
+        try:  # a variant that fails is reported as such; the others still run
+            with torch.no_grad():
+                if variant in ("autocast", "bf16"):
+                    net = ref if variant == "autocast" else bf16
+                    handles = hook_outputs(net, names, trainer, order)
+                    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=variant == "autocast"):
+                        logits = net(input_ids=x, use_cache=False).logits
+                    for h in handles:
+                        h.remove()
+                else:
+                    logits = exact_logits(bf16, ids, trainer, paged=variant == "exact")[None]
+                    order = list(trainer)
+        except Exception as e:
+            variants[variant] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            continue
+        ours = token_logprobs(logits, x, 1.0, entropy=False, entropy_grad=False)[0][0].cpu()  # (T,)
+        layers = [compare_outputs(name, engine[name], trainer[name]) for name in order if name in engine]
+        first = next((e for e in layers if not e["equal"]), None)
+        variants[variant] = {
+            "first_differing_op": (f"{kind(first['op'])} ({first['op']})" if first
+                                   else "log-softmax" if not torch.equal(pre, ours[1:]) else None),
+            "prefill_vs_trainer": gap(pre, ours[1:]), "sampled_vs_trainer": gap(dec, ours[len(prompt):]),
+            "hooked": [len(engine), len(trainer)], "layers": layers}
     return report("precision_layers", model=model, tokens=len(ids), prompt_tokens=len(prompt),
-                  hooked=[len(engine), len(trainer)], first_differing_op=first_op,
-                  prefill_vs_trainer=gap(pre, ours[1:]), sampled_vs_trainer=gap(dec, ours[len(prompt):]),
-                  sampled_vs_prefill=gap(dec, pre[len(prompt) - 1:]), layers=layers)
+                  sampled_vs_prefill=gap(dec, pre[len(prompt) - 1:]), engine_attention=rope["backend"],
+                  rope_cache_equal=bool(torch.equal(rope["cache"], exact_rope_cache(bf16))), variants=variants)
+
+
+def exact_rope_cache(ref) -> torch.Tensor:
+    """vLLM's rotary cos/sin cache (bf16) for ref's config, built as the engine builds it: on the GPU, in bf16."""
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+    cfg = ref.config
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    with torch.device("cuda"):
+        rope = get_rope(hd, max_position=cfg.max_position_embeddings, dtype=torch.bfloat16,
+                        rope_parameters=getattr(cfg, "rope_parameters", None))
+    return rope.cos_sin_cache.to(torch.bfloat16)
+
+
+def exact_logits(ref, ids: list[int], store: dict, paged: bool = True, block: int = 16) -> torch.Tensor:
+    """Issue 58's trainer-side candidate, no grad, one row: ref's bf16 weights through the ops vLLM's batch-invariant
+    engine runs on a GPU (Llama and Qwen3 layers): its Triton RMSNorm for the first norm, its fused residual add +
+    RMSNorm (a bf16 residual stream) for the others, the merged q/k/v and gate/up projections on its persistent
+    matmul, its rotary op with the cache in bf16, its SiLU-and-mul op, FlashAttention 3 with one split (over a paged
+    cache of `block`-token blocks as the engine keeps it, or contiguous keys and values), the head on the same
+    matmul. -> (T, V) bf16 logits; each op's output kept in store under the module name vLLM's hooks use."""
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.batch_invariant import linear_batch_invariant as linear
+    from vllm.model_executor.layers.batch_invariant import rms_norm_batch_invariant as norm
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+    cfg, inner, T = ref.config, ref.model, len(ids)
+    nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // nh
+
+    def keep(name: str, t: torch.Tensor) -> torch.Tensor:
+        store[name] = t.detach().reshape(-1, t.shape[-1]).clone()
+        return t
+    cache, pos = exact_rope_cache(ref), torch.arange(T, device="cuda")
+    cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
+    n_blocks = -(-T // block)
+    h, residual = keep("model.embed_tokens", inner.embed_tokens.weight[torch.tensor(ids, device="cuda")]), None
+    for i, layer in enumerate(inner.layers):
+        p, a, m = f"model.layers.{i}.", layer.self_attn, layer.mlp
+        if residual is None:
+            residual, h = h, norm(h, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
+        else:  # in place, on tensors this forward made: residual += h, h = norm(residual)
+            h, residual = norm(h, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon, residual)
+        keep(p + "input_layernorm", h)
+        qkv = linear(h, torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+        q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], -1)
+        if hasattr(a, "q_norm"):  # Qwen3: RMSNorm over each head
+            q = keep(p + "self_attn.q_norm", norm(q.reshape(T, nh, hd), a.q_norm.weight, a.q_norm.variance_epsilon))
+            k = keep(p + "self_attn.k_norm", norm(k.reshape(T, nkv, hd), a.k_norm.weight, a.k_norm.variance_epsilon))
+        q, k, v = q.reshape(T, nh * hd).contiguous(), k.reshape(T, nkv * hd).contiguous(), v.contiguous()
+        ops.rotary_embedding(pos, q, k, hd, cache, True)  # in place, neox style (Llama, Qwen3)
+        q, k, v = q.view(T, nh, hd), k.view(T, nkv, hd), v.view(T, nkv, hd)
+        if paged:
+            kc, vc = (torch.zeros(n_blocks * block, nkv, hd, dtype=t.dtype, device="cuda").index_copy_(0, pos, t)
+                      .view(n_blocks, block, nkv, hd) for t in (k, v))
+            table = torch.arange(n_blocks, dtype=torch.int32, device="cuda")[None]
+            o = flash_attn_varlen_func(q=q, k=kc, v=vc, max_seqlen_q=T, cu_seqlens_q=cu, max_seqlen_k=T,
+                                       seqused_k=cu[1:], softmax_scale=hd ** -0.5, causal=True, block_table=table,
+                                       fa_version=3, num_splits=1)
+        else:
+            o = flash_attn_varlen_func(q=q, k=k, v=v, max_seqlen_q=T, cu_seqlens_q=cu, max_seqlen_k=T,
+                                       cu_seqlens_k=cu, softmax_scale=hd ** -0.5, causal=True, fa_version=3,
+                                       num_splits=1)
+        o = keep(p + "self_attn.o_proj.input", o.reshape(T, nh * hd))
+        h = keep(p + "self_attn", keep(p + "self_attn.o_proj", linear(o, a.o_proj.weight)))
+        h, residual = norm(h, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
+                           residual)
+        keep(p + "post_attention_layernorm", h)
+        gate_up = linear(h, torch.cat([m.gate_proj.weight, m.up_proj.weight]))
+        act = torch.empty(T, gate_up.shape[-1] // 2, dtype=gate_up.dtype, device="cuda")
+        torch.ops._C.silu_and_mul(act, gate_up)
+        keep(p + "mlp.down_proj.input", act)
+        h = keep(p + "mlp", keep(p + "mlp.down_proj", linear(act, m.down_proj.weight)))
+    h, _ = norm(h, inner.norm.weight, inner.norm.variance_epsilon, residual)
+    return keep("logits", linear(keep("model.norm", h), ref.lm_head.weight))
 
 
 def compare_outputs(name: str, engine: torch.Tensor, trainer: torch.Tensor) -> dict:

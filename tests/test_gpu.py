@@ -325,9 +325,11 @@ def test_two_engines_with_kv_cache_gb_start_together_each_with_that_cache(gpu_mo
         blocks = [ray.get(e.__ray_call__.remote(lambda engine: engine.llm.vllm_config.cache_config.num_gpu_blocks))
                   for e in gen._engines]
         assert blocks == [8192, 8192]
-        outs = run(asyncio.gather(*(gen.generate(p, max_new_tokens=16, ignore_eos=True, affinity=f"group-{i}")
-                                    for i, p in enumerate(PROMPTS[:4]))))
-        assert all(o.versions == [0] * 16 for o in outs)
+
+        async def all_():
+            return await asyncio.gather(*(gen.generate(p, max_new_tokens=16, ignore_eos=True, affinity=f"group-{i}")
+                                          for i, p in enumerate(PROMPTS[:4])))
+        assert all(o.versions == [0] * 16 for o in run(all_()))
     finally:
         run(gen.shutdown())
 
