@@ -35,8 +35,9 @@ LORA_RANKS = (0, 1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank v
 
 @dataclass
 class VllmArgs:
-    dtype: str = field(default="auto", metadata={"help": "auto: the checkpoint's (vLLM's auto downcasts fp32); float16 "
-                       "needs --fsdp.param_dtype float16", "choices": ("auto", "float32", "bfloat16", "float16")})
+    dtype: str = field(default="auto", metadata={"help": "auto: --fsdp.param_dtype where it is not float32, else the "
+                       "checkpoint's (vLLM's auto downcasts fp32); float16 needs --fsdp.param_dtype float16",
+                       "choices": ("auto", "float32", "bfloat16", "float16")})
     batch_invariant: bool = field(default=False, metadata={"help": "GPU: batch-invariant kernels, engines and trainer"})
     max_model_len: int = field(default=2048, metadata={"help": "longest prompt + completion, in tokens"})
     gpu_memory_utilization: float = field(default=0.5, metadata={"help": "GPU only: GPU memory share for weights + KV"})
@@ -775,7 +776,8 @@ def decode_image(data: bytes, where: str):
 
 # --- where flags reach vLLM
 def engine_dtype(model_path: str, dtype: str) -> str:
-    """--vllm.dtype, with auto meaning the checkpoint's own dtype (vLLM's auto would downcast fp32)."""
+    """--vllm.dtype, with auto meaning the checkpoint's own dtype (vLLM's auto would downcast fp32); launch has
+    already made auto the trainer's --fsdp.param_dtype where that is not float32."""
     if dtype != "auto":
         return dtype
     config = json.load(open(os.path.join(model_path, "config.json")))

@@ -130,7 +130,7 @@ class FsdpArgs:
         "help": "optimizer: FSDP2 CPUOffloadPolicy: params, grads, AdamW in host memory (GPU)", "choices": OFFLOADS})
     param_dtype: str = field(default="float32", metadata={
         "help": "forward/backward dtype; master weights and AdamW state stay float32; float16 scales the loss "
-                "(dynamic) and needs --vllm.dtype float16", "choices": PARAM_DTYPES})
+                "(dynamic); the engines compute in it too unless --vllm.dtype is set", "choices": PARAM_DTYPES})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute layer activations in backward"})
     compile_logprobs: bool = field(default=True, metadata={"help": "GPU: torch.compile log-probs into fused passes"})
     compile_layers: bool = field(default=False, metadata={

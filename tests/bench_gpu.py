@@ -970,6 +970,10 @@ def peer_ours(steps: int, k: int) -> dict:
 
 def bench_peer(steps: int = 20) -> dict:
     """TRL (in a process of its own, while this one watches the GPU's memory), then ours at K=0, same job.
+    Every figure of ours below (peer, peer_k1, peer2, engine_start, until 2026-12-07) sampled in float32: the SmolLM2
+    directory is float32 and --vllm.dtype auto took the checkpoint's dtype, while ours trained in bf16
+    (--fsdp.param_dtype) and TRL's vLLM sampled in bf16 (vLLM's auto downcasts float32). auto now follows
+    --fsdp.param_dtype, so these sections' engines sample in bf16 from then on: not yet measured.
 
     H200, 2026-12-03 (TRL 1.16.0, vLLM 0.26.0, transformers 5.18.0; 20 steps of 128 prompts x 8, steps 3-20 timed;
     ours' last step also evaluates, so its timed steps are 3-19):
@@ -1355,7 +1359,7 @@ def engine_start_child(model: str) -> None:
     mark("imports")
     j = PEER2
     vllm = VllmArgs(max_model_len=j["max_model_len"], max_num_seqs=j["prompts"] * j["group"], enforce_eager=False,
-                    gpu_memory_utilization=j["gpu_memory_utilization"], num_engines=2)
+                    gpu_memory_utilization=j["gpu_memory_utilization"], num_engines=2, dtype="bfloat16")
     args = build_engine_args(model, vllm, cuda=True, share=2)
     mark("engine_args")
     llm = AsyncLLM.from_engine_args(args)

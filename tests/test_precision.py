@@ -23,7 +23,6 @@ from trainer import (CkptArgs, FsdpArgs, LossScale, TrainArgs, TrainerGroup, Tra
 
 
 @pytest.mark.parametrize("flags, refused", [
-    (["--fsdp.param_dtype", "float16"], "--fsdp.param_dtype float16 with --vllm.dtype auto"),
     (["--vllm.dtype", "float16"], "--fsdp.param_dtype float32 with --vllm.dtype float16"),
     (["--fsdp.param_dtype", "float16", "--vllm.dtype", "bfloat16"], "float16 runs on both sides or on neither"),
     (["--vllm.batch_invariant"], "--vllm.batch_invariant with --fsdp.compile_logprobs"),
@@ -39,6 +38,16 @@ def test_launch_refuses_an_engine_that_computes_in_another_precision_than_the_tr
     with pytest.raises(SystemExit):
         launch.parse_args(argv)
     assert refused in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, engine", [
+    ([], "auto"),  # float32 training: the engine takes the checkpoint's dtype (engine_dtype)
+    (["--fsdp.param_dtype", "bfloat16"], "bfloat16"),  # it samples in the dtype the trainer computes in
+    (["--fsdp.param_dtype", "float16"], "float16"),
+    (["--fsdp.param_dtype", "bfloat16", "--vllm.dtype", "float32"], "float32"),  # set: kept
+])
+def test_engine_dtype_auto_follows_the_trainers_param_dtype(flags, engine):
+    assert launch.parse_args(["--launch.model", "m", *flags])["vllm"].dtype == engine
 
 
 def test_cpu_refuses_fp16_and_batch_invariance_before_anything_starts(tiny_model):
