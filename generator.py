@@ -14,6 +14,7 @@ Reading order: flags, data contract, token_versions, the Generator; below the ba
 import asyncio
 import io
 import json
+import math
 import os
 import pickle
 import shutil
@@ -23,7 +24,7 @@ import time
 import uuid
 import zlib
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import ray
@@ -43,7 +44,8 @@ class VllmArgs:
     gpu_memory_utilization: float = field(default=0.5, metadata={"help": "GPU only: GPU memory share for weights + KV"})
     kv_cache_gb: float = field(default=0.0, metadata={
         "help": "KV cache GiB per engine (0: 1 on CPU; on a GPU, what --vllm.gpu_memory_utilization leaves after the "
-                "weights). Set on a GPU, the engines that share it start together"})
+                "weights, or for engines sharing a GPU their whole batch's cache where it fits). Engines that share a "
+                "GPU start together when their caches are sized, else one by one"})
     tensor_parallel_size: int = field(default=1, metadata={"help": "GPUs per engine (tensor parallel)"})
     enable_expert_parallel: bool = field(default=False, metadata={"help": "MoE: whole experts per GPU, not slices"})
     enable_prefix_caching: bool = field(default=False, metadata={"help": "reuse shared-prefix KV (reset every refit)"})
@@ -209,10 +211,13 @@ class Generator:
         share = vllm.num_engines if 0 < options["num_gpus"] < 1 else 1  # on a fraction of a GPU: all on one GPU
         self._engines = [Engine.options(**options).remote(model_path, vllm, share) for _ in range(vllm.num_engines)]
         infos = []
-        # engines sharing a GPU start one by one, as vLLM sizes a KV cache by the GPU memory taken while it profiles,
-        # unless --vllm.kv_cache_gb sizes them (vLLM then profiles to compile and warm up only)
-        for wave in [self._engines] if share == 1 or vllm.kv_cache_gb else [[e] for e in self._engines]:
-            for ref in [e.start.remote(self.version) for e in wave]:
+        try:  # engines sharing a GPU: each cache sized for its whole batch up front, where that fits (batch_kv_gb)
+            kv = vllm.kv_cache_gb or (ray.get(self._engines[0].batch_kv_gb.remote()) if share > 1 else 0.0)
+        except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
+            raise engine_error(self, 0, e) from e
+        # so they start together; else one by one, as vLLM sizes a KV cache by the GPU memory free while it profiles
+        for wave in [self._engines] if share == 1 or kv else [[e] for e in self._engines]:
+            for ref in [e.start.remote(self.version, kv) for e in wave]:
                 try:
                     infos.append(ray.get(ref))  # blocks: start-up happens once, before any loop runs
                 except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
@@ -426,9 +431,14 @@ class Engine:
         # LoRA: the adapter new requests use (None: the loaded weights), users per loaded adapter id, last id, files
         self.adapter, self.users, self.adapter_ids, self.adapter_dir = None, {}, 0, None
 
-    async def start(self, version: int) -> dict:
+    def batch_kv_gb(self) -> float:
+        from vllm.platforms import current_platform  # NVML: no CUDA context in this actor
+        return batch_kv_gb(self.model_path, self.vllm, self.share, current_platform.get_device_total_memory())
+
+    async def start(self, version: int, kv_cache_gb: float = 0.0) -> dict:
         cuda = torch.cuda.is_available()
-        args = build_engine_args(self.model_path, self.vllm, cuda=cuda, share=self.share)
+        vllm = replace(self.vllm, kv_cache_gb=kv_cache_gb) if kv_cache_gb else self.vllm
+        args = build_engine_args(self.model_path, vllm, cuda=cuda, share=self.share)
         from vllm.v1.engine.async_llm import AsyncLLM
         try:
             self.llm = AsyncLLM.from_engine_args(args)
@@ -775,6 +785,21 @@ def decode_image(data: bytes, where: str):
 
 
 # --- where flags reach vLLM
+def batch_kv_gb(model_path: str, vllm: VllmArgs, share: int, gpu_bytes: int) -> float:
+    """GiB of KV cache one of `share` engines on a GPU of gpu_bytes can fill: its share of --vllm.max_num_seqs, each
+    --vllm.max_model_len tokens of K and V in every layer (full attention, vLLM's layout); 0 where that and the weights
+    pass 80% of its share of --vllm.gpu_memory_utilization (vLLM then sizes the cache as it profiles)."""
+    from transformers import AutoConfig
+    text = AutoConfig.from_pretrained(model_path).get_text_config()
+    itemsize = getattr(torch, engine_dtype(model_path, vllm.dtype)).itemsize
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    tokens = vllm.max_model_len * -(-vllm.max_num_seqs // share)  # the engine's batch, each row at its longest
+    need = 2 * text.num_hidden_layers * heads * head_dim * itemsize * tokens
+    weights = itemsize * sum(math.prod(shape) for shape in checkpoint_shapes(model_path).values())
+    return need / 2**30 if need + weights <= 0.8 * vllm.gpu_memory_utilization / share * gpu_bytes else 0.0
+
+
 def engine_dtype(model_path: str, dtype: str) -> str:
     """--vllm.dtype, with auto meaning the checkpoint's own dtype (vLLM's auto would downcast fp32); launch has
     already made auto the trainer's --fsdp.param_dtype where that is not float32."""

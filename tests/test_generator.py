@@ -4,6 +4,7 @@ References are independent of the engine: a transformers forward of the same wei
 logits / T, log_softmax, gather) for log-probs, hand-derived numbers for everything else.
 """
 import asyncio
+import dataclasses
 import copy
 import functools
 import os
@@ -17,9 +18,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import generator
-from generator import (Completion, Generator, RolloutArgs, Segment, VllmArgs, build_engine_args, check_tensor,
-                       engine_dtype, iter_buckets, pack, pick_engine, refit_transport, token_versions, unpack,
-                       versions_from_spans)
+from generator import (Completion, Generator, RolloutArgs, Segment, VllmArgs, batch_kv_gb, build_engine_args,
+                       check_tensor, engine_dtype, iter_buckets, pack, pick_engine, refit_transport, token_versions,
+                       unpack, versions_from_spans)
 from conftest import held, hold
 
 run = asyncio.run
@@ -117,6 +118,18 @@ def test_engine_refuses_flags_its_machine_cannot_honour(tiny_model, kwargs, cuda
                                              ("float16", "float16")])
 def test_engine_dtype_auto_is_the_checkpoints_own(tiny_model, dtype, expected):
     assert engine_dtype(tiny_model, dtype) == expected  # the factory saves "dtype": "float32" in config.json
+
+
+def test_engines_sharing_a_gpu_size_their_cache_for_their_whole_batch_where_it_fits(tiny_model):
+    """tiny_model: 2 layers x 2 KV heads x 64 dims, K and V: 512 values a token, 2,048 bytes in float32 (its own
+    dtype) and 1,024 in bf16. Two engines, 64 sequences of 1,024 tokens: each 32 x 1,024 = 32,768 tokens, 64 MiB in
+    float32 = 1/16 GiB. Its share of --vllm.gpu_memory_utilization 0.5 is 0.25 of the GPU, 80% of it 0.2: a 256 MiB
+    GPU gives 51.2 MiB, under the cache alone, so that GPU leaves the engines to vLLM's profiling (0)."""
+    vllm = VllmArgs(max_model_len=1024, max_num_seqs=64, gpu_memory_utilization=0.5)
+    assert batch_kv_gb(tiny_model, vllm, 2, 80 << 30) == 1 / 16
+    assert batch_kv_gb(tiny_model, dataclasses.replace(vllm, dtype="bfloat16"), 2, 80 << 30) == 1 / 32
+    assert batch_kv_gb(tiny_model, vllm, 1, 80 << 30) == 1 / 8  # one engine: the whole batch
+    assert batch_kv_gb(tiny_model, vllm, 2, 256 << 20) == 0.0
 
 
 @pytest.mark.parametrize("kv_cache_gb, cuda, expected", [(0.0, False, 1 << 30), (0.25, False, 1 << 28),

@@ -334,6 +334,23 @@ def test_two_engines_with_kv_cache_gb_start_together_each_with_that_cache(gpu_mo
         run(gen.shutdown())
 
 
+def test_two_engines_sharing_a_gpu_size_their_caches_for_their_batch_and_start_together(gpu_model, ray_local):
+    """No --vllm.kv_cache_gb: two engines on one GPU each size their cache for their half of the batch (batch_kv_gb),
+    not by the memory free while they profile, so they start together. gpu_model's token: 2 (K, V) x 4 layers x 4 KV
+    heads x 128 dims x 2 bytes = 8,192 bytes; each engine 32 sequences x 1,024 tokens = 32,768 tokens = 2,048 blocks
+    of 16 (256 MiB), well under 80% of its share (0.15 of the GPU) with the weights."""
+    cfg = launch.parse_args(["--launch.model", gpu_model, "--launch.colocate", "--vllm.num_engines", "2"])
+    engine_options, _ = launch.gpu_shares(cfg["launch"], cfg["train"], cfg["vllm"])
+    vllm = VllmArgs(num_engines=2, gpu_memory_utilization=0.3, max_model_len=1024, max_num_seqs=64)
+    gen = Generator(gpu_model, vllm, RolloutArgs(max_new_tokens=16), actor_options=engine_options)
+    try:
+        blocks = [ray.get(e.__ray_call__.remote(lambda engine: engine.llm.vllm_config.cache_config.num_gpu_blocks))
+                  for e in gen._engines]
+        assert blocks == [2048, 2048]
+    finally:
+        run(gen.shutdown())
+
+
 @pytest.mark.parametrize("drafts", [0, 4])
 def test_ngram_speculation_keeps_the_target_models_logprobs_and_exact_versions(gpu_model, ray_local, drafts):
     """--vllm.speculative_method ngram --vllm.num_speculative_tokens 4 against the same engine without drafts
