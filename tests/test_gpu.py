@@ -312,41 +312,28 @@ def test_two_engines_share_the_trainers_gpu_and_one_ipc_refit_versions_each_exac
         run(gen.shutdown())
 
 
-def test_two_engines_with_kv_cache_gb_start_together_each_with_that_cache(gpu_model, ray_local):
-    """--vllm.kv_cache_gb on a GPU: no engine sizes its cache by the memory free while it profiles, so the two that
-    share the GPU start together (Generator's one wave) and each holds what was asked, whatever the other took
-    meanwhile. gpu_model's KV block: 2 (K, V) x 4 layers x 16 tokens x 4 KV heads x 128 dims x 2 bytes (bf16)
-    = 131,072 bytes, so 1 GiB is 8,192 blocks."""
+@pytest.mark.parametrize("kv_cache_gb, blocks", [(1.0, 8192), (0.0, 2048)])
+def test_two_engines_sharing_a_gpu_start_together_each_with_its_sized_cache(gpu_model, ray_local, kv_cache_gb,
+                                                                             blocks):
+    """Two engines on one GPU, their caches sized up front (--vllm.kv_cache_gb, or with 0 batch_kv_gb's whole batch),
+    so that neither sizes its cache by the memory free while it profiles: they start together (Generator's one wave)
+    and each holds what was asked, whatever the other took meanwhile. gpu_model's token: 2 (K, V) x 4 layers x 4 KV
+    heads x 128 dims x 2 bytes = 8,192 bytes, a 16-token block 131,072: 1 GiB is 8,192 blocks; each engine's batch,
+    32 sequences x 1,024 tokens = 32,768 tokens, is 2,048 blocks (256 MiB, well under 80% of its 0.15 of the GPU)."""
     cfg = launch.parse_args(["--launch.model", gpu_model, "--launch.colocate", "--vllm.num_engines", "2"])
     engine_options, _ = launch.gpu_shares(cfg["launch"], cfg["train"], cfg["vllm"])
-    vllm = VllmArgs(num_engines=2, gpu_memory_utilization=0.3, max_model_len=1024, kv_cache_gb=1.0)
+    vllm = VllmArgs(num_engines=2, gpu_memory_utilization=0.3, max_model_len=1024, max_num_seqs=64,
+                    kv_cache_gb=kv_cache_gb)
     gen = Generator(gpu_model, vllm, RolloutArgs(max_new_tokens=16), actor_options=engine_options)
     try:
-        blocks = [ray.get(e.__ray_call__.remote(lambda engine: engine.llm.vllm_config.cache_config.num_gpu_blocks))
+        counts = [ray.get(e.__ray_call__.remote(lambda engine: engine.llm.vllm_config.cache_config.num_gpu_blocks))
                   for e in gen._engines]
-        assert blocks == [8192, 8192]
+        assert counts == [blocks, blocks]
 
         async def all_():
             return await asyncio.gather(*(gen.generate(p, max_new_tokens=16, ignore_eos=True, affinity=f"group-{i}")
                                           for i, p in enumerate(PROMPTS[:4])))
         assert all(o.versions == [0] * 16 for o in run(all_()))
-    finally:
-        run(gen.shutdown())
-
-
-def test_two_engines_sharing_a_gpu_size_their_caches_for_their_batch_and_start_together(gpu_model, ray_local):
-    """No --vllm.kv_cache_gb: two engines on one GPU each size their cache for their half of the batch (batch_kv_gb),
-    not by the memory free while they profile, so they start together. gpu_model's token: 2 (K, V) x 4 layers x 4 KV
-    heads x 128 dims x 2 bytes = 8,192 bytes; each engine 32 sequences x 1,024 tokens = 32,768 tokens = 2,048 blocks
-    of 16 (256 MiB), well under 80% of its share (0.15 of the GPU) with the weights."""
-    cfg = launch.parse_args(["--launch.model", gpu_model, "--launch.colocate", "--vllm.num_engines", "2"])
-    engine_options, _ = launch.gpu_shares(cfg["launch"], cfg["train"], cfg["vllm"])
-    vllm = VllmArgs(num_engines=2, gpu_memory_utilization=0.3, max_model_len=1024, max_num_seqs=64)
-    gen = Generator(gpu_model, vllm, RolloutArgs(max_new_tokens=16), actor_options=engine_options)
-    try:
-        blocks = [ray.get(e.__ray_call__.remote(lambda engine: engine.llm.vllm_config.cache_config.num_gpu_blocks))
-                  for e in gen._engines]
-        assert blocks == [2048, 2048]
     finally:
         run(gen.shutdown())
 
