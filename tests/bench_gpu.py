@@ -1803,7 +1803,39 @@ def precision_layers(model: str, agent: str, new: int = 48) -> dict:
             "hooked": [len(engine), len(trainer)], "layers": layers}
     return report("precision_layers", model=model, tokens=len(ids), prompt_tokens=len(prompt),
                   sampled_vs_prefill=gap(dec, pre[len(prompt) - 1:]), engine_attention=rope["backend"],
-                  rope_cache_equal=bool(torch.equal(rope["cache"], exact_rope_cache(bf16))), variants=variants)
+                  rope_cache_equal=bool(torch.equal(rope["cache"], exact_rope_cache(bf16))), variants=variants,
+                  gradients=precision_gradients(ref, bf16, ids, len(prompt)))
+
+
+def precision_gradients(ref, bf16, ids: list[int], prompt: int) -> dict:
+    """The gradient of the sampled tokens' summed log-probs with respect to every weight, from bf16's plain forward
+    and from exact_logits (its EngineOps' reference backward), each against ref's float32 forward: per weight
+    |g - g_fp32| / |g_fp32|, the median and the largest (named)."""
+    from trainer import token_logprobs
+    x, grads = torch.tensor([ids], device="cuda"), {}
+    forwards = {"fp32": (ref, lambda: ref(input_ids=x, use_cache=False).logits),
+                "bf16": (bf16, lambda: bf16(input_ids=x, use_cache=False).logits),
+                "exact": (bf16, lambda: exact_logits(bf16, ids, {})[None])}
+    for name, (net, forward) in forwards.items():
+        net.zero_grad(set_to_none=True)
+        try:
+            logp = token_logprobs(forward(), x, 1.0, entropy=False, entropy_grad=False)[0][0]
+            logp[prompt:].sum().backward()
+        except Exception as e:  # a probe records the failure and goes on
+            grads[name] = f"{type(e).__name__}: {e}"[:2000]
+            continue
+        grads[name] = {n: p.grad.float().clone() for n, p in net.named_parameters() if p.grad is not None}
+    out = {}
+    for name in ("bf16", "exact"):
+        if isinstance(grads[name], str) or isinstance(grads["fp32"], str):
+            out[name] = grads[name] if isinstance(grads[name], str) else grads["fp32"]
+            continue
+        rel = {n: float((grads[name].get(n, torch.zeros_like(g)) - g).norm() / g.norm())  # none at all: 1.0
+               for n, g in grads["fp32"].items() if g.norm() > 0}
+        worst = max(rel, key=rel.get)
+        out[name] = {"median_rel": statistics.median(rel.values()), "max_rel": rel[worst], "worst": worst,
+                     "weights": len(rel)}
+    return out
 
 
 def exact_rope_cache(ref) -> torch.Tensor:
@@ -1817,13 +1849,34 @@ def exact_rope_cache(ref) -> torch.Tensor:
     return rope.cos_sin_cache.to(torch.bfloat16)
 
 
+class EngineOp(torch.autograd.Function):
+    """One op of issue 58's candidate: the engine's kernel forward (its bits), and backward the gradient of
+    `reference`, the same math in plain torch (fp32 inside), recomputed from the saved inputs."""
+
+    @staticmethod
+    def forward(ctx, op, reference, *xs):
+        ctx.reference = reference
+        ctx.save_for_backward(*xs)
+        return op(*xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        xs = [x.detach().requires_grad_(need) for x, need in zip(ctx.saved_tensors, ctx.needs_input_grad[2:])]
+        with torch.enable_grad():
+            outs = ctx.reference(*xs)
+        wanted = [x for x in xs if x.requires_grad]
+        got = iter(torch.autograd.grad(outs if isinstance(outs, tuple) else (outs,), wanted, grads, allow_unused=True))
+        return (None, None, *(next(got) if x.requires_grad else None for x in xs))
+
+
 def exact_logits(ref, ids: list[int], store: dict, paged: bool = True, block: int = 16) -> torch.Tensor:
-    """Issue 58's trainer-side candidate, no grad, one row: ref's bf16 weights through the ops vLLM's batch-invariant
-    engine runs on a GPU (Llama and Qwen3 layers): its Triton RMSNorm for the first norm, its fused residual add +
-    RMSNorm (a bf16 residual stream) for the others, the merged q/k/v and gate/up projections on its persistent
-    matmul, its rotary op with the cache in bf16, its SiLU-and-mul op, FlashAttention 3 with one split (over a paged
-    cache of `block`-token blocks as the engine keeps it, or contiguous keys and values), the head on the same
-    matmul. -> (T, V) bf16 logits; each op's output kept in store under the module name vLLM's hooks use."""
+    """Issue 58's trainer-side candidate, one row: ref's bf16 weights through the ops vLLM's batch-invariant engine
+    runs on a GPU (Llama and Qwen3 layers): its Triton RMSNorm for the first norm, its fused residual add + RMSNorm (a
+    bf16 residual stream) for the others, the merged q/k/v and gate/up projections on its persistent matmul, its rotary
+    op with the cache in bf16, its SiLU-and-mul op, FlashAttention 3 with one split (over a paged cache of
+    `block`-token blocks as the engine keeps it, or contiguous keys and values), the head on the same matmul. With
+    grad enabled each op is an EngineOp: the gradient of its plain-torch reference. -> (T, V) bf16 logits; each op's
+    output kept in store under the module name vLLM's hooks use."""
     from vllm import _custom_ops as ops
     from vllm.model_executor.layers.batch_invariant import linear_batch_invariant as linear
     from vllm.model_executor.layers.batch_invariant import rms_norm_batch_invariant as norm
@@ -1831,52 +1884,98 @@ def exact_logits(ref, ids: list[int], store: dict, paged: bool = True, block: in
     cfg, inner, T = ref.config, ref.model, len(ids)
     nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // nh
+    cache, pos = exact_rope_cache(ref), torch.arange(T, device="cuda")
+    cu, n_blocks = torch.tensor([0, T], dtype=torch.int32, device="cuda"), -(-T // block)
+    cos, sin = (c[:, None, :].float() for c in cache[pos].chunk(2, -1))  # (T, 1, hd / 2) each: the reference's
 
     def keep(name: str, t: torch.Tensor) -> torch.Tensor:
         store[name] = t.detach().reshape(-1, t.shape[-1]).clone()
         return t
-    cache, pos = exact_rope_cache(ref), torch.arange(T, device="cuda")
-    cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
-    n_blocks = -(-T // block)
-    h, residual = keep("model.embed_tokens", inner.embed_tokens.weight[torch.tensor(ids, device="cuda")]), None
-    for i, layer in enumerate(inner.layers):
-        p, a, m = f"model.layers.{i}.", layer.self_attn, layer.mlp
-        if residual is None:
-            residual, h = h, norm(h, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
-        else:  # in place, on tensors this forward made: residual += h, h = norm(residual)
-            h, residual = norm(h, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon, residual)
-        keep(p + "input_layernorm", h)
-        qkv = linear(h, torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
-        q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], -1)
-        if hasattr(a, "q_norm"):  # Qwen3: RMSNorm over each head
-            q = keep(p + "self_attn.q_norm", norm(q.reshape(T, nh, hd), a.q_norm.weight, a.q_norm.variance_epsilon))
-            k = keep(p + "self_attn.k_norm", norm(k.reshape(T, nkv, hd), a.k_norm.weight, a.k_norm.variance_epsilon))
-        q, k, v = q.reshape(T, nh * hd).contiguous(), k.reshape(T, nkv * hd).contiguous(), v.contiguous()
-        ops.rotary_embedding(pos, q, k, hd, cache, True)  # in place, neox style (Llama, Qwen3)
-        q, k, v = q.view(T, nh, hd), k.view(T, nkv, hd), v.view(T, nkv, hd)
-        if paged:
+
+    def engine(op, reference, *xs):
+        return EngineOp.apply(op, reference, *xs) if torch.is_grad_enabled() else op(*xs)
+
+    def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:  # the references' RMSNorm, fp32
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.float()
+
+    def first_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        return engine(lambda x, w: norm(x, w, eps), lambda x, w: rms(x.float(), w, eps).to(x.dtype), x, w)
+
+    def add_norm(h: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float) -> tuple:  # (norm(h + r), h + r)
+        def reference(h, r, w):
+            z = h.float() + r.float()
+            return rms(z, w, eps).to(h.dtype), z.to(h.dtype)
+        return engine(lambda h, r, w: norm(h.clone(), w, eps, r.clone()), reference, h, r, w)
+
+    def rotary(q: torch.Tensor, k: torch.Tensor) -> tuple:  # (T, heads x hd) each, neox style
+        def op(q, k):
+            q, k = q.clone(), k.clone()
+            ops.rotary_embedding(pos, q, k, hd, cache, True)  # in place
+            return q, k
+
+        def turned(x):
+            x1, x2 = x.float().view(T, -1, hd).chunk(2, -1)
+            return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).reshape(x.shape).to(x.dtype)
+        return engine(op, lambda q, k: (turned(q), turned(k)), q, k)
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # (T, heads, hd) each
+        def op(q, k, v):
+            if not paged:
+                return flash_attn_varlen_func(q=q, k=k, v=v, max_seqlen_q=T, cu_seqlens_q=cu, max_seqlen_k=T,
+                                              cu_seqlens_k=cu, softmax_scale=hd ** -0.5, causal=True, fa_version=3,
+                                              num_splits=1)
             kc, vc = (torch.zeros(n_blocks * block, nkv, hd, dtype=t.dtype, device="cuda").index_copy_(0, pos, t)
                       .view(n_blocks, block, nkv, hd) for t in (k, v))
             table = torch.arange(n_blocks, dtype=torch.int32, device="cuda")[None]
-            o = flash_attn_varlen_func(q=q, k=kc, v=vc, max_seqlen_q=T, cu_seqlens_q=cu, max_seqlen_k=T,
-                                       seqused_k=cu[1:], softmax_scale=hd ** -0.5, causal=True, block_table=table,
-                                       fa_version=3, num_splits=1)
+            return flash_attn_varlen_func(q=q, k=kc, v=vc, max_seqlen_q=T, cu_seqlens_q=cu, max_seqlen_k=T,
+                                          seqused_k=cu[1:], softmax_scale=hd ** -0.5, causal=True, block_table=table,
+                                          fa_version=3, num_splits=1)
+
+        def reference(q, k, v):
+            q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return out[0].transpose(0, 1).contiguous()
+        return engine(op, reference, q, k, v)
+
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        def op(x):
+            out = torch.empty(T, x.shape[-1] // 2, dtype=x.dtype, device="cuda")
+            torch.ops._C.silu_and_mul(out, x)
+            return out
+
+        def reference(x):
+            g, u = x.float().chunk(2, -1)
+            return (torch.nn.functional.silu(g) * u).to(x.dtype)
+        return engine(op, reference, gate_up)
+
+    def proj(x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:  # one matmul over the weights' rows
+        return engine(linear, lambda x, w: x @ w.t(), x, torch.cat(weights) if len(weights) > 1 else weights[0])
+
+    h, residual = keep("model.embed_tokens", inner.embed_tokens.weight[torch.tensor(ids, device="cuda")]), None
+    for i, layer in enumerate(inner.layers):
+        p, a, m = f"model.layers.{i}.", layer.self_attn, layer.mlp
+        ln, post = layer.input_layernorm, layer.post_attention_layernorm
+        if residual is None:
+            residual, h = h, first_norm(h, ln.weight, ln.variance_epsilon)
         else:
-            o = flash_attn_varlen_func(q=q, k=k, v=v, max_seqlen_q=T, cu_seqlens_q=cu, max_seqlen_k=T,
-                                       cu_seqlens_k=cu, softmax_scale=hd ** -0.5, causal=True, fa_version=3,
-                                       num_splits=1)
+            h, residual = add_norm(h, residual, ln.weight, ln.variance_epsilon)
+        keep(p + "input_layernorm", h)
+        q, k, v = proj(h, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight).split([nh * hd, nkv * hd, nkv * hd], -1)
+        if hasattr(a, "q_norm"):  # Qwen3: RMSNorm over each head
+            q = keep(p + "self_attn.q_norm", first_norm(q.reshape(T, nh, hd), a.q_norm.weight,
+                                                         a.q_norm.variance_epsilon)).reshape(T, nh * hd)
+            k = keep(p + "self_attn.k_norm", first_norm(k.reshape(T, nkv, hd), a.k_norm.weight,
+                                                         a.k_norm.variance_epsilon)).reshape(T, nkv * hd)
+        q, k = rotary(q.contiguous(), k.contiguous())
+        o = attention(q.view(T, nh, hd), k.view(T, nkv, hd), v.contiguous().view(T, nkv, hd))
         o = keep(p + "self_attn.o_proj.input", o.reshape(T, nh * hd))
-        h = keep(p + "self_attn", keep(p + "self_attn.o_proj", linear(o, a.o_proj.weight)))
-        h, residual = norm(h, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
-                           residual)
+        h = keep(p + "self_attn", keep(p + "self_attn.o_proj", proj(o, a.o_proj.weight)))
+        h, residual = add_norm(h, residual, post.weight, post.variance_epsilon)
         keep(p + "post_attention_layernorm", h)
-        gate_up = linear(h, torch.cat([m.gate_proj.weight, m.up_proj.weight]))
-        act = torch.empty(T, gate_up.shape[-1] // 2, dtype=gate_up.dtype, device="cuda")
-        torch.ops._C.silu_and_mul(act, gate_up)
-        keep(p + "mlp.down_proj.input", act)
-        h = keep(p + "mlp", keep(p + "mlp.down_proj", linear(act, m.down_proj.weight)))
-    h, _ = norm(h, inner.norm.weight, inner.norm.variance_epsilon, residual)
-    return keep("logits", linear(keep("model.norm", h), ref.lm_head.weight))
+        act = keep(p + "mlp.down_proj.input", silu_mul(proj(h, m.gate_proj.weight, m.up_proj.weight)))
+        h = keep(p + "mlp", keep(p + "mlp.down_proj", proj(act, m.down_proj.weight)))
+    h, _ = add_norm(h, residual, inner.norm.weight, inner.norm.variance_epsilon)
+    return keep("logits", proj(keep("model.norm", h), ref.lm_head.weight))
 
 
 def compare_outputs(name: str, engine: torch.Tensor, trainer: torch.Tensor) -> dict:
