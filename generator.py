@@ -432,6 +432,7 @@ class Engine:
         self.adapter, self.users, self.adapter_ids, self.adapter_dir = None, {}, 0, None
 
     def batch_kv_gb(self) -> float:
+        """batch_kv_gb() for this engine on its GPU (Generator asks the first of those sharing one)."""
         from vllm.platforms import current_platform  # NVML: no CUDA context in this actor
         return batch_kv_gb(self.model_path, self.vllm, self.share, current_platform.get_device_total_memory())
 
