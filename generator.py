@@ -436,10 +436,11 @@ class Engine:
         from vllm.platforms import current_platform  # NVML: no CUDA context in this actor
         return batch_kv_gb(self.model_path, self.vllm, self.share, current_platform.get_device_total_memory())
 
-    async def start(self, version: int, kv_cache_gb: float = 0.0) -> dict:
+    async def start(self, version: int, kv_cache_gb: float) -> dict:
+        """The engine, its cache sized by kv_cache_gb (Generator's: the flag's, batch_kv_gb's or 0)."""
         cuda = torch.cuda.is_available()
-        vllm = replace(self.vllm, kv_cache_gb=kv_cache_gb) if kv_cache_gb else self.vllm
-        args = build_engine_args(self.model_path, vllm, cuda=cuda, share=self.share)
+        args = build_engine_args(self.model_path, replace(self.vllm, kv_cache_gb=kv_cache_gb), cuda=cuda,
+                                 share=self.share)
         from vllm.v1.engine.async_llm import AsyncLLM
         try:
             self.llm = AsyncLLM.from_engine_args(args)

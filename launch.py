@@ -304,6 +304,8 @@ def parse_args(argv: list[str] | None = None) -> dict:
     try:
         cfg = {p: cls(**{f.name: tuple(v) if isinstance(v := ns[f"{p}.{f.name}"], list) else v
                          for f in dataclasses.fields(cls)}) for p, cls in SECTIONS.items()}
+        if cfg["vllm"].dtype == "auto" and cfg["fsdp"].param_dtype != "float32":  # the engines compute in the
+            cfg["vllm"] = dataclasses.replace(cfg["vllm"], dtype=cfg["fsdp"].param_dtype)  # trainer's dtype
         check_cross_flags(cfg)
     except ValueError as e:
         parser.error(str(e))
@@ -340,8 +342,6 @@ def check_cross_flags(cfg: dict) -> None:
         raise ValueError("--train.routing_replay without --vllm.return_routed_experts: the engine records no "
                          "routing to replay; set --vllm.return_routed_experts")
     rollout.check_logprobs_usable(importance_correction=loss.importance_correction, kl_to_rollout=loss.kl_to_rollout)
-    if cfg["vllm"].dtype == "auto" and cfg["fsdp"].param_dtype != "float32":  # the engines compute in the trainer's
-        cfg["vllm"] = dataclasses.replace(cfg["vllm"], dtype=cfg["fsdp"].param_dtype)  # dtype, not the checkpoint's
     cfg["vllm"].check_trainer(cfg["fsdp"].param_dtype, cfg["fsdp"].compile_logprobs, train.lora_rank)
     if not launch.model:
         raise ValueError("--launch.model is required: a Hugging Face model directory (recipes/tiny_model.py makes one)")

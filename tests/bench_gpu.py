@@ -1756,13 +1756,13 @@ def precision_layers(model: str, agent: str, new: int = 48) -> dict:
     comp = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=new, temperature=1.0, seed=0,
                                                                        logprobs=0, ignore_eos=True))[0].outputs[0]
     ids = list(prompt) + list(comp.token_ids)
-    engine, rope = {}, {}
+    engine, seen = {}, {}
     ref = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="sdpa").cuda().eval()
     names = {n for n, _ in ref.named_modules() if n.rsplit(".", 1)[-1] in LAYER_KINDS}
 
     def hooked(m: torch.nn.Module) -> list:  # in this process (the engine is): the hooks, and what the probe reads
         attn = m.model.layers[0].self_attn
-        rope.update(cache=attn.rotary_emb.cos_sin_cache, backend=type(attn.attn.impl).__name__)
+        seen.update(cache=attn.rotary_emb.cos_sin_cache, backend=type(attn.attn.impl).__name__)
         return hook_outputs(m, names, engine)
     handles = llm.apply_model(hooked)[0]
     prefill = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
@@ -1802,8 +1802,8 @@ def precision_layers(model: str, agent: str, new: int = 48) -> dict:
             "prefill_vs_trainer": gap(pre, ours[1:]), "sampled_vs_trainer": gap(dec, ours[len(prompt):]),
             "hooked": [len(engine), len(trainer)], "layers": layers}
     return report("precision_layers", model=model, tokens=len(ids), prompt_tokens=len(prompt),
-                  sampled_vs_prefill=gap(dec, pre[len(prompt) - 1:]), engine_attention=rope["backend"],
-                  rope_cache_equal=bool(torch.equal(rope["cache"], exact_rope_cache(bf16))), variants=variants,
+                  sampled_vs_prefill=gap(dec, pre[len(prompt) - 1:]), engine_attention=seen["backend"],
+                  rope_cache_equal=bool(torch.equal(seen["cache"], exact_rope_cache(bf16))), variants=variants,
                   gradients=precision_gradients(ref, bf16, ids, len(prompt)))
 
 
