@@ -973,7 +973,8 @@ def bench_peer(steps: int = 20) -> dict:
     Every figure of ours below (peer, peer_k1, peer2, engine_start, until 2026-12-07) sampled in float32: the SmolLM2
     directory is float32 and --vllm.dtype auto took the checkpoint's dtype, while ours trained in bf16
     (--fsdp.param_dtype) and TRL's vLLM sampled in bf16 (vLLM's auto downcasts float32). auto now follows
-    --fsdp.param_dtype, so these sections' engines sample in bf16 from then on: not yet measured.
+    --fsdp.param_dtype, so these sections' engines sample in bf16 from then on: peer2 measured so (bench_peer2), peer
+    and peer_k1 not yet.
 
     H200, 2026-12-03 (TRL 1.16.0, vLLM 0.26.0, transformers 5.18.0; 20 steps of 128 prompts x 8, steps 3-20 timed;
     ours' last step also evaluates, so its timed steps are 3-19):
@@ -1311,7 +1312,21 @@ def bench_peer2() -> dict:
     20/101/372/176; ours 0.243 steps/s (4.12 s): 2.20x, sampled 3,961 tokens/s (0.83x), first step 317.0 s, wall
     354.3 s, held-out 0.025 -> 0.04, lengths 12/56/248/125. Phases: the engines 0.1 -> 191.9 s, the ranks -> 209.5,
     the baseline evaluation 227.9 -> 233.6, the first batch's audit 241.2; the first train step, refit and probe
-    the remaining 76 s. engine_start on the same machine splits one engine's start (its docstring)."""
+    the remaining 76 s. engine_start on the same machine splits one engine's start (its docstring).
+    H100, 2026-12-07 (later still), one lease, one call: peer2_trl then peer2_ours_k2 (2 engines), now that ours'
+    engines sample in bf16 (b4d5f56) and, sized for their batch, start together (03a93cf):
+    | per framework                 | TRL, colocated        | ours, K=2, partial rollouts |
+    | steps/s (s per step), timed   | 0.118 (8.45)          | 0.284 (3.52): 2.40x         |
+    | sampled / trained tokens/s    | 5,088 / 9,991         | 6,256 / 12,724: 1.23x / 1.27x |
+    | lengths p10/med/p90/mean, max | 20/101/372/176, 1,024 | 15/65/258/137, 1,024        |
+    | first step; wall, start-up in | 65.9 s; 127.8 s       | 163.9 s; 194.2 s            |
+    | held-out, before -> after 8   | 0.01 -> 0.035         | 0.025 -> 0.065              |
+    | peak GPU memory               | 45.8 GiB (torch 43.7) | 33.5 GiB (trainer 18.2)     |
+    | mismatch, mean abs delta log p | 0.0221               | 0.0144                      |
+    Phases of ours: both engines 0.1 -> 71.8 s (191.9 s the run before), the ranks -> 86.9, the baseline evaluation
+    99.7 -> 103.8, the first audit 108.7; step 0's train phase then took 55.0 s (its first train step: now the lead of
+    the first step), the later ones 1.3-4.0 s, the trainer never waiting for a batch (<= 10 ms). The whole run is
+    still the slower (194 s vs 128 s)."""
     last = {}
     for row in map(json.loads, open(OUT) if os.path.exists(OUT) else ()):
         last[row["section"]] = row
@@ -1740,7 +1755,17 @@ def precision_layers(model: str, agent: str, new: int = 48) -> dict:
     - exact, exact_contiguous: issue 58's candidate (exact_logits), vLLM's own ops on the bf16 weights, attention
       over a paged cache as the engine keeps it, or over contiguous keys and values.
     Each: every module output both name alike compared in the engine's dtype, in the trainer's order, the first that
-    differs, and the log-probs against the prefill's and the sampling's (token_logprobs, as a rank computes them)."""
+    differs, and the log-probs against the prefill's and the sampling's, as a rank computes them (token_logprobs) and
+    in the sampler's order (sampler_logprobs).
+    H100, 2026-12-07, SmolLM2-135M-Instruct, 91 tokens (43 of prompt), vLLM 0.26 batch-invariant, FlashAttentionImpl:
+    - the engine's sampled log-probs equal its own prefill's, bit for bit;
+    - autocast and bf16 differ from layer 0's input RMSNorm on (mean |delta log p| of the sampled tokens 0.042, 0.044);
+    - exact and exact_contiguous equal the engine at every hooked output, the logits included. Only the log-probs
+      differ, by at most 9.5e-7 (mean 5.5e-8): token_logprobs' log-softmax is not the sampler's. sampler_logprobs
+      was added after that run (not run yet);
+    - gradients against the float32 forward's: plain bf16 median relative error 4.7% (largest 18%,
+      layers.14.input_layernorm), exact 5.2% (largest 29%, layers.7.input_layernorm).
+    84 s of device time, 130 s with the install."""
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model's function: in-process, but checked
     from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
@@ -1794,12 +1819,15 @@ def precision_layers(model: str, agent: str, new: int = 48) -> dict:
             variants[variant] = {"error": f"{type(e).__name__}: {e}"[:2000]}
             continue
         ours = token_logprobs(logits, x, 1.0, entropy=False, entropy_grad=False)[0][0].cpu()  # (T,)
+        sampler = sampler_logprobs(logits[0], x[0], 1.0).cpu()  # (T - 1,)
         layers = [compare_outputs(name, engine[name], trainer[name]) for name in order if name in engine]
         first = next((e for e in layers if not e["equal"]), None)
         variants[variant] = {
             "first_differing_op": (f"{kind(first['op'])} ({first['op']})" if first
-                                   else "log-softmax" if not torch.equal(pre, ours[1:]) else None),
+                                   else "log-softmax" if not torch.equal(pre, sampler) else None),
             "prefill_vs_trainer": gap(pre, ours[1:]), "sampled_vs_trainer": gap(dec, ours[len(prompt):]),
+            "prefill_vs_sampler_form": gap(pre, sampler),
+            "sampled_vs_sampler_form": gap(dec, sampler[len(prompt) - 1:]),
             "hooked": [len(engine), len(trainer)], "layers": layers}
     return report("precision_layers", model=model, tokens=len(ids), prompt_tokens=len(prompt),
                   sampled_vs_prefill=gap(dec, pre[len(prompt) - 1:]), engine_attention=seen["backend"],
@@ -1976,6 +2004,15 @@ def exact_logits(ref, ids: list[int], store: dict, paged: bool = True, block: in
         h = keep(p + "mlp", keep(p + "mlp.down_proj", proj(act, m.down_proj.weight)))
     h, _ = add_norm(h, residual, inner.norm.weight, inner.norm.variance_epsilon)
     return keep("logits", proj(keep("model.norm", h), ref.lm_head.weight))
+
+
+def sampler_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Each next token's log-prob from (T, V) logits as vLLM's sampler computes its processed log-probs: float32,
+    divided in place by a tensor of temperatures (a true division; torch multiplies by the reciprocal of a Python
+    scalar), log_softmax in float32 (vLLM's batch-invariant kernel where that mode is on). -> (T - 1,)"""
+    x = logits.to(torch.float32, copy=True)  # the in-place division leaves the caller's logits alone
+    x.div_(torch.full((len(x), 1), temperature, device=x.device))
+    return x.log_softmax(-1, dtype=torch.float32)[:-1].gather(-1, ids[1:, None])[:, 0]
 
 
 def compare_outputs(name: str, engine: torch.Tensor, trainer: torch.Tensor) -> dict:
