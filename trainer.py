@@ -331,8 +331,9 @@ class TrainerRank:
         self.head_task = None  # --fsdp.logprob_chunk: (next ids, temperature, entropy, where): install_head
         self.adapted = set()  # --train.lora_rank: the policy's modules that carry an adapter
 
-    def setup(self, master_addr: str, master_port: int) -> str:
-        """Join the process group, load and shard the models, build the optimizers; returns this rank's Ray node."""
+    def setup(self, master_addr: str, master_port: int) -> str | None:
+        """Join the process group, load and shard the models, build the optimizers; returns this rank's Ray node (None
+        for a rank built in a process outside Ray, as tests build one: asking Ray there would start a Ray instance)."""
         join_process_group(self, master_addr, master_port)  # also seeds every RNG and builds NeMo's device mesh
         self.model = build_model(self, AutoModelForCausalLM, lora=self.train.lora_rank > 0)
         setup_policy_extras(self)  # a VLM's processor, image_id and blank row; routing replay's moe; fused names
@@ -347,7 +348,7 @@ class TrainerRank:
         if self.train.critic_lr is not None:
             self.critic = build_model(self, AutoModelForTokenClassification, num_labels=1)
             self.critic_optimizer = adamw(self.critic.parameters())
-        return ray.get_runtime_context().get_node_id()
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
     def autocast(self, model) -> bool:
         """With one dp rank NeMo skips fully_shard, so its mixed-precision cast never happens: autocast such models."""
