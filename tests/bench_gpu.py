@@ -1761,8 +1761,8 @@ def precision_layers(model: str, agent: str, new: int = 48) -> dict:
     - the engine's sampled log-probs equal its own prefill's, bit for bit;
     - autocast and bf16 differ from layer 0's input RMSNorm on (mean |delta log p| of the sampled tokens 0.042, 0.044);
     - exact and exact_contiguous equal the engine at every hooked output, the logits included. Only the log-probs
-      differ, by at most 9.5e-7 (mean 5.5e-8): token_logprobs' log-softmax is not the sampler's. sampler_logprobs
-      was added after that run (not run yet);
+      differ, by at most 9.5e-7 (mean 5.5e-8), as token_logprobs computes them; why is not known (both sides should
+      reach vLLM's batch-invariant Triton log_softmax). sampler_logprobs was added after that run (not run yet);
     - gradients against the float32 forward's: plain bf16 median relative error 4.7% (largest 18%,
       layers.14.input_layernorm), exact 5.2% (largest 29%, layers.7.input_layernorm).
     84 s of device time, 130 s with the install."""
@@ -1824,7 +1824,7 @@ def precision_layers(model: str, agent: str, new: int = 48) -> dict:
         first = next((e for e in layers if not e["equal"]), None)
         variants[variant] = {
             "first_differing_op": (f"{kind(first['op'])} ({first['op']})" if first
-                                   else "log-softmax" if not torch.equal(pre, sampler) else None),
+                                   else "log-softmax" if not torch.equal(pre, ours[1:]) else None),
             "prefill_vs_trainer": gap(pre, ours[1:]), "sampled_vs_trainer": gap(dec, ours[len(prompt):]),
             "prefill_vs_sampler_form": gap(pre, sampler),
             "sampled_vs_sampler_form": gap(dec, sampler[len(prompt) - 1:]),

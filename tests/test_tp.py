@@ -31,7 +31,9 @@ def run_rank(rank: int, world_size: int, model_path: str, port: int, out: str) -
     out.<rank>."""
     r = TrainerRank(rank, world_size, model_path, TrainArgs(lr=1e-3, world_size=world_size, grad_clip=None),
                     FsdpArgs(tp_size=world_size), CkptArgs(), LossArgs(), EstimatorArgs(), 1.0)
-    r.setup("127.0.0.1", port)
+    import ray
+    # outside Ray, setup neither asks Ray for a node nor starts a Ray instance by asking (each rank started one)
+    assert r.setup("127.0.0.1", port) is None and not ray.is_initialized()
     grads = {}
     full = lambda t: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
     r.optimizer.register_step_pre_hook(
